@@ -1,0 +1,62 @@
+"""Blockwise Walsh-Hadamard transform (SDP4Bit's gradient smoothing).
+
+The flat tensor is cut into contiguous blocks of ``block`` elements and each block is multiplied
+by the unnormalized Sylvester Hadamard matrix (entries +-1). ``H @ H = block * I``, so the
+inverse is the same product scaled by ``1 / block``. Spreading an outlier over its block lowers
+the absmax of the block's quantization groups and so the error of every other element.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def _check_block(block: int) -> None:
+    if not isinstance(block, int) or block < 2 or block & (block - 1):
+        raise ValueError(f"hadamard block={block!r} must be a power of two >= 2")
+
+
+@functools.lru_cache(maxsize=16)
+def _matrix_cpu(block: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard_matrix(block: int, *, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """The ``block x block`` Sylvester Hadamard matrix with +-1 entries."""
+    _check_block(block)
+    # copy=True: never hand out the cached tensor itself (a caller mutating it would corrupt
+    # every later transform).
+    return _matrix_cpu(block).to(dtype=dtype, device=device, copy=True)
+
+
+def _apply(x: torch.Tensor, block: int, scale: float) -> torch.Tensor:
+    _check_block(block)
+    flat = x.reshape(-1).float()
+    n_full = (flat.numel() // block) * block
+    out = flat.clone()
+    if n_full:
+        h = hadamard_matrix(block, device=flat.device)
+        out[:n_full] = (flat[:n_full].view(-1, block) @ h).reshape(-1)
+        if scale != 1.0:
+            out[:n_full] *= scale
+    return out.view(x.shape)
+
+
+def hadamard(x: torch.Tensor, *, block: int = 32) -> torch.Tensor:
+    """Blockwise Hadamard transform of ``x`` (any shape), returned as float32 of the same shape.
+
+    Elements of a trailing partial block (``numel % block`` of them) are left unchanged; the
+    collectives pad their buffers to whole blocks so that none occur there.
+    """
+    return _apply(x, block, 1.0)
+
+
+def inverse_hadamard(x: torch.Tensor, *, block: int = 32) -> torch.Tensor:
+    """Inverse of :func:`hadamard`: the same transform scaled by ``1 / block``."""
+    _check_block(block)  # before 1 / block: block=0 must be a ValueError, not ZeroDivisionError
+    return _apply(x, block, 1.0 / block)

@@ -1,0 +1,54 @@
+"""Bit packing of unsigned codes into uint8, little end first.
+
+Two 4-bit codes share a byte (element ``2i`` in the low nibble), four 2-bit codes share a byte
+(element ``4i`` in the lowest two bits). 8-bit codes are stored as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+def packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes that ``numel`` codes of ``bits`` bits occupy once packed."""
+    return (numel * bits + 7) // 8
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a 1-D uint8 tensor of codes in ``[0, 2**bits)`` into ``packed_nbytes`` bytes."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; allowed: {SUPPORTED_BITS}")
+    codes = codes.reshape(-1)
+    if bits == 8:
+        return codes.to(torch.uint8)
+    per_byte = 8 // bits
+    n = codes.numel()
+    pad = (-n) % per_byte
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    c = codes.to(torch.uint8).view(-1, per_byte)
+    out = c[:, 0].clone()
+    for k in range(1, per_byte):
+        out |= c[:, k] << (k * bits)
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: the first ``numel`` codes as a 1-D uint8 tensor."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; allowed: {SUPPORTED_BITS}")
+    packed = packed.reshape(-1)
+    if packed.numel() < packed_nbytes(numel, bits):
+        raise ValueError(
+            f"packed buffer has {packed.numel()} bytes, {packed_nbytes(numel, bits)} needed "
+            f"for {numel} codes of {bits} bits"
+        )
+    if bits == 8:
+        return packed[:numel]
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(1) >> shifts) & mask
+    return codes.reshape(-1)[:numel]

@@ -1,0 +1,229 @@
+"""Group-wise uniform quantization (reference implementation in plain torch).
+
+Two schemes:
+
+* symmetric (absmax): ``scale = absmax / qmax`` with ``qmax = 2**(bits-1) - 1``; levels
+  ``-qmax..qmax`` (for 4 bits -7..7, the code for -8 is never used, as in SDP4Bit). Codes are
+  stored offset-binary, ``code = level + 2**(bits-1)``.
+* asymmetric (min-max, CGX / QSDP style): ``unit = (max - min) / (2**bits - 1)``, levels
+  ``0..2**bits-1``, one zero point (the group minimum) per group.
+
+Three roundings of ``v = x / scale`` (in units of the grid):
+
+* ``nearest``: ``round(v)``, error <= scale / 2, biased.
+* ``stochastic``: ``floor(v + u_i)`` with ``u_i`` uniform per element: unbiased, error < scale.
+* ``shift``: QSDP's random shift, ``floor(v + u_g)`` with one uniform offset per group shared by
+  all its elements (equivalently, nearest rounding on a grid shifted by a random amount):
+  unbiased over the seed, error < scale, one random number per group instead of per element.
+
+The random numbers are a pure function of ``(seed, index)`` (see :mod:`qsdp.codecs.rng`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .pack import SUPPORTED_BITS, pack_codes, packed_nbytes, unpack_codes
+
+ROUNDINGS = ("nearest", "stochastic", "shift")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCALE_DTYPE = torch.float32
+# Streams of the counter-based generator, so that per-element and per-group draws never coincide.
+_STREAM_ELEMENT = 1
+_STREAM_GROUP = 2
+
+
+def check_scheme(*, bits: int, group_size: int, rounding: str) -> None:
+    """Raise ``ValueError`` naming the first unsupported value."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; allowed: {', '.join(map(str, SUPPORTED_BITS))}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be a positive integer")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r} is not supported; allowed: {', '.join(ROUNDINGS)}")
+
+
+def wire_nbytes(numel: int, *, bits: int, group_size: int, symmetric: bool) -> int:
+    """Exact bytes a :class:`QTensor` of ``numel`` elements occupies: packed codes plus one fp32
+    scale per group (and one fp32 zero point per group for min-max)."""
+    n_groups = math.ceil(numel / group_size)
+    per_group = SCALE_DTYPE.itemsize * (1 if symmetric else 2)
+    return packed_nbytes(numel, bits) + n_groups * per_group
+
+
+@dataclass
+class QTensor:
+    """A quantized tensor as it travels.
+
+    Attributes:
+        codes: packed codes, uint8, 1-D, ``ceil(numel * bits / 8)`` bytes.
+        scales: float32 ``[n_groups]``; the grid step of each group.
+        zeros: float32 ``[n_groups]`` group minima for min-max, ``None`` for symmetric.
+        shape, dtype: of the tensor that was quantized.
+        bits, group_size, symmetric: the scheme.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    shape: torch.Size
+    dtype: torch.dtype
+    bits: int
+    group_size: int
+    symmetric: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def n_groups(self) -> int:
+        return math.ceil(self.numel / self.group_size)
+
+    @property
+    def nbytes_on_wire(self) -> int:
+        """Bytes of the buffers that travel: codes, scales and zero points."""
+        n = self.codes.numel() + self.scales.numel() * self.scales.element_size()
+        if self.zeros is not None:
+            n += self.zeros.numel() * self.zeros.element_size()
+        return n
+
+    def to_bytes(self) -> torch.Tensor:
+        """One flat uint8 buffer: scales, then zero points, then codes (scales first keeps them
+        4-byte aligned when the buffer starts aligned)."""
+        parts = [self.scales.contiguous().view(torch.uint8)]
+        if self.zeros is not None:
+            parts.append(self.zeros.contiguous().view(torch.uint8))
+        parts.append(self.codes)
+        return torch.cat(parts)
+
+    @classmethod
+    def from_bytes(
+        cls,
+        buf: torch.Tensor,
+        *,
+        shape: torch.Size | tuple[int, ...],
+        dtype: torch.dtype,
+        bits: int,
+        group_size: int,
+        symmetric: bool,
+    ) -> "QTensor":
+        """Inverse of :meth:`to_bytes`; the metadata is what both ends know from the config."""
+        shape = torch.Size(shape)
+        numel = math.prod(shape)
+        expected = wire_nbytes(numel, bits=bits, group_size=group_size, symmetric=symmetric)
+        buf = buf.reshape(-1)
+        if buf.dtype != torch.uint8 or buf.numel() != expected:
+            raise ValueError(
+                f"expected a uint8 buffer of {expected} bytes for {numel} elements, "
+                f"got {buf.numel()} elements of {buf.dtype}"
+            )
+        ng = math.ceil(numel / group_size)
+        sb = ng * SCALE_DTYPE.itemsize
+        scales = buf[:sb].clone().view(SCALE_DTYPE)
+        off = sb
+        zeros = None
+        if not symmetric:
+            zeros = buf[off : off + sb].clone().view(SCALE_DTYPE)
+            off += sb
+        return cls(buf[off:], scales, zeros, shape, dtype, bits, group_size, symmetric)
+
+
+def count_nonfinite(x: torch.Tensor) -> int:
+    """Number of NaN or infinite elements of ``x``."""
+    return int((~torch.isfinite(x)).sum().item())
+
+
+def _grouped(flat: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[n_groups, group_size]`` view of ``flat``; a partial last group is filled with copies of
+    its last element, which changes neither its min, max nor absmax."""
+    n = flat.numel()
+    pad = (-n) % group_size
+    if pad:
+        flat = torch.cat([flat, flat[-1:].expand(pad)])
+    return flat.view(-1, group_size)
+
+
+def _round(v: torch.Tensor, rounding: str, seed: int | None) -> torch.Tensor:
+    if rounding == "nearest":
+        return torch.round(v)
+    if seed is None:
+        seed = rng.fresh_seed()
+    if rounding == "stochastic":
+        u = rng.uniform(seed, v.numel(), stream=_STREAM_ELEMENT, device=v.device).view_as(v)
+    else:  # shift: one offset per group
+        u = rng.uniform(seed, v.shape[0], stream=_STREAM_GROUP, device=v.device).unsqueeze(1)
+    return torch.floor(v + 0.5)
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    rounding: str,
+    seed: int | None = None,
+    check_finite: bool = True,
+) -> QTensor:
+    """Quantize ``x`` (any shape; fp32, bf16 or fp16) group-wise over its flattened elements.
+
+    Args:
+        bits: 2, 4 or 8.
+        group_size: contiguous elements of ``x.reshape(-1)`` sharing one scale.
+        symmetric: absmax (``True``) or min-max with a zero point (``False``).
+        rounding: ``"nearest"``, ``"stochastic"`` or ``"shift"``.
+        seed: the random bits are a pure function of ``(seed, element or group index)``; ``None``
+            draws a seed from torch's global generator.
+        check_finite: raise ``ValueError`` on NaN/Inf input. With ``False`` the caller checks the
+            returned scales instead (a non-finite input gives a non-finite scale), which costs
+            nothing extra on the training path.
+    """
+    check_scheme(bits=bits, group_size=group_size, rounding=rounding)
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype={x.dtype} is not supported; allowed: float32, bfloat16, float16")
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    if check_finite and n:
+        bad = count_nonfinite(flat)
+        if bad:
+            raise ValueError(f"quantize: input has {bad} non-finite values (NaN or Inf) out of {n}")
+    if n == 0:
+        empty = torch.empty(0, dtype=SCALE_DTYPE, device=x.device)
+        return QTensor(
+            torch.empty(0, dtype=torch.uint8, device=x.device), empty,
+            None if symmetric else empty.clone(), x.shape, x.dtype, bits, group_size, symmetric,
+        )
+    g = _grouped(flat.float(), group_size)
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scales = g.abs().amax(dim=1) / qmax
+        zeros = None
+        v = g / torch.where(scales > 0, scales, 1.0).unsqueeze(1)
+        q = _round(v, rounding, seed).clamp_(-qmax, qmax) + 2 ** (bits - 1)
+    else:
+        levels = 2**bits - 1
+        zeros = g.amin(dim=1)
+        scales = (g.amax(dim=1) - zeros) / levels
+        v = (g - zeros.unsqueeze(1)) / torch.where(scales > 0, scales, 1.0).unsqueeze(1)
+        q = _round(v, rounding, seed).clamp_(0, levels)
+    codes = pack_codes(q.reshape(-1)[:n].to(torch.uint8), bits)
+    return QTensor(codes, scales, zeros, x.shape, x.dtype, bits, group_size, symmetric)
+
+
+def dequantize(q: QTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values of ``q`` as a tensor of ``q.shape`` and ``dtype`` (default float32)."""
+    n = q.numel
+    if n == 0:
+        return torch.empty(q.shape, dtype=dtype, device=q.codes.device)
+    codes = unpack_codes(q.codes, q.bits, n).to(torch.float32)
+    g = _grouped(codes, q.group_size)
+    if q.symmetric:
+        vals = (g - 2 ** (q.bits - 1)) * q.scales.unsqueeze(1)
+    else:
+        vals = g * q.scales.unsqueeze(1) + q.zeros.unsqueeze(1)
+    return vals.reshape(-1)[:n].to(dtype).view(q.shape)

@@ -1,0 +1,205 @@
+"""Gradient reduce-scatters with FSDP2's custom comm interface.
+
+FSDP2 calls ``comm(output_tensor, input_tensor, group, op)``: ``input_tensor`` is the flat
+unsharded gradient ``[world * shard]`` (chunk ``r`` belongs to rank ``r``), ``output_tensor``
+this rank's ``[shard]``. ``op`` is ``SUM`` or ``AVG``; the division for ``AVG`` is done here, in
+one place, after the fp32 sum (it equals the plain reduce-scatter's average exactly when
+quantization is off and the sum is exact).
+
+The quantized versions move packed bytes with all-to-all and reduce in fp32 on the receiver.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..codecs.rng import derive_seed
+from ..config import GradComm, QuantConfig
+from .collectives import reduce_scatter_flat
+from .meter import METER
+from .topology import Topology
+from .wire import RowCodec, _pad_cols
+
+
+def _divisor(op: Any, world: int) -> int:
+    if op == dist.ReduceOp.SUM:
+        return 1
+    if op == dist.ReduceOp.AVG:
+        return world
+    raise RuntimeError(
+        f"qsdp reduce-scatter supports ReduceOp.SUM and ReduceOp.AVG, got {op!r} (a custom "
+        "gradient divide factor); leave FSDP2's gradient divide factor at its default"
+    )
+
+
+class _Base:
+    def __init__(self, config: QuantConfig, topology: Topology, comm_id: int) -> None:
+        self.config = config
+        self.topology = topology
+        self.comm_id = comm_id
+        self.calls = 0
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _check_group(self, group: dist.ProcessGroup) -> None:
+        if group.size() != self.topology.world_size:
+            raise RuntimeError(
+                f"FSDP reduce-scatter group has {group.size()} ranks but qsdp was set up for "
+                f"{self.topology.world_size}; pass the FSDP mesh's group to quantize_comms(group=...)"
+            )
+
+    def _plain(self, output, input_tensor, group, op) -> None:
+        reduce_scatter_flat(output, input_tensor, op, group)
+        s = output.numel()
+        intra, inter = self.topology.peers()
+        METER.record_peers("grads", s * input_tensor.element_size(), s, intra, inter)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = int(state.get("calls", 0))
+
+    def reset(self) -> None:
+        pass
+
+
+class PlainReduceScatter(_Base):
+    """The ``fsdp`` preset: FSDP2's own reduce-scatter, metered."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self._check_group(group)
+        self._plain(output_tensor, input_tensor, group, op)
+        return None
+
+
+def _codec(g: GradComm, bits: int, raw_dtype: torch.dtype) -> RowCodec:
+    if not g.quantize:
+        return RowCodec(bits=None, raw_dtype=raw_dtype)
+    return RowCodec(bits=bits, group_size=g.group_size, symmetric=g.symmetric,
+                    rounding=g.rounding, hadamard_block=g.hadamard_block)
+
+
+class QuantizedReduceScatter(_Base):
+    """One- or two-level quantized reduce-scatter (QSDP; SDP4Bit TLq / TLq-HS).
+
+    One level: every rank quantizes the ``world`` chunks of its gradient once, one all-to-all
+    delivers each chunk to its owner, who dequantizes and sums in fp32.
+
+    Two levels (``D`` nodes x ``M`` ranks): optional blockwise Hadamard; ``bits_intra``
+    quantization; an all-to-all inside the node delivers to local rank ``l`` the chunks of every
+    node's rank ``l``; it dequantizes, sums the ``M`` contributions, requantizes to
+    ``bits_inter`` (still in the Hadamard domain); an all-to-all among the ``D`` ranks with local
+    rank ``l`` delivers each node's partial sum to its owner, who dequantizes, sums and inverts
+    the Hadamard transform. The chunk is cut into ``pipeline_slices`` slices whose exchanges
+    run asynchronously, so that quantizing slice ``k+1`` overlaps the transfer of slice ``k``.
+    With one node (or one rank per node) a single hop remains: ``bits_intra`` inside a node,
+    ``bits_inter`` across nodes.
+    """
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self._check_group(group)
+        topo, g = self.topology, self.config.grads
+        world, s = topo.world_size, output_tensor.numel()
+        divisor = _divisor(op, world)
+        if s < max(1, self.config.min_shard_numel):
+            self._plain(output_tensor, input_tensor, group, op)
+            return None
+        self.calls += 1
+        x = input_tensor.view(world, s)
+        m, d = topo.ranks_per_node, topo.nodes
+        if g.mode == "one_level":
+            total = self._one_hop(x, group, _codec(g, g.bits, x.dtype), inter_only=False)
+        elif d == 1 or m == 1:
+            bits = g.bits_intra if d == 1 else g.bits_inter
+            total = self._one_hop(x, group, _codec(g, bits, x.dtype), inter_only=d > 1)
+        else:
+            total = self._two_hops(x)
+        if divisor != 1:
+            total = total / divisor
+        output_tensor.copy_(total)
+        return None
+
+    def _seed(self, *parts: int) -> int:
+        return derive_seed(self.config.seed, self.comm_id, self.calls, self.topology.rank, *parts)
+
+    def _one_hop(self, x: torch.Tensor, group, codec: RowCodec, inter_only: bool) -> torch.Tensor:
+        world, s = x.shape
+        send = codec.encode(x, seed=self._seed(3))
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        intra, inter = self.topology.peers()
+        METER.record_peers("grads", send.shape[1], s, 0 if inter_only else intra, inter)
+        vals = codec.decode(recv, s, keep_padding=True).sum(dim=0)
+        return codec.finish(vals, s)
+
+    def _two_hops(self, x: torch.Tensor) -> torch.Tensor:
+        topo, g = self.topology, self.config.grads
+        m, d = topo.ranks_per_node, topo.nodes
+        world, s = x.shape
+        hop1 = _codec(g, g.bits_intra, x.dtype)
+        hop2 = _codec(g, g.bits_inter, torch.float32)
+        lp = hop1.padded_len(s)
+        xp = _pad_cols(x.float(), lp) if lp != s else x.float()
+        if hop1.hadamard_block and not hop1.exact:
+            from ..codecs import hadamard
+
+            xp = hadamard(xp, block=hop1.hadamard_block)
+        # Destination-major order for the intra-node exchange: row (l, n) holds the chunk of the
+        # rank with local rank l on node n, so local peer l receives its D rows contiguously.
+        xp = xp.view(d, m, lp).transpose(0, 1).reshape(m * d, lp)
+        bounds = _slices(lp, hop1, g.pipeline_slices)
+        out = torch.empty(lp, dtype=torch.float32, device=x.device)
+        n_slices = len(bounds)
+        stage1: list[tuple[torch.Tensor, Any] | None] = [None] * n_slices
+        stage2: list[tuple[torch.Tensor, Any] | None] = [None] * n_slices
+        for step in range(n_slices + 2):
+            k = step
+            if k < n_slices:
+                a, b = bounds[k]
+                send = hop1.encode(xp[:, a:b], seed=self._seed(4, k), transformed=True)
+                recv = torch.empty_like(send)
+                work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
+                METER.record_peers("grads", d * send.shape[1], d * _real(a, b, s), m - 1, 0)
+                stage1[k] = (recv, work)
+            k = step - 1
+            if 0 <= k < n_slices:
+                a, b = bounds[k]
+                recv, work = stage1[k]
+                work.wait()
+                partial = hop1.decode(recv, b - a, keep_padding=True).view(m, d, b - a).sum(dim=0)
+                send = hop2.encode(partial, seed=self._seed(5, k), transformed=True)
+                recv2 = torch.empty_like(send)
+                work2 = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
+                METER.record_peers("grads", send.shape[1], _real(a, b, s), 0, d - 1)
+                stage1[k] = None
+                stage2[k] = (recv2, work2)
+            k = step - 2
+            if 0 <= k < n_slices:
+                a, b = bounds[k]
+                recv2, work2 = stage2[k]
+                work2.wait()
+                out[a:b] = hop2.decode(recv2, b - a, keep_padding=True).sum(dim=0)
+                stage2[k] = None
+        return hop1.finish(out, s)
+
+
+def _real(a: int, b: int, s: int) -> int:
+    """Elements of the padded slice ``[a, b)`` that are real data (not padding)."""
+    return max(0, min(b, s) - a)
+
+
+def _slices(length: int, codec: RowCodec, n: int) -> list[tuple[int, int]]:
+    """Up to ``n`` contiguous slices of ``[0, length)``, each a whole number of codec units."""
+    unit = max(1, length if codec.exact else math.lcm(codec.group_size, codec.hadamard_block or 1))
+    if codec.exact:
+        unit = 1
+    units = max(1, length // unit)
+    n = max(1, min(n, units))
+    per = -(-units // n) * unit
+    return [(a, min(a + per, length)) for a in range(0, length, per)]

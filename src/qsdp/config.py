@@ -1,0 +1,229 @@
+"""Configuration: what travels on the wire for weights and gradients.
+
+A preset is data, not a code path: the communication objects read these dataclasses. Every
+field can be overridden (see :func:`resolve_config`), and :func:`validate` names the first bad
+field, its value and what is allowed, before any collective runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from .codecs import ROUNDINGS, SUPPORTED_BITS
+
+WEIGHT_MODES = ("plain", "direct", "difference")
+GRAD_MODES = ("plain", "one_level", "two_level")
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed; the message names the field and the value."""
+
+
+@dataclass(frozen=True)
+class WeightComm:
+    """How FSDP2's weight all-gather travels.
+
+    mode: ``plain`` (the parameter dtype, unquantized), ``direct`` (each rank quantizes its
+        shard: QSDP, ZeRO++ qwZ, SDP4Bit's qW ablation) or ``difference`` (SDP4Bit qWD: the
+        quantized change against a persistent replica held by every rank).
+    bits, group_size, symmetric, rounding: the quantizer (see :func:`qsdp.codecs.quantize`).
+    """
+
+    mode: Literal["plain", "direct", "difference"] = "plain"
+    bits: int = 8
+    group_size: int = 2048
+    symmetric: bool = True
+    rounding: str = "stochastic"
+
+
+@dataclass(frozen=True)
+class GradComm:
+    """How FSDP2's gradient reduce-scatter travels.
+
+    mode: ``plain`` (reduce-scatter in the reduce dtype), ``one_level`` (QSDP: quantize once,
+        all-to-all, dequantize and sum) or ``two_level`` (SDP4Bit TLq: ``bits_intra`` inside a
+        node, dequantize+sum+requantize to ``bits_inter`` across nodes).
+    bits: the one-level bit width.
+    hadamard_block: 0 (off) or the block of the Walsh-Hadamard smoothing (SDP4Bit: 32).
+    pipeline_slices: the two-level exchange is cut into this many slices so that quantizing one
+        overlaps the communication of the previous one (SDP4Bit: 8).
+    quantize: ``False`` sends exact fp32 values along the same route (an ablation and a test
+        oracle: the route alone must not change the result).
+    """
+
+    mode: Literal["plain", "one_level", "two_level"] = "plain"
+    bits: int = 8
+    bits_intra: int = 8
+    bits_inter: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    rounding: str = "stochastic"
+    hadamard_block: int = 0
+    pipeline_slices: int = 1
+    quantize: bool = True
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The whole communication config of a run.
+
+    min_shard_numel: FSDP groups whose per-rank shard has fewer elements than this travel
+        unquantized (QSDP leaves small tensors alone). The decision uses sizes that are equal
+        on every rank, so all ranks always take the same path. Default 0: everything quantized.
+    local_world_size: ranks per node for the two-level reduce-scatter; ``None`` reads the
+        ``LOCAL_WORLD_SIZE`` environment variable (set by torchrun), else one node.
+    seed: base of every stochastic-rounding seed.
+    """
+
+    name: str = "custom"
+    weights: WeightComm = field(default_factory=WeightComm)
+    grads: GradComm = field(default_factory=GradComm)
+    min_shard_numel: int = 0
+    local_world_size: int | None = None
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PRESETS: dict[str, QuantConfig] = {
+    "fsdp": QuantConfig(name="fsdp"),
+    "qsdp": QuantConfig(
+        name="qsdp",
+        weights=WeightComm("direct", bits=8, group_size=1024, symmetric=False, rounding="shift"),
+        grads=GradComm("one_level", bits=8, group_size=1024, symmetric=False, rounding="stochastic"),
+    ),
+    "sdp4bit": QuantConfig(
+        name="sdp4bit",
+        weights=WeightComm("difference", bits=4, group_size=2048, symmetric=True, rounding="stochastic"),
+        grads=GradComm(
+            "two_level", bits_intra=8, bits_inter=4, group_size=128, symmetric=True,
+            rounding="stochastic", hadamard_block=32, pipeline_slices=8,
+        ),
+    ),
+    "zeropp": QuantConfig(
+        name="zeropp",
+        weights=WeightComm("direct", bits=4, group_size=2048, symmetric=True, rounding="nearest"),
+        grads=GradComm(
+            "two_level", bits_intra=4, bits_inter=4, group_size=128, symmetric=True,
+            rounding="stochastic", hadamard_block=0, pipeline_slices=1,
+        ),
+    ),
+}
+
+# The SDP4Bit paper's ablations (Table 1) and QSDP's aggressive setting, as named variants of the
+# presets: each one only overrides fields.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qw4": ("fsdp", {"weights": dataclasses.asdict(PRESETS["zeropp"].weights)}),
+    "qwd4": ("fsdp", {"weights": dataclasses.asdict(PRESETS["sdp4bit"].weights)}),
+    "tlq4": ("fsdp", {"grads": {**dataclasses.asdict(PRESETS["sdp4bit"].grads), "hadamard_block": 0}}),
+    "tlq-hs": ("fsdp", {"grads": dataclasses.asdict(PRESETS["sdp4bit"].grads)}),
+    "qsdp-w4g4": ("qsdp", {"weights.bits": 4, "grads.bits": 4}),
+}
+
+
+def preset_names() -> list[str]:
+    """Every name :func:`resolve_config` accepts."""
+    return [*PRESETS, *VARIANTS]
+
+
+def _apply_overrides(cfg: QuantConfig, overrides: Mapping[str, Any]) -> QuantConfig:
+    """Overrides are ``{"weights.bits": 4}`` (dotted) or ``{"weights": {"bits": 4}}``."""
+    top: dict[str, Any] = {}
+    sub: dict[str, dict[str, Any]] = {"weights": {}, "grads": {}}
+    for key, value in overrides.items():
+        head, _, rest = key.partition(".")
+        if head in sub and rest:
+            sub[head][rest] = value
+        elif head in sub and isinstance(value, Mapping):
+            sub[head].update(value)
+        else:
+            top[key] = value
+    for name, fields in sub.items():
+        if fields:
+            current = getattr(cfg, name)
+            known = {f.name for f in dataclasses.fields(current)}
+            for k in fields:
+                if k not in known:
+                    raise ConfigError(f"unknown config field {name}.{k}; allowed: {', '.join(sorted(known))}")
+            top[name] = dataclasses.replace(current, **fields)
+    known_top = {f.name for f in dataclasses.fields(QuantConfig)}
+    for k in top:
+        if k not in known_top:
+            raise ConfigError(f"unknown config field {k}; allowed: {', '.join(sorted(known_top))}")
+    return dataclasses.replace(cfg, **top)
+
+
+def resolve_config(config: str | QuantConfig, overrides: Mapping[str, Any] | None = None) -> QuantConfig:
+    """A validated :class:`QuantConfig` from a preset name (or variant) or a config, plus
+    optional field overrides. Raises :class:`ConfigError` naming the problem."""
+    if isinstance(config, str):
+        if config in PRESETS:
+            cfg = PRESETS[config]
+        elif config in VARIANTS:
+            base, over = VARIANTS[config]
+            cfg = dataclasses.replace(_apply_overrides(PRESETS[base], over), name=config)
+        else:
+            raise ConfigError(f"unknown preset {config!r}; allowed: {', '.join(preset_names())}")
+    elif isinstance(config, QuantConfig):
+        cfg = config
+    else:
+        raise ConfigError(f"config must be a preset name or a QuantConfig, got {type(config).__name__}")
+    if overrides:
+        cfg = _apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cfg
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_quantizer(prefix: str, bits_fields: dict[str, Any], group_size: Any, rounding: Any) -> None:
+    for name, bits in bits_fields.items():
+        if not _is_int(bits) or bits not in SUPPORTED_BITS:
+            raise ConfigError(f"{prefix}.{name}={bits!r} is not supported; allowed: {', '.join(map(str, SUPPORTED_BITS))}")
+    # Collectives lay groups out on byte and word boundaries: a multiple of 8 keeps every bit
+    # width's packed group a whole number of bytes.
+    if not _is_int(group_size) or group_size < 8 or group_size % 8:
+        raise ConfigError(f"{prefix}.group_size={group_size!r} must be a positive multiple of 8")
+    if rounding not in ROUNDINGS:
+        raise ConfigError(f"{prefix}.rounding={rounding!r} is not supported; allowed: {', '.join(ROUNDINGS)}")
+
+
+def validate(cfg: QuantConfig) -> None:
+    """Raise :class:`ConfigError` for the first field that is not allowed."""
+    w, g = cfg.weights, cfg.grads
+    if w.mode not in WEIGHT_MODES:
+        raise ConfigError(f"weights.mode={w.mode!r} is not supported; allowed: {', '.join(WEIGHT_MODES)}")
+    if w.mode != "plain":
+        _check_quantizer("weights", {"bits": w.bits}, w.group_size, w.rounding)
+    if g.mode not in GRAD_MODES:
+        raise ConfigError(f"grads.mode={g.mode!r} is not supported; allowed: {', '.join(GRAD_MODES)}")
+    if g.mode != "plain":
+        bits = {"bits": g.bits} if g.mode == "one_level" else {"bits_intra": g.bits_intra, "bits_inter": g.bits_inter}
+        _check_quantizer("grads", bits, g.group_size, g.rounding)
+        hb = g.hadamard_block
+        if not _is_int(hb) or hb < 0 or (hb and (hb < 2 or hb & (hb - 1))):
+            raise ConfigError(f"grads.hadamard_block={hb!r} must be 0 (off) or a power of two >= 2")
+        if hb and math.lcm(hb, g.group_size) > 1 << 20:
+            raise ConfigError(f"grads.hadamard_block={hb} and group_size={g.group_size} align only every {math.lcm(hb, g.group_size)} elements")
+        if not _is_int(g.pipeline_slices) or g.pipeline_slices < 1:
+            raise ConfigError(f"grads.pipeline_slices={g.pipeline_slices!r} must be a positive integer")
+        if not isinstance(g.quantize, bool):
+            raise ConfigError(f"grads.quantize={g.quantize!r} must be a bool")
+    for name, v in (("weights.symmetric", w.symmetric), ("grads.symmetric", g.symmetric)):
+        if not isinstance(v, bool):
+            raise ConfigError(f"{name}={v!r} must be a bool")
+    if not _is_int(cfg.min_shard_numel) or cfg.min_shard_numel < 0:
+        raise ConfigError(f"min_shard_numel={cfg.min_shard_numel!r} must be a non-negative integer")
+    lws = cfg.local_world_size
+    if lws is not None and (not _is_int(lws) or lws < 1):
+        raise ConfigError(f"local_world_size={lws!r} must be a positive integer or None")
+    if not _is_int(cfg.seed):
+        raise ConfigError(f"seed={cfg.seed!r} must be an integer")
+    if not isinstance(cfg.name, str) or not cfg.name:
+        raise ConfigError(f"name={cfg.name!r} must be a non-empty string")

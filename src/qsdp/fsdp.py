@@ -1,0 +1,124 @@
+"""``quantize_comms(module, config)``: plug qsdp's collectives into every FSDP2 module."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
+from .comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
+from .comm.topology import Topology, build_topology
+from .config import ConfigError, QuantConfig, resolve_config
+
+_ALL_GATHERS = {"plain": PlainAllGather, "direct": QuantizedAllGather, "difference": DifferenceAllGather}
+
+
+@dataclass
+class QuantizedComms:
+    """What :func:`quantize_comms` attached: the config, the topology and, per FSDP module (in
+    ``module.modules()`` order), its all-gather and reduce-scatter objects."""
+
+    config: QuantConfig
+    topology: Topology
+    modules: list[nn.Module] = field(default_factory=list)
+    all_gathers: list[Any] = field(default_factory=list)
+    reduce_scatters: list[Any] = field(default_factory=list)
+
+    def reset_replicas(self) -> None:
+        """Make the next gather of every weight-difference comm send exact values (after the
+        parameters were changed outside the optimizer step, e.g. by ``load_state_dict``)."""
+        for ag in self.all_gathers:
+            ag.reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The comms' state (weight-difference replicas, rounding counters) for a checkpoint."""
+        return {
+            "all_gather": {str(i): ag.state_dict() for i, ag in enumerate(self.all_gathers)},
+            "reduce_scatter": {str(i): rs.state_dict() for i, rs in enumerate(self.reduce_scatters)},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for i, ag in enumerate(self.all_gathers):
+            ag.load_state_dict(state["all_gather"].get(str(i), {}))
+        for i, rs in enumerate(self.reduce_scatters):
+            rs.load_state_dict(state["reduce_scatter"].get(str(i), {}))
+
+
+def check_same_config(config: QuantConfig, group: dist.ProcessGroup | None = None) -> None:
+    """One collective that every rank of ``group`` joins: raises ``ConfigError`` on every rank,
+    naming the fields that differ, if any rank passed a different config."""
+    mine = json.dumps(config.to_dict(), sort_keys=True)
+    world = dist.get_world_size(group)
+    everyone: list[str | None] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    if all(other == mine for other in everyone):
+        return
+    base = config.to_dict()
+    for rank, other in enumerate(everyone):
+        if other != mine:
+            theirs = json.loads(other)
+            diffs = _diff(base, theirs)
+            raise ConfigError(
+                f"qsdp config differs across ranks: rank {dist.get_rank(group)} vs rank {rank}: "
+                + "; ".join(f"{k}: {a!r} != {b!r}" for k, a, b in diffs)
+            )
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append((f"{prefix}{k}", va, vb))
+    return out
+
+
+def quantize_comms(
+    module: nn.Module,
+    config: str | QuantConfig = "sdp4bit",
+    *,
+    overrides: dict[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> QuantizedComms:
+    """Quantize the weight all-gathers and gradient reduce-scatters of every FSDP2 module under
+    ``module`` (call after ``fully_shard``, before the first forward).
+
+    Args:
+        module: the root of a model whose submodules were wrapped with ``fully_shard``.
+        config: a preset name (``fsdp``, ``qsdp``, ``sdp4bit``, ``zeropp`` or a variant, see
+            :func:`qsdp.preset_names`) or a :class:`QuantConfig`.
+        overrides: field overrides, e.g. ``{"weights.bits": 8}``.
+        group: the FSDP shard process group (default: the world).
+
+    The config is validated first and then compared across ranks with one collective; both
+    raise :class:`qsdp.ConfigError` naming the problem before any data moves.
+    """
+    cfg = resolve_config(config, overrides)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("quantize_comms needs an initialized process group (torch.distributed.init_process_group)")
+    fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not fsdp_modules:
+        raise ValueError(
+            f"no FSDP2 module under {type(module).__name__}: call torch.distributed.fsdp.fully_shard "
+            "on its blocks and on the root first"
+        )
+    check_same_config(cfg, group)
+    topology = build_topology(group, cfg.local_world_size)
+    handle = QuantizedComms(cfg, topology)
+    for i, m in enumerate(fsdp_modules):
+        ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i)
+        rs_cls = PlainReduceScatter if cfg.grads.mode == "plain" else QuantizedReduceScatter
+        rs = rs_cls(cfg, topology, i)
+        m.set_custom_all_gather(ag)
+        m.set_custom_reduce_scatter(rs)
+        handle.modules.append(m)
+        handle.all_gathers.append(ag)
+        handle.reduce_scatters.append(rs)
+    return handle

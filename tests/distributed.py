@@ -1,0 +1,97 @@
+"""Run a function on a real gloo process group of N local processes, with a hard deadline.
+
+Children are forked from the test process (torch is already imported, so a world starts in a
+fraction of a second). Each child returns a picklable value or raises; the parent re-raises the
+first child error with its traceback, and kills every child and fails if the deadline passes,
+so a hang costs at most ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, local_world_size, pg_timeout, queue, args, kwargs):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % local_world_size), LOCAL_WORLD_SIZE=str(local_world_size),
+    )
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        result = fn(rank, world_size, *args, **kwargs)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    local_world_size: int | None = None,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """``[fn(rank, world_size, *args, **kwargs) for each rank]`` computed in ``world_size``
+    processes joined by a gloo group (``LOCAL_WORLD_SIZE`` set to ``local_world_size``)."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = _free_port()
+    lws = local_world_size or world_size
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, port, lws, pg_timeout, queue, args, kwargs))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if remaining <= 0:
+                raise TimeoutError(f"distributed test did not finish in {timeout:.0f}s (ranks done: {sorted(results)})")
+            try:
+                rank, ok, value = queue.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty: check for children that died without reporting
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead and queue.empty():
+                    raise RuntimeError(f"ranks {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                continue
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("a rank failed:\n" + errors[0])
+    return [results[r] for r in range(world_size)]
