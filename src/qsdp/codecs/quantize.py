@@ -157,7 +157,7 @@ def _round(v: torch.Tensor, rounding: str, seed: int | None) -> torch.Tensor:
         u = rng.uniform(seed, v.numel(), stream=_STREAM_ELEMENT, device=v.device).view_as(v)
     else:  # shift: one offset per group
         u = rng.uniform(seed, v.shape[0], stream=_STREAM_GROUP, device=v.device).unsqueeze(1)
-    return torch.floor(v + 0.5)
+    return torch.floor(v + u)
 
 
 def quantize(
