@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -37,7 +38,9 @@ def _child(fn, rank, world_size, port, local_world_size, pg_timeout, queue, args
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world_size, *args, **kwargs)
-        queue.put((rank, True, result))
+        # Plain pickle bytes: the queue's own pickler would pass tensors through shared memory,
+        # which deadlocks when the child exits before the parent has read them.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -82,7 +85,7 @@ def run_world(
                     raise RuntimeError(f"ranks {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
                 continue
             if ok:
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break

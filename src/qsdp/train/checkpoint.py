@@ -1,0 +1,222 @@
+"""Checkpoints of a training run with ``torch.distributed.checkpoint`` (DCP).
+
+Layout under the run directory::
+
+    checkpoints/
+      step_00000200/          one complete checkpoint (DCP files + trainer.json)
+      step_00000400/
+      latest                  text file: the name of the newest complete checkpoint
+
+A checkpoint holds, through DCP, the sharded model and optimizer state (from
+``torch.distributed.checkpoint.state_dict.get_state_dict``, so it can be loaded by any FSDP2
+layout of the same model) and, per rank, that rank's qsdp comm state (weight-difference replicas,
+rounding counters) and RNG state; ``trainer.json`` holds the step and what the run was
+(model, config, world size, cumulative bytes on the wire), readable without torch.
+
+A save writes into ``step_XXXXXXXX.tmp``, waits until every rank has finished, renames the
+directory and only then replaces ``latest`` (temp file + ``os.replace``). A save interrupted at
+any point leaves ``latest`` on the previous complete checkpoint; leftover ``.tmp`` directories
+are never read and are removed by the next save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+__all__ = [
+    "CheckpointError", "CHECKPOINT_DIR", "LATEST_FILE", "META_FILE",
+    "checkpoint_root", "step_dirname", "latest_checkpoint", "read_meta",
+    "save_checkpoint", "load_checkpoint",
+]
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST_FILE = "latest"
+META_FILE = "trainer.json"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the path and the problem."""
+
+
+def checkpoint_root(out: str | os.PathLike) -> Path:
+    return Path(out) / CHECKPOINT_DIR
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def latest_checkpoint(out: str | os.PathLike) -> Path | None:
+    """The directory ``checkpoints/latest`` names, or ``None`` if there is no ``latest``.
+
+    Raises CheckpointError if ``latest`` names something that is not a complete checkpoint.
+    """
+    root = checkpoint_root(out)
+    latest = root / LATEST_FILE
+    if not latest.is_file():
+        return None
+    name = latest.read_text(encoding="utf-8").strip()
+    if not _STEP_RE.match(name):
+        raise CheckpointError(f"{latest} names {name!r}, not a checkpoint directory (step_XXXXXXXX)")
+    path = root / name
+    for required in (".metadata", META_FILE):
+        if not (path / required).is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {required} is missing")
+    return path
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``trainer.json`` of a checkpoint directory."""
+    p = Path(path) / META_FILE
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {p}: {e}") from None
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+def _rank_blob(handle: Any) -> bytes:
+    """This rank's comm state and RNG state, serialized. Comm state is per rank: some of it
+    (the last shard a weight-difference gather saw) differs between ranks."""
+    buf = io.BytesIO()
+    torch.save({"comms": handle.state_dict(), "rng": _rng_state()}, buf)
+    return buf.getvalue()
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def save_checkpoint(
+    out: str | os.PathLike,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    handle: Any,
+    meta: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Save a checkpoint of ``step`` (collective: every rank calls it); returns its directory.
+
+    ``handle`` is the :class:`qsdp.QuantizedComms` of the model; ``meta`` (JSON-able, the same
+    on every rank) is written to ``trainer.json`` with ``step`` added. After the new checkpoint
+    is ``latest``, all but the newest ``keep`` checkpoints are removed (``keep <= 0`` keeps all).
+    """
+    rank = dist.get_rank()
+    root = checkpoint_root(out)
+    name = step_dirname(step)
+    final, tmp = root / name, root / (name + ".tmp")
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("*.tmp"):  # an earlier save that never finished
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "rank_state": {str(rank): _rank_blob(handle)}}
+    dcp.save(state, checkpoint_id=str(tmp))
+    if rank == 0:
+        with open(tmp / META_FILE, "w", encoding="utf-8") as f:
+            json.dump({**meta, "step": step}, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+    # Every rank's shards are on disk before the checkpoint gets its final name.
+    dist.barrier()
+    if rank == 0:
+        if final.exists():  # a checkpoint of the same step from a run that did not reach `latest`
+            old = root / (name + ".old.tmp")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_text_atomic(root / LATEST_FILE, name + "\n")
+        if keep > 0:
+            steps = sorted(
+                (int(m.group(1)), p) for p in root.iterdir()
+                if p.is_dir() and (m := _STEP_RE.match(p.name))
+            )
+            for s, p in steps[:-keep]:
+                if s != step:
+                    shutil.rmtree(p, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    handle: Any,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Load the checkpoint in ``path`` into ``model``, ``optimizer``, the comm state of
+    ``handle`` and the RNGs (collective); returns its ``trainer.json`` dict.
+
+    Call it after ``fully_shard`` and ``quantize_comms``, before the first forward.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    rank = dist.get_rank()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "rank_state": {str(rank): b""}}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:  # noqa: BLE001 - DCP wraps reader errors in several types
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    blob = state["rank_state"][str(rank)]
+    if not isinstance(blob, bytes) or not blob:
+        raise CheckpointError(f"checkpoint {path} has no comm state for rank {rank}")
+    rank_state = torch.load(io.BytesIO(blob), map_location=device, weights_only=False)
+    handle.load_state_dict(rank_state["comms"])
+    _set_rng_state(rank_state["rng"])
+    return meta

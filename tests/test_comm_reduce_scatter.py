@@ -1,0 +1,149 @@
+"""Gradient reduce-scatters against the exact reduce-scatter, on real gloo groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import qsdp
+from qsdp.comm import PlainReduceScatter, QuantizedReduceScatter, build_topology
+from distributed import run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _config(mode="one_level", quantize=True, seed=0, **grads):
+    fields = dict(bits=8, group_size=16, symmetric=True, rounding="stochastic")
+    fields.update(grads)
+    return qsdp.QuantConfig(grads=qsdp.GradComm(mode, quantize=quantize, **fields), seed=seed)
+
+
+def _grad(rank: int, numel: int, integer: bool = False, trial: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7 * rank + 1000 * trial + 3)
+    if integer:  # integer values: every summation order gives the same fp32 result
+        return torch.randint(-50, 50, (numel,), generator=g).float()
+    x = torch.randn(numel, generator=g)
+    x[::53] *= 20  # outliers, as gradients have
+    return x
+
+
+def _reduce_scatter(comm, grad: torch.Tensor, op=dist.ReduceOp.AVG) -> torch.Tensor:
+    world = dist.get_world_size()
+    out = torch.empty(grad.numel() // world, dtype=grad.dtype)
+    comm(output_tensor=out, input_tensor=grad, group=dist.group.WORLD, op=op)
+    return out
+
+
+def _exact(world: int, rank: int, numel: int, op, **kw) -> torch.Tensor:
+    total = sum(_grad(r, numel, **kw).double() for r in range(world))
+    if op == dist.ReduceOp.AVG:
+        total = total / world
+    shard = numel // world
+    return total[rank * shard : (rank + 1) * shard]
+
+
+def _unquantized_route(rank, world, mode, slices, op, hadamard):
+    cfg = _config(mode, quantize=False, pipeline_slices=slices, hadamard_block=hadamard)
+    comm = QuantizedReduceScatter(cfg, build_topology(), 0)
+    plain = PlainReduceScatter(cfg, build_topology(), 1)
+    grad = _grad(rank, world * 75, integer=True)
+    return torch.equal(_reduce_scatter(comm, grad, op), _reduce_scatter(plain, grad, op))
+
+
+@pytest.mark.parametrize("op", [dist.ReduceOp.AVG, dist.ReduceOp.SUM], ids=["avg", "sum"])
+@pytest.mark.parametrize("slices", [1, 3])
+def test_two_level_route_without_quantization_equals_plain_reduce_scatter(op, slices):
+    assert all(run_world(_unquantized_route, 4, "two_level", slices, op, 0, local_world_size=2))
+
+
+def test_one_level_route_without_quantization_equals_plain_reduce_scatter():
+    assert all(run_world(_unquantized_route, 3, "one_level", 1, dist.ReduceOp.AVG, 0))
+
+
+def _error_ratio(rank, world, mode, numel, **grads):
+    cfg = _config(mode, **grads)
+    comm = QuantizedReduceScatter(cfg, build_topology(), 0)
+    out = _reduce_scatter(comm, _grad(rank, numel)).double()
+    exact = _exact(world, rank, numel, dist.ReduceOp.AVG)
+    scales = []
+    for r in range(world):  # each source's error is below its group's grid step
+        chunk = _grad(r, numel).double()[rank * (numel // world):(rank + 1) * (numel // world)]
+        pad = (-chunk.numel()) % 16
+        g = torch.cat([chunk, chunk[-1:].expand(pad)]).view(-1, 16)
+        scales.append((g.abs().amax(1) / (2 ** (grads.get("bits", 8) - 1) - 1)).repeat_interleave(16)[: chunk.numel()])
+    bound = sum(scales) / world
+    return ((out - exact).abs() - bound * (1 + 1e-4) - 1e-7).max().item(), ((out - exact).norm() / exact.norm()).item()
+
+
+@pytest.mark.parametrize("world,numel", [(1, 40), (2, 2 * 37), (3, 3 * 50), (4, 4 * 33)])
+def test_one_level_error_within_the_sum_of_the_sources_grid_steps(world, numel):
+    for excess, _ in run_world(_error_ratio, world, "one_level", numel):
+        assert excess <= 0
+
+
+def test_two_level_hadamard_error_is_small_relative_to_the_gradient():
+    results = run_world(_error_ratio, 4, "two_level", 4 * 256, local_world_size=2,
+                        bits_intra=8, bits_inter=4, hadamard_block=32, pipeline_slices=4)
+    for _, rel in results:
+        assert rel < 0.15  # 4-bit inter-node hop dominates: about 1/7 of a group's absmax per element
+
+
+def test_hadamard_lowers_the_two_level_error_on_gradients_with_outliers():
+    plain = run_world(_error_ratio, 4, "two_level", 4 * 512, local_world_size=2, bits_intra=8, bits_inter=4)
+    smooth = run_world(_error_ratio, 4, "two_level", 4 * 512, local_world_size=2, bits_intra=8, bits_inter=4,
+                       hadamard_block=16)
+    assert sum(r for _, r in smooth) < sum(r for _, r in plain)
+
+
+def _mean_over_seeds(rank, world, mode, trials, **grads):
+    total = None
+    for seed in range(trials):
+        comm = QuantizedReduceScatter(_config(mode, seed=seed, **grads), build_topology(), 0)
+        out = _reduce_scatter(comm, _grad(rank, world * 64)).double()
+        total = out if total is None else total + out
+    exact = _exact(world, rank, world * 64, dist.ReduceOp.AVG)
+    err = (total / trials - exact).abs()
+    return err.max().item(), exact.abs().max().item()
+
+
+@pytest.mark.parametrize("mode,grads", [
+    ("one_level", dict(bits=2, symmetric=False)),
+    ("two_level", dict(bits_intra=4, bits_inter=2, hadamard_block=16, pipeline_slices=2)),
+])
+def test_stochastic_reduce_scatter_is_unbiased_over_seeds(mode, grads):
+    trials = 200
+    for err, peak in run_world(_mean_over_seeds, 4, mode, trials, local_world_size=2, **grads):
+        # one draw errs by up to a few grid steps (~peak / 2 for 2 bits); the mean of 200
+        # unbiased draws must be ~14x closer, a biased quantizer stays at its bias
+        assert err < peak / 2 / trials**0.5 * 6
+
+
+def _meter(rank, world, cfg_name):
+    from qsdp.comm.meter import METER
+
+    cfg = qsdp.resolve_config(cfg_name)
+    comm = QuantizedReduceScatter(cfg, build_topology(), 0)
+    METER.snapshot(reset=True)
+    _reduce_scatter(comm, _grad(rank, world * 128 * 64))
+    return METER.snapshot()["grads"]
+
+
+def test_sdp4bit_gradient_bits_per_element_from_the_meter():
+    for stats in run_world(_meter, 4, "sdp4bit", local_world_size=2):
+        assert stats["intra"]["bits_per_element"] == pytest.approx(8.25)
+        assert stats["inter"]["bits_per_element"] == pytest.approx(4.25)
+
+
+def _bad_op(rank, world):
+    comm = QuantizedReduceScatter(_config(), build_topology(), 0)
+    try:
+        _reduce_scatter(comm, _grad(rank, world * 8), op=dist.ReduceOp.MAX)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_an_unsupported_reduce_op_is_refused_before_any_data_moves():
+    for msg in run_world(_bad_op, 2):
+        assert "ReduceOp.SUM and ReduceOp.AVG" in msg
