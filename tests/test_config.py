@@ -1,0 +1,61 @@
+"""Presets and config validation: every bad value is named before anything runs."""
+
+import dataclasses
+
+import pytest
+
+import qsdp
+from qsdp.config import PRESETS, resolve_config
+
+
+def test_presets_match_the_design_table():
+    q, s, z = PRESETS["qsdp"], PRESETS["sdp4bit"], PRESETS["zeropp"]
+    assert (q.weights.mode, q.weights.bits, q.weights.symmetric, q.weights.rounding, q.weights.group_size) == ("direct", 8, False, "shift", 1024)
+    assert (q.grads.mode, q.grads.bits, q.grads.rounding, q.grads.group_size) == ("one_level", 8, "stochastic", 1024)
+    assert (s.weights.mode, s.weights.bits, s.weights.group_size) == ("difference", 4, 2048)
+    assert (s.grads.bits_intra, s.grads.bits_inter, s.grads.group_size, s.grads.hadamard_block, s.grads.pipeline_slices) == (8, 4, 128, 32, 8)
+    assert (z.weights.mode, z.weights.bits, z.grads.bits_intra, z.grads.bits_inter, z.grads.hadamard_block) == ("direct", 4, 4, 4, 0)
+    assert PRESETS["fsdp"].weights.mode == "plain" and PRESETS["fsdp"].grads.mode == "plain"
+
+
+def test_ablations_are_overrides_of_the_presets():
+    assert resolve_config("qw4").weights.mode == "direct" and resolve_config("qw4").grads.mode == "plain"
+    assert resolve_config("qwd4").weights.mode == "difference"
+    assert resolve_config("tlq4").grads.hadamard_block == 0
+    assert resolve_config("tlq-hs").grads.hadamard_block == 32
+    assert resolve_config("qsdp-w4g4").weights.bits == 4
+
+
+def test_dotted_and_nested_overrides():
+    cfg = resolve_config("sdp4bit", {"weights.bits": 8, "grads": {"hadamard_block": 0}})
+    assert cfg.weights.bits == 8 and cfg.grads.hadamard_block == 0 and cfg.grads.bits_inter == 4
+
+
+def test_presets_are_frozen_data():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PRESETS["qsdp"].weights.bits = 4
+
+
+@pytest.mark.parametrize("config,overrides,needle", [
+    ("nope", None, "unknown preset 'nope'"),
+    ("qsdp", {"weights.bits": 3}, "weights.bits=3"),
+    ("sdp4bit", {"grads.bits_inter": 16}, "grads.bits_inter=16"),
+    ("qsdp", {"grads.group_size": 0}, "grads.group_size=0"),
+    ("qsdp", {"weights.group_size": 12}, "multiple of 8"),
+    ("qsdp", {"weights.rounding": "up"}, "weights.rounding='up'"),
+    ("qsdp", {"weights.mode": "magic"}, "weights.mode='magic'"),
+    ("sdp4bit", {"grads.hadamard_block": 24}, "grads.hadamard_block=24"),
+    ("sdp4bit", {"grads.pipeline_slices": 0}, "grads.pipeline_slices=0"),
+    ("qsdp", {"local_world_size": 0}, "local_world_size=0"),
+    ("qsdp", {"weights.colour": 1}, "unknown config field weights.colour"),
+    ("qsdp", {"speed": 1}, "unknown config field speed"),
+])
+def test_bad_values_raise_config_errors_naming_field_and_value(config, overrides, needle):
+    with pytest.raises(qsdp.ConfigError) as info:
+        resolve_config(config, overrides)
+    assert needle in str(info.value)
+
+
+def test_unknown_preset_lists_the_allowed_names():
+    with pytest.raises(qsdp.ConfigError, match="allowed: fsdp, qsdp, sdp4bit, zeropp"):
+        resolve_config("fsdp2")
