@@ -28,7 +28,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -121,17 +120,14 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    # Only rank 0 writes, so a fixed temp name is safe; open() honours the umask (mkstemp's
+    # files would be private).
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 

@@ -1,0 +1,58 @@
+"""An ordinary FSDP2 training script; the quantized communication is the two marked lines.
+
+    torchrun --nproc-per-node 4 examples/fsdp2_two_lines.py --preset sdp4bit
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 examples/fsdp2_two_lines.py  # 2 nodes
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import qsdp  # (1/2)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="sdp4bit")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), *[Block(64) for _ in range(4)], torch.nn.Linear(64, 1))
+    for block in model[1:-1]:
+        fully_shard(block)
+    fully_shard(model)
+    qsdp.quantize_comms(model, args.preset)  # (2/2)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        x = torch.randn(32, 16, generator=gen)
+        y = x[:, :4].sum(dim=1, keepdim=True).sin()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
+            wire = qsdp.comm_stats(reset=False)
+            print(f"step {step:3d}  loss {loss.item():.4f}  weights {wire['weights']['total']['bits_per_element']:.2f} b/elt"
+                  f"  grads {wire['grads']['total']['bits_per_element']:.2f} b/elt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

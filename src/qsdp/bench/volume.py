@@ -1,0 +1,127 @@
+"""``qsdp bench volume``: bits per element on the wire per preset, read from the byte meter.
+
+A few training steps of the ``tiny`` GPT run in 4 local processes treated as 2 nodes x 2 ranks
+(gloo, ``LOCAL_WORLD_SIZE=2`` for the topology), once per preset. The first step is a warm-up
+and is not counted: it establishes the weight-difference replicas with exact values, a cost
+paid once per run (and after each checkpoint load), not per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+DEFAULT_PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
+
+
+def _worker(preset: str, steps: int, model_name: str, seq_len: int, batch_size: int, ranks_per_node: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import qsdp
+    from qsdp.train.model import make_gpt, transformer_blocks
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        torch.manual_seed(0)
+        vocab = 256
+        model = make_gpt(model_name, vocab, seq_len)
+        for block in transformer_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        qsdp.quantize_comms(model, preset, overrides={"local_world_size": ranks_per_node})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(steps + 1):
+            if step == 1:
+                qsdp.comm_stats(reset=True)
+                t0 = time.perf_counter()
+            x = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
+            _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        elapsed = time.perf_counter() - t0
+        stats = qsdp.comm_stats(reset=True)
+        return {"stats": stats, "step_time_s": elapsed / steps}
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(presets=DEFAULT_PRESETS, steps: int = 3, nproc: int = 4, ranks_per_node: int = 2,
+            model: str = "tiny", seq_len: int = 64, batch_size: int = 4) -> dict[str, Any]:
+    """Run every preset and return the JSON-ready result (rank 0's meter; all ranks send the
+    same volumes by symmetry)."""
+    from ..launch import launch_local
+    from ..config import resolve_config
+
+    for p in presets:
+        resolve_config(p)  # fail on a bad name before launching anything
+    out: dict[str, Any] = {"nodes": nproc // ranks_per_node, "ranks_per_node": ranks_per_node,
+                           "model": model, "steps": steps, "warmup_steps": 1, "presets": {}}
+    for p in presets:
+        res = launch_local(_worker, nproc, p, steps, model, seq_len, batch_size, ranks_per_node)[0]
+        st = res["stats"]
+        out["presets"][p] = {
+            "weights_bits_per_elt": st["weights"]["total"]["bits_per_element"],
+            "grads_intra_bits_per_elt": st["grads"]["intra"]["bits_per_element"],
+            "grads_inter_bits_per_elt": st["grads"]["inter"]["bits_per_element"],
+            "weights_bytes_per_step": st["weights"]["total"]["bytes"] / steps,
+            "grads_intra_bytes_per_step": st["grads"]["intra"]["bytes"] / steps,
+            "grads_inter_bytes_per_step": st["grads"]["inter"]["bytes"] / steps,
+            "control_bytes_per_step": st["control"]["total"]["bytes"] / steps,
+        }
+    base = out["presets"].get("fsdp")
+    for p, r in out["presets"].items():
+        total = r["weights_bytes_per_step"] + r["grads_intra_bytes_per_step"] + r["grads_inter_bytes_per_step"]
+        inter = r["grads_inter_bytes_per_step"]
+        r["total_bytes_per_step"] = total
+        if base:
+            btotal = base["weights_bytes_per_step"] + base["grads_intra_bytes_per_step"] + base["grads_inter_bytes_per_step"]
+            r["reduction_vs_fsdp"] = btotal / total if total else float("inf")
+            r["grads_inter_reduction_vs_fsdp"] = base["grads_inter_bytes_per_step"] / inter if inter else float("inf")
+    return out
+
+
+def format_table(result: dict[str, Any]) -> str:
+    rows = [("preset", "weights b/elt", "grads intra b/elt", "grads inter b/elt", "bytes/step", "reduction")]
+    for p, r in result["presets"].items():
+        rows.append((p, f"{r['weights_bits_per_elt']:.3f}", f"{r['grads_intra_bits_per_elt']:.3f}",
+                     f"{r['grads_inter_bits_per_elt']:.3f}", f"{r['total_bytes_per_step'] / 1e6:.2f} MB",
+                     f"{r.get('reduction_vs_fsdp', float('nan')):.2f}x"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    head = (f"{result['nodes']} nodes x {result['ranks_per_node']} ranks, model {result['model']}, "
+            f"{result['steps']} steps after {result['warmup_steps']} warm-up step (byte meter)")
+    return "\n".join([head, *lines])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qsdp bench volume", description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps={args.steps} must be at least 1")
+    import torch
+
+    result = measure(args.presets, steps=args.steps, model=args.model)
+    result["meta"] = {"command": "qsdp bench volume " + " ".join(argv if argv is not None else sys.argv[1:]),
+                      "torch": torch.__version__, "device": "cpu (gloo)",
+                      "date": time.strftime("%Y-%m-%d")}
+    if args.save:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
+        with open(args.save, "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(result) if args.json else format_table(result))
+    return 0
