@@ -235,7 +235,8 @@ def _worker_entry(args, error_dir: str) -> dict[str, Any] | None:
 def _quiet_elastic_logs():
     names = ["torch.distributed.elastic", "torch.distributed.launcher",
              "torch.distributed.elastic.multiprocessing.api",
-             "torch.distributed.elastic.agent.server.api"]
+             "torch.distributed.elastic.agent.server.api", "torch.multiprocessing",
+             "torch.multiprocessing.spawn"]
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -500,6 +501,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
+    except Exception as e:  # the elastic launcher's SignalException (SIGTERM, SIGINT)
+        if type(e).__name__ == "SignalException":
+            _error(f"interrupted ({e})")
+            return 130
+        raise
 
 
 if __name__ == "__main__":

@@ -76,6 +76,8 @@ class QuantConfig:
     local_world_size: ranks per node for the two-level reduce-scatter; ``None`` reads the
         ``LOCAL_WORLD_SIZE`` environment variable (set by torchrun), else one node.
     seed: base of every stochastic-rounding seed.
+    verify_replicas_every: every this many weight-difference gathers, compare a checksum of the
+        replicas across ranks and raise if they diverged (0: never).
     """
 
     name: str = "custom"
@@ -84,6 +86,7 @@ class QuantConfig:
     min_shard_numel: int = 0
     local_world_size: int | None = None
     seed: int = 0
+    verify_replicas_every: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -223,6 +226,8 @@ def validate(cfg: QuantConfig) -> None:
     lws = cfg.local_world_size
     if lws is not None and (not _is_int(lws) or lws < 1):
         raise ConfigError(f"local_world_size={lws!r} must be a positive integer or None")
+    if not _is_int(cfg.verify_replicas_every) or cfg.verify_replicas_every < 0:
+        raise ConfigError(f"verify_replicas_every={cfg.verify_replicas_every!r} must be a non-negative integer")
     if not _is_int(cfg.seed):
         raise ConfigError(f"seed={cfg.seed!r} must be an integer")
     if not isinstance(cfg.name, str) or not cfg.name:

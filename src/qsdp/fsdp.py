@@ -8,11 +8,13 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.distributed.fsdp import FSDPModule
 
 from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
 from .comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
 from .comm.topology import Topology, build_topology
+from .comm.versions import managed_parameters
 from .config import ConfigError, QuantConfig, resolve_config
 
 _ALL_GATHERS = {"plain": PlainAllGather, "direct": QuantizedAllGather, "difference": DifferenceAllGather}
@@ -28,6 +30,32 @@ class QuantizedComms:
     modules: list[nn.Module] = field(default_factory=list)
     all_gathers: list[Any] = field(default_factory=list)
     reduce_scatters: list[Any] = field(default_factory=list)
+
+    _hook: Any = None
+
+    def nonfinite_gradients(self) -> bool:
+        """Collective: ``True`` on every rank if any rank reduced a NaN/Inf gradient since the
+        last call. One all-reduce of one integer; call it after ``backward`` and skip the
+        optimizer step when it is ``True`` (weights, optimizer state and weight-difference
+        replicas then stay unchanged and identical on all ranks)."""
+        import torch
+
+        local = any([rs.take_nonfinite() for rs in self.reduce_scatters])  # take (reset) every flag
+        device = next((p.device for m in self.modules for p in m.parameters()), torch.device("cpu"))
+        flag = torch.tensor([int(local)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.group)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        """Remove the optimizer hook this handle registered."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _after_optimizer_step(self, *_: Any) -> None:
+        for ag in self.all_gathers:
+            if isinstance(ag, DifferenceAllGather):
+                ag.note_optimizer_step()
 
     def reset_replicas(self) -> None:
         """Make the next gather of every weight-difference comm send exact values (after the
@@ -112,8 +140,11 @@ def quantize_comms(
     check_same_config(cfg, group)
     topology = build_topology(group, cfg.local_world_size)
     handle = QuantizedComms(cfg, topology)
+    names = {id(m): n or "<root>" for n, m in module.named_modules()}
     for i, m in enumerate(fsdp_modules):
         ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i)
+        if isinstance(ag, DifferenceAllGather):
+            ag.track(managed_parameters(m, fsdp_modules), f"group {i} ({names[id(m)]})")
         rs_cls = PlainReduceScatter if cfg.grads.mode == "plain" else QuantizedReduceScatter
         rs = rs_cls(cfg, topology, i)
         m.set_custom_all_gather(ag)
@@ -121,4 +152,8 @@ def quantize_comms(
         handle.modules.append(m)
         handle.all_gathers.append(ag)
         handle.reduce_scatters.append(rs)
+    if cfg.weights.mode == "difference":
+        # Parameter changes made by any optimizer's step are the expected ones; any other
+        # in-place change (load_state_dict, a user's edit) makes the replicas stale.
+        handle._hook = register_optimizer_step_post_hook(handle._after_optimizer_step)
     return handle

@@ -19,40 +19,9 @@ DEFAULT_PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
 
 
 def _worker(preset: str, steps: int, model_name: str, seq_len: int, batch_size: int, ranks_per_node: int) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from .workload import run_steps
 
-    import qsdp
-    from qsdp.train.model import make_gpt, transformer_blocks
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        rank = dist.get_rank()
-        torch.manual_seed(0)
-        vocab = 256
-        model = make_gpt(model_name, vocab, seq_len)
-        for block in transformer_blocks(model):
-            fully_shard(block)
-        fully_shard(model)
-        qsdp.quantize_comms(model, preset, overrides={"local_world_size": ranks_per_node})
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(rank)
-        for step in range(steps + 1):
-            if step == 1:
-                qsdp.comm_stats(reset=True)
-                t0 = time.perf_counter()
-            x = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
-            _, loss = model(x[:, :-1], x[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        elapsed = time.perf_counter() - t0
-        stats = qsdp.comm_stats(reset=True)
-        return {"stats": stats, "step_time_s": elapsed / steps}
-    finally:
-        dist.destroy_process_group()
+    return run_steps(preset, steps, model_name, seq_len, batch_size, ranks_per_node)
 
 
 def measure(presets=DEFAULT_PRESETS, steps: int = 3, nproc: int = 4, ranks_per_node: int = 2,

@@ -19,6 +19,7 @@ from ..config import QuantConfig, WeightComm
 from .collectives import all_gather_flat
 from .meter import METER
 from .topology import Topology
+from .versions import versions
 from .wire import RowCodec
 
 
@@ -129,20 +130,60 @@ class DifferenceAllGather(_Base):
         super().__init__(config, topology, comm_id)
         self.codec = _weight_codec(config.weights)
         self.version = 0
+        self.gathers = 0
         self.replica: torch.Tensor | None = None
         self._last: torch.Tensor | None = None
+        # The FSDP group's sharded parameters and their version counters after the last
+        # optimizer step (or gather): see qsdp.comm.versions.
+        self.params: list[torch.Tensor] = []
+        self.name = f"group {comm_id}"
+        self._expected_versions: tuple[int, ...] | None = None
+        self.exact_resends = 0
+
+    def track(self, params: list[torch.Tensor], name: str) -> None:
+        """Watch ``params`` (the group's sharded parameters) for changes outside the optimizer."""
+        self.params = list(params)
+        self.name = name
+        self._expected_versions = None
+
+    def note_optimizer_step(self) -> None:
+        """Called after every optimizer step: the changes made so far are the optimizer's."""
+        if self.params:
+            self._expected_versions = versions(self.params)
+
+    def _changed_outside_optimizer(self) -> bool:
+        return bool(self.params) and self._expected_versions is not None and versions(self.params) != self._expected_versions
 
     def reset(self) -> None:
         """Forget the replica: the next gather re-establishes it with exact values."""
         self.replica = None
         self._last = None
 
-    def _agree_changed(self, changed: bool, device: torch.device, group) -> bool:
-        flag = torch.tensor([1 if changed else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    def _agree(self, changed: bool, stale: bool, device: torch.device, group) -> tuple[bool, bool]:
+        """One tiny all-reduce: did any rank's shard change, and did any change outside the
+        optimizer (so every rank takes the same path)."""
+        flags = torch.tensor([int(changed), int(stale)], dtype=torch.int32, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         intra, inter = self.topology.peers()
-        METER.record_peers("control", flag.element_size(), 0, intra, inter)
-        return bool(flag.item())
+        METER.record_peers("control", flags.numel() * flags.element_size(), 0, intra, inter)
+        return bool(flags[0].item()), bool(flags[1].item())
+
+    def _verify(self, group) -> None:
+        """Compare an exact integer checksum of the replica across ranks."""
+        bits = self.replica.view(torch.int16 if self.replica.element_size() == 2 else torch.int32)
+        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device) % 65521
+        mine = torch.stack([(bits.to(torch.int64) * weights).sum(), bits.to(torch.int64).sum()])
+        everyone = torch.empty(self.topology.world_size * 2, dtype=torch.int64, device=mine.device)
+        all_gather_flat(everyone, mine, group)
+        everyone = everyone.view(-1, 2)
+        intra, inter = self.topology.peers()
+        METER.record_peers("control", mine.numel() * 8, 0, intra, inter)
+        if not bool((everyone == everyone[0]).all()):
+            bad = [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
+            raise RuntimeError(
+                f"weight-difference replicas diverged: {self.name} at gather {self.gathers}: "
+                f"ranks {bad} differ from rank 0"
+            )
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         self._check_group(group)
@@ -152,13 +193,21 @@ class DifferenceAllGather(_Base):
             self._plain(output_tensor, input_tensor, group)
             return None
         shard = input_tensor.detach()
-        if self.replica is None or self.replica.numel() != output_tensor.numel() or self.replica.dtype != output_tensor.dtype:
+        self.gathers += 1
+        fresh = self.replica is None or self.replica.numel() != output_tensor.numel() or self.replica.dtype != output_tensor.dtype
+        changed = stale = False
+        if not fresh:
+            changed, stale = self._agree(not torch.equal(self._last, shard), self._changed_outside_optimizer(), shard.device, group)
+            if stale:
+                self.exact_resends += 1
+        if fresh or stale:
             self._plain(output_tensor, shard, group)
             self.replica = output_tensor.detach().clone()
             self._last = shard.clone()
+            self.note_optimizer_step()
             return None
-        changed = not torch.equal(self._last, shard)
-        if not self._agree_changed(changed, shard.device, group):
+        self.note_optimizer_step()
+        if not changed:
             output_tensor.copy_(self.replica)
             return None
         self.version += 1
@@ -175,6 +224,9 @@ class DifferenceAllGather(_Base):
         self._last.copy_(shard)
         replica_rows.copy_((replica_rows.float() + deltas).to(self.replica.dtype))
         output_tensor.copy_(self.replica)
+        every = self.config.verify_replicas_every
+        if every and self.version % every == 0:
+            self._verify(group)
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -182,6 +234,9 @@ class DifferenceAllGather(_Base):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = int(state.get("version", 0))
+        # Loading restores parameters and replicas together: the parameters' new version
+        # counters are the reference from here on.
+        self.note_optimizer_step()
         replica, last = state.get("replica"), state.get("last")
         self.replica = None if replica is None else replica.detach().clone()
         self._last = None if last is None else last.detach().clone()

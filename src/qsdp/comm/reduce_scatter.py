@@ -42,6 +42,19 @@ class _Base:
         self.topology = topology
         self.comm_id = comm_id
         self.calls = 0
+        self._nonfinite: torch.Tensor | None = None
+
+    def _watch(self, output: torch.Tensor) -> None:
+        """Remember (without a device sync) whether this rank's reduced shard holds NaN/Inf: a
+        non-finite gradient anywhere reaches some owner's shard through a non-finite group
+        scale or value, so the owners together see every one."""
+        bad = ~torch.isfinite(output).all()
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+
+    def take_nonfinite(self) -> bool:
+        """Whether a non-finite value was reduced since the last call (local to this rank)."""
+        flag, self._nonfinite = self._nonfinite, None
+        return bool(flag.item()) if flag is not None else False
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -55,6 +68,7 @@ class _Base:
 
     def _plain(self, output, input_tensor, group, op) -> None:
         reduce_scatter_flat(output, input_tensor, op, group)
+        self._watch(output)
         s = output.numel()
         intra, inter = self.topology.peers()
         METER.record_peers("grads", s * input_tensor.element_size(), s, intra, inter)
@@ -123,6 +137,7 @@ class QuantizedReduceScatter(_Base):
         if divisor != 1:
             total = total / divisor
         output_tensor.copy_(total)
+        self._watch(output_tensor)
         return None
 
     def _seed(self, *parts: int) -> int:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 __all__ = [
@@ -187,6 +188,15 @@ def save_checkpoint(
     return final
 
 
+def _short(e: BaseException) -> str:
+    """One line for a DCP failure (its own message is every rank's traceback)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (exc, _) = min(e.failures.items())
+        detail = str(exc) or "the file is truncated or corrupt"
+        return f"rank {rank}: {type(exc).__name__}: {detail}".splitlines()[0]
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
@@ -206,8 +216,8 @@ def load_checkpoint(
     state = {"model": model_sd, "optim": optim_sd, "rank_state": {str(rank): b""}}
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # noqa: BLE001 - DCP wraps reader errors in several types
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+        raise CheckpointError(f"cannot load checkpoint {path}: {_short(e)}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     blob = state["rank_state"][str(rank)]
     if not isinstance(blob, bytes) or not blob:

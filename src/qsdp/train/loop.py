@@ -247,6 +247,16 @@ def _run_identity(args: TrainArgs, world_size: int, data_id: str | None) -> dict
     return ident
 
 
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def check_resume(args: TrainArgs, world_size: int, data_id: str | None = None) -> tuple[Path, dict[str, Any]]:
     """The checkpoint ``--resume`` continues from and its ``trainer.json``; TrainError if there
     is none, if it was written by a different run, or if it is already at ``--steps``."""
@@ -255,9 +265,10 @@ def check_resume(args: TrainArgs, world_size: int, data_id: str | None = None) -
         raise TrainError(f"--resume: no checkpoint in {os.path.join(args.out, 'checkpoints')} "
                          "(checkpoints/latest is missing)")
     meta = read_meta(path)
-    mine = _run_identity(args, world_size, data_id)
-    theirs = meta.get("identity", {})
-    diffs = [f"{k}: checkpoint {theirs.get(k)!r} != now {v!r}" for k, v in mine.items()
+    mine = _flatten(_run_identity(args, world_size, data_id))
+    theirs = _flatten(meta.get("identity", {}))
+    # Only what both know: a field added to the config since the checkpoint is not a change.
+    diffs = [f"{k}: checkpoint {theirs[k]!r} != now {v!r}" for k, v in mine.items()
              if k in theirs and theirs[k] != v]
     if diffs:
         raise TrainError(f"--resume: checkpoint {path} was written by a different run: " + "; ".join(diffs))
@@ -486,6 +497,7 @@ class _Trainer:
         tokens_per_step = args.batch_size * args.seq_len * world
         step_times: list[float] = []
         last_loss = last_val = float("nan")
+        postfix: dict[str, str] = {}  # progress bar: loss, tokens/s, bits/element on the wire
         try:
             for step in range(start_step + 1, args.steps + 1):
                 t0 = time.perf_counter()
@@ -510,10 +522,11 @@ class _Trainer:
                     rec = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm,
                            "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, **wire.flat()}
                     writer.write(rec)
+                    postfix.update(loss=f"{last_loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                   bits_w=f"{rec['bits_per_elt_weights_total']:.1f}",
+                                   bits_g=f"{rec['bits_per_elt_grads_total']:.1f}")
                     if bar is not None:
-                        bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                                        w_bits=f"{rec['bits_per_elt_weights_total']:.1f}",
-                                        g_bits=f"{rec['bits_per_elt_grads_total']:.1f}", refresh=False)
+                        bar.set_postfix(postfix, refresh=False)
                 if bar is not None:
                     bar.update(1)
 
@@ -526,8 +539,9 @@ class _Trainer:
                 if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
                     last_val = _evaluate(model, ds, args, rank, world, device)
                     writer.write({"step": step, "val_loss": last_val})
+                    postfix["val"] = f"{last_val:.3f}"
                     if bar is not None:
-                        bar.set_postfix(loss=f"{last_loss:.3f}", val=f"{last_val:.3f}", refresh=False)
+                        bar.set_postfix(postfix, refresh=False)
         finally:
             if bar is not None:
                 bar.close()

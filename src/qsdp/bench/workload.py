@@ -1,0 +1,103 @@
+"""The benchmark workload: a few timed training steps of a GPT under FSDP2 + qsdp.
+
+Runs in a worker process of an existing torch.distributed world (torchrun, or
+:func:`qsdp.launch.launch_local`); also runnable as ``python -m qsdp.bench.workload ...`` under
+torchrun, writing rank 0's result as JSON (what the cluster benchmark launches in each node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+
+def run_steps(
+    preset: str,
+    steps: int,
+    model_name: str = "tiny",
+    seq_len: int = 64,
+    batch_size: int = 4,
+    ranks_per_node: int | None = None,
+    warmup: int = 1,
+) -> dict[str, Any]:
+    """``warmup`` + ``steps`` optimizer steps on random tokens; returns rank-local step times and
+    the byte meter over the timed steps. Initializes (and destroys) the process group from the
+    environment if none exists."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import qsdp
+    from qsdp.train.model import make_gpt, transformer_blocks
+
+    torch.set_num_threads(1)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        torch.manual_seed(0)
+        vocab = 256
+        model = make_gpt(model_name, vocab, seq_len)
+        for block in transformer_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        overrides = {} if ranks_per_node is None else {"local_world_size": ranks_per_node}
+        qsdp.quantize_comms(model, preset, overrides=overrides)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        times = []
+        for step in range(warmup + steps):
+            if step == warmup:
+                qsdp.comm_stats(reset=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            x = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
+            _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            dist.barrier()
+            if step >= warmup:
+                times.append(time.perf_counter() - t0)
+        stats = qsdp.comm_stats(reset=True)
+        return {
+            "preset": preset,
+            "stats": stats,
+            "step_times_s": times,
+            "step_time_s": statistics.median(times) if times else 0.0,
+            "tokens_per_step": batch_size * seq_len * dist.get_world_size(),
+        }
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qsdp.bench.workload")
+    parser.add_argument("--preset", required=True)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--ranks-per-node", type=int, default=None)
+    parser.add_argument("--out", help="rank 0 writes its result here as JSON")
+    args = parser.parse_args(argv)
+    import torch.distributed as dist  # noqa: F401
+
+    result = run_steps(args.preset, args.steps, args.model, args.seq_len, args.batch_size,
+                       args.ranks_per_node, args.warmup)
+    import os
+
+    if args.out and os.environ.get("RANK", "0") == "0":
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,206 @@
+"""End to end: the training job on real process groups, metrics, summary, checkpoints, resume.
+
+Most runs call ``train_worker`` in a forked gloo world (``run_world``: a second per world);
+one goes through the real command line with ``--nproc 2`` (the elastic launcher, spawned
+workers), and one through the torchrun path (``qsdp.cli.main`` inside an initialized world).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from distributed import run_world
+from qsdp.train.checkpoint import CHECKPOINT_DIR, LATEST_FILE, latest_checkpoint, read_meta
+from qsdp.train.loop import TrainArgs, train_worker
+from qsdp.train.metrics import read_metrics, read_summary
+
+PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
+TRAIN_FIELDS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "wire_bytes_total"}
+SUMMARY_FIELDS = {"config", "final_val_loss", "final_train_loss", "wire", "wire_bytes_total", "steps",
+                  "wall_time_s", "median_step_time_s", "world_size", "torch_version", "device"}
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> str:
+    """A 300 kB slice of the default corpus: the same kind of text, a fraction of the load time."""
+    from qsdp.train.data import load_corpus
+
+    path = tmp_path_factory.mktemp("data") / "chat.txt"
+    path.write_text(load_corpus(None)[:300_000], encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
+
+
+def _args(out, corpus, **kw) -> TrainArgs:
+    base = dict(out=str(out), data=corpus, model="tiny", steps=8, batch_size=4, seq_len=32,
+                lr=3e-3, eval_every=0, eval_batches=2, ckpt_every=0, progress=False)
+    return TrainArgs(**{**base, **kw})
+
+
+def _worker(rank, world, args):
+    return train_worker(args)
+
+
+def train(args, world=2, lws=None, timeout=120):
+    return run_world(_worker, world, args, local_world_size=lws, timeout=timeout)
+
+
+def _train_losses(run_dir) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def check_run_files(run_dir, steps: int, preset: str, world: int) -> None:
+    """metrics.jsonl and summary.json are complete and consistent."""
+    records = read_metrics(run_dir)
+    train_recs = [r for r in records if "loss" in r]
+    val_recs = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in train_recs] == list(range(1, steps + 1))
+    for r in train_recs:
+        assert TRAIN_FIELDS <= r.keys()
+        assert math.isfinite(r["loss"]) and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+        for kind in ("weights", "grads"):
+            for level in ("intra", "inter", "total"):
+                assert f"wire_bytes_{kind}_{level}" in r and f"bits_per_elt_{kind}_{level}" in r
+    wire = [r["wire_bytes_total"] for r in train_recs]
+    assert all(b > a for a, b in zip(wire, wire[1:])), "cumulative bytes must grow every step"
+    assert val_recs and val_recs[-1]["step"] == steps
+    summary = read_summary(run_dir)
+    assert SUMMARY_FIELDS <= summary.keys()
+    assert summary["config"]["name"] == preset
+    assert summary["steps"] == steps and summary["world_size"] == world
+    assert summary["final_val_loss"] == val_recs[-1]["val_loss"]
+    assert summary["wire_bytes_total"] >= wire[-1]
+    for kind in ("weights", "grads", "control"):
+        assert set(summary["wire"][kind]) == {"intra", "inter", "total"}
+    latest = latest_checkpoint(run_dir)
+    assert latest is not None and latest.name == f"step_{steps:08d}"
+    assert read_meta(latest)["step"] == steps
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_each_preset_trains_and_writes_complete_metrics(tmp_path, corpus, preset):
+    steps = 12
+    out = tmp_path / preset
+    summaries = train(_args(out, corpus, preset=preset, steps=steps, eval_every=6))
+    assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
+    check_run_files(out, steps, preset, world=2)
+    losses = _train_losses(out)
+    assert losses[0] > 5.0  # about ln(256): a byte model at initialization
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    wire = read_summary(out)["wire"]
+    weights_bits = wire["weights"]["total"]["bits_per_element"]
+    grads_bits = wire["grads"]["total"]["bits_per_element"]
+    if preset == "fsdp":
+        assert weights_bits == pytest.approx(32.0) and grads_bits == pytest.approx(32.0)  # fp32 on CPU
+    else:  # the first weight-difference gather is exact; everything else travels in <= 8 bits
+        assert grads_bits < 9.0 and weights_bits < (12.0 if preset == "sdp4bit" else 9.0)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("preset,world,lws", [("fsdp", 2, None), ("sdp4bit", 4, 2), ("qsdp", 2, None)])
+def test_resume_is_bit_identical(tmp_path, corpus, preset, world, lws):
+    """2k steps == k steps (on the 2k-step schedule), stopped, resumed for k more."""
+    k = 3
+    full, half = tmp_path / "full", tmp_path / "half"
+    common = dict(preset=preset, local_world_size=lws, eval_every=2)
+    train(_args(full, corpus, steps=2 * k, **common), world, lws)
+    train(_args(half, corpus, steps=k, decay_steps=2 * k, **common), world, lws)
+    assert latest_checkpoint(half).name == f"step_{k:08d}"
+    train(_args(half, corpus, steps=2 * k, resume=True, **common), world, lws)
+    a, b = _train_losses(full), _train_losses(half)
+    assert len(a) == len(b) == 2 * k
+    assert a == b  # exact float equality: model, optimizer, LR, comm replicas and counters restored
+    val = lambda d: [(r["step"], r["val_loss"]) for r in read_metrics(d) if "val_loss" in r]
+    assert [v for v in val(half) if v[0] != k] == val(full)  # the half run also evaluated at k
+    sa, sb = read_summary(full), read_summary(half)
+    assert sb["start_step"] == k and sb["final_val_loss"] == sa["final_val_loss"]
+
+
+def _crashing_save(original, crash_step):
+    def save(state, checkpoint_id, **kw):
+        original(state, checkpoint_id=checkpoint_id, **kw)
+        if f"step_{crash_step:08d}" in str(checkpoint_id):
+            raise RuntimeError("simulated crash in the middle of a checkpoint save")
+    return save
+
+
+@pytest.mark.timeout(120)
+def test_interrupted_save_keeps_last_good_checkpoint_and_resume_continues(tmp_path, corpus, monkeypatch):
+    import qsdp.train.checkpoint as ckpt
+
+    out, ref = tmp_path / "run", tmp_path / "ref"
+    args = dict(preset="sdp4bit", steps=4, ckpt_every=2, keep_checkpoints=0)
+    train(_args(ref, corpus, **args))
+    monkeypatch.setattr(ckpt.dcp, "save", _crashing_save(ckpt.dcp.save, 4))  # forked workers inherit it
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(_args(out, corpus, **args))
+    monkeypatch.undo()
+    root = out / CHECKPOINT_DIR
+    assert (root / LATEST_FILE).read_text().strip() == "step_00000002"
+    assert not (root / "step_00000004").exists()  # the half-written save never got its name
+    assert (root / "step_00000004.tmp").is_dir()
+    train(_args(out, corpus, resume=True, **args))
+    assert (root / LATEST_FILE).read_text().strip() == "step_00000004"
+    assert not list(root.glob("*.tmp"))
+    # The resumed run re-logged steps 3-4 after the crash: the later records equal the reference.
+    by_step = {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+    assert [by_step[s] for s in range(1, 5)] == _train_losses(ref)
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_retention_and_existing_step_directory(tmp_path, corpus):
+    out = tmp_path / "run"
+    train(_args(out, corpus, preset="fsdp", steps=6, ckpt_every=2, keep_checkpoints=2))
+    root = out / CHECKPOINT_DIR
+    assert sorted(p.name for p in root.iterdir()) == [LATEST_FILE, "step_00000004", "step_00000006"]
+    # A crash after the rename but before `latest` moved leaves a newer complete directory:
+    # resuming from `latest` writes that step again and replaces it.
+    shutil.copytree(root / "step_00000006", root / "step_00000008")
+    train(_args(out, corpus, preset="fsdp", steps=8, ckpt_every=2, keep_checkpoints=2, resume=True))
+    assert (root / LATEST_FILE).read_text().strip() == "step_00000008"
+    assert read_meta(root / "step_00000008")["step"] == 8
+
+
+def _cli_in_world(rank, world, argv):
+    from qsdp.cli import main
+
+    return main(argv)
+
+
+@pytest.mark.timeout(120)
+def test_cli_under_torchrun_environment_runs_in_process(tmp_path, corpus):
+    """With RANK/WORLD_SIZE set (as torchrun does), `qsdp train` runs the job in the process."""
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "zeropp", "--steps", "4", "--batch-size", "4", "--seq-len", "32",
+            "--data", corpus, "--out", str(out), "--no-progress", "--eval-batches", "2"]
+    assert run_world(_cli_in_world, 2, argv, timeout=90) == [0, 0]
+    check_run_files(out, 4, "zeropp", world=2)
+
+
+@pytest.mark.timeout(240)
+def test_real_cli_launches_two_workers_and_resumes(tmp_path, corpus, capsys):
+    """`qsdp train --nproc 2` through the elastic launcher, then `--resume` to more steps."""
+    from qsdp.cli import main
+
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "sdp4bit", "--nproc", "2", "--batch-size", "4", "--seq-len", "32",
+            "--data", corpus, "--out", str(out), "--eval-every", "3", "--eval-batches", "2",
+            "--ckpt-every", "3", "--no-progress", "--set", "grads.pipeline_slices=2"]
+    assert main(argv + ["--steps", "6"]) == 0
+    check_run_files(out, 6, "sdp4bit", world=2)
+    assert read_summary(out)["config"]["grads"]["pipeline_slices"] == 2
+    assert "final val loss" in capsys.readouterr().out
+    assert main(argv + ["--steps", "9", "--resume"]) == 0
+    check_run_files(out, 9, "sdp4bit", world=2)
+    assert read_summary(out)["start_step"] == 6
