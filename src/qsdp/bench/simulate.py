@@ -53,9 +53,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..comm.all_gather import _weight_codec
-from ..comm.reduce_scatter import _codec as _grad_codec
-from ..comm.reduce_scatter import _real, _slices
+from ..comm.all_gather import weight_codec
+from ..comm.reduce_scatter import grad_codec
+from ..comm.reduce_scatter import real_elements, pipeline_slices_bounds
 from ..config import QuantConfig, resolve_config
 from ..train.model import GPTConfig, flops_per_token, n_params
 
@@ -147,14 +147,14 @@ def step_collectives(
         if w.mode == "plain" or n < thresh:
             out += [plain_gather(n) for _ in range(calls)]
             continue
-        codec = _weight_codec(w)
+        codec = weight_codec(w)
         quant = Collective("weights", "ring", codec.row_nbytes(n), n, intra, inter,
                            quantize=n, dequantize=world * n, hp_bytes=param_bytes)
         if w.mode == "direct":
             out += [quant] * calls
         else:  # difference: one gather carries the change, every gather agrees on a flag
             out += [quant] if calls else []
-            out += [Collective("control", "allreduce", 4, 0, intra, inter)] * calls
+            out += [Collective("control", "allreduce", 8, 0, intra, inter)] * calls  # 2 int32 flags
 
     # Gradient reduce-scatters (qsdp.comm.reduce_scatter), one per group per step.
     raw = _DTYPES[grad_bytes]
@@ -164,7 +164,7 @@ def step_collectives(
             continue
         if g.mode == "one_level" or d == 1 or m == 1:
             bits = g.bits if g.mode == "one_level" else (g.bits_intra if d == 1 else g.bits_inter)
-            codec = _grad_codec(g, bits, raw)
+            codec = grad_codec(g, bits, raw)
             inter_only = g.mode != "one_level" and d > 1
             out.append(Collective(
                 "grads", "a2a", codec.row_nbytes(s), s, 0 if inter_only else intra, inter,
@@ -172,18 +172,18 @@ def step_collectives(
                 hp_bytes=grad_bytes, hadamard=bool(codec.hadamard_block and not codec.exact),
             ))
             continue
-        hop1 = _grad_codec(g, g.bits_intra, raw)
-        hop2 = _grad_codec(g, g.bits_inter, torch.float32)
+        hop1 = grad_codec(g, g.bits_intra, raw)
+        hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
-        for a, b in _slices(lp, hop1, g.pipeline_slices):
+        for a, b in pipeline_slices_bounds(lp, hop1, g.pipeline_slices):
             width = b - a
             out.append(Collective(
-                "grads", "a2a_intra", d * hop1.row_nbytes(width), d * _real(a, b, s), m - 1, 0,
+                "grads", "a2a_intra", d * hop1.row_nbytes(width), d * real_elements(a, b, s), m - 1, 0,
                 quantize=world * width, dequantize=world * width, hp_bytes=grad_bytes,
                 hadamard=bool(hop1.hadamard_block and not hop1.exact), pipeline=gi, hop=1,
             ))
             out.append(Collective(
-                "grads", "a2a_inter", hop2.row_nbytes(width), _real(a, b, s), 0, d - 1,
+                "grads", "a2a_inter", hop2.row_nbytes(width), real_elements(a, b, s), 0, d - 1,
                 quantize=d * width, dequantize=d * width, hp_bytes=4, pipeline=gi, hop=2,
             ))
     return out

@@ -65,7 +65,7 @@ class PlainAllGather(_Base):
         return None
 
 
-def _weight_codec(w: WeightComm) -> RowCodec:
+def weight_codec(w: WeightComm) -> RowCodec:
     return RowCodec(bits=w.bits, group_size=w.group_size, symmetric=w.symmetric, rounding=w.rounding)
 
 
@@ -80,7 +80,7 @@ class QuantizedAllGather(_Base):
 
     def __init__(self, config: QuantConfig, topology: Topology, comm_id: int) -> None:
         super().__init__(config, topology, comm_id)
-        self.codec = _weight_codec(config.weights)
+        self.codec = weight_codec(config.weights)
         self.version = 0
         self._last: torch.Tensor | None = None
 
@@ -128,7 +128,7 @@ class DifferenceAllGather(_Base):
 
     def __init__(self, config: QuantConfig, topology: Topology, comm_id: int) -> None:
         super().__init__(config, topology, comm_id)
-        self.codec = _weight_codec(config.weights)
+        self.codec = weight_codec(config.weights)
         self.version = 0
         self.gathers = 0
         self.replica: torch.Tensor | None = None

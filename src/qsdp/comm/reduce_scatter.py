@@ -92,7 +92,7 @@ class PlainReduceScatter(_Base):
         return None
 
 
-def _codec(g: GradComm, bits: int, raw_dtype: torch.dtype) -> RowCodec:
+def grad_codec(g: GradComm, bits: int, raw_dtype: torch.dtype) -> RowCodec:
     if not g.quantize:
         return RowCodec(bits=None, raw_dtype=raw_dtype)
     return RowCodec(bits=bits, group_size=g.group_size, symmetric=g.symmetric,
@@ -128,10 +128,10 @@ class QuantizedReduceScatter(_Base):
         x = input_tensor.view(world, s)
         m, d = topo.ranks_per_node, topo.nodes
         if g.mode == "one_level":
-            total = self._one_hop(x, group, _codec(g, g.bits, x.dtype), inter_only=False)
+            total = self._one_hop(x, group, grad_codec(g, g.bits, x.dtype), inter_only=False)
         elif d == 1 or m == 1:
             bits = g.bits_intra if d == 1 else g.bits_inter
-            total = self._one_hop(x, group, _codec(g, bits, x.dtype), inter_only=d > 1)
+            total = self._one_hop(x, group, grad_codec(g, bits, x.dtype), inter_only=d > 1)
         else:
             total = self._two_hops(x)
         if divisor != 1:
@@ -157,8 +157,8 @@ class QuantizedReduceScatter(_Base):
         topo, g = self.topology, self.config.grads
         m, d = topo.ranks_per_node, topo.nodes
         world, s = x.shape
-        hop1 = _codec(g, g.bits_intra, x.dtype)
-        hop2 = _codec(g, g.bits_inter, torch.float32)
+        hop1 = grad_codec(g, g.bits_intra, x.dtype)
+        hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
         xp = _pad_cols(x.float(), lp) if lp != s else x.float()
         if hop1.hadamard_block and not hop1.exact:
@@ -168,7 +168,7 @@ class QuantizedReduceScatter(_Base):
         # Destination-major order for the intra-node exchange: row (l, n) holds the chunk of the
         # rank with local rank l on node n, so local peer l receives its D rows contiguously.
         xp = xp.view(d, m, lp).transpose(0, 1).reshape(m * d, lp)
-        bounds = _slices(lp, hop1, g.pipeline_slices)
+        bounds = pipeline_slices_bounds(lp, hop1, g.pipeline_slices)
         out = torch.empty(lp, dtype=torch.float32, device=x.device)
         n_slices = len(bounds)
         stage1: list[tuple[torch.Tensor, Any] | None] = [None] * n_slices
@@ -180,7 +180,7 @@ class QuantizedReduceScatter(_Base):
                 send = hop1.encode(xp[:, a:b], seed=self._seed(4, k), transformed=True)
                 recv = torch.empty_like(send)
                 work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
-                METER.record_peers("grads", d * send.shape[1], d * _real(a, b, s), m - 1, 0)
+                METER.record_peers("grads", d * send.shape[1], d * real_elements(a, b, s), m - 1, 0)
                 stage1[k] = (recv, work)
             k = step - 1
             if 0 <= k < n_slices:
@@ -191,7 +191,7 @@ class QuantizedReduceScatter(_Base):
                 send = hop2.encode(partial, seed=self._seed(5, k), transformed=True)
                 recv2 = torch.empty_like(send)
                 work2 = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
-                METER.record_peers("grads", send.shape[1], _real(a, b, s), 0, d - 1)
+                METER.record_peers("grads", send.shape[1], real_elements(a, b, s), 0, d - 1)
                 stage1[k] = None
                 stage2[k] = (recv2, work2)
             k = step - 2
@@ -204,12 +204,12 @@ class QuantizedReduceScatter(_Base):
         return hop1.finish(out, s)
 
 
-def _real(a: int, b: int, s: int) -> int:
+def real_elements(a: int, b: int, s: int) -> int:
     """Elements of the padded slice ``[a, b)`` that are real data (not padding)."""
     return max(0, min(b, s) - a)
 
 
-def _slices(length: int, codec: RowCodec, n: int) -> list[tuple[int, int]]:
+def pipeline_slices_bounds(length: int, codec: RowCodec, n: int) -> list[tuple[int, int]]:
     """Up to ``n`` contiguous slices of ``[0, length)``, each a whole number of codec units."""
     unit = max(1, length if codec.exact else math.lcm(codec.group_size, codec.hadamard_block or 1))
     if codec.exact:
