@@ -7,11 +7,8 @@ workers), and one through the torchrun path (``qsdp.cli.main`` inside an initial
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -108,7 +105,12 @@ def test_each_preset_trains_and_writes_complete_metrics(tmp_path, corpus, preset
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("preset,world,lws", [("fsdp", 2, None), ("sdp4bit", 4, 2), ("qsdp", 2, None)])
+@pytest.mark.parametrize("preset,world,lws", [
+    ("fsdp", 2, None),
+    ("sdp4bit", 4, 2),  # 2 nodes x 2 ranks: weight-difference replicas and both gradient hops
+    pytest.param("qsdp", 2, None, marks=pytest.mark.slow),
+    pytest.param("zeropp", 4, 2, marks=pytest.mark.slow),
+])
 def test_resume_is_bit_identical(tmp_path, corpus, preset, world, lws):
     """2k steps == k steps (on the 2k-step schedule), stopped, resumed for k more."""
     k = 3
@@ -204,3 +206,17 @@ def test_real_cli_launches_two_workers_and_resumes(tmp_path, corpus, capsys):
     assert main(argv + ["--steps", "9", "--resume"]) == 0
     check_run_files(out, 9, "sdp4bit", world=2)
     assert read_summary(out)["start_step"] == 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_prints_the_table_and_writes_plots(tmp_path, capsys):
+    from qsdp.cli import main
+
+    assert main(["demo", "--out", str(tmp_path), "--steps", "6"]) == 0
+    out = capsys.readouterr().out
+    for preset in ("fsdp", "qsdp", "sdp4bit"):
+        assert any(line.startswith(preset + " ") for line in out.splitlines()), out
+        check_run_files(tmp_path / preset, 6, preset, world=4)
+        assert read_summary(tmp_path / preset)["nodes"] == 2
+    assert (tmp_path / "loss_vs_step.png").is_file() and (tmp_path / "loss_vs_bytes.png").is_file()

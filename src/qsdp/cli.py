@@ -21,15 +21,14 @@ import json
 import logging
 import os
 import shutil
-import socket
-import statistics
 import sys
 import tempfile
 import time
 import traceback
-import uuid
 from pathlib import Path
 from typing import Any, Sequence
+
+from qsdp.launch import under_torchrun
 
 __all__ = ["main"]
 
@@ -111,7 +110,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=int, default=d.seq_len)
     g.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
     g.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
-    g.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of the schedule)")
+    g.add_argument("--warmup", type=int, default=None, help="warmup steps (default 10%% of the schedule, at most 1000)")
     g.add_argument("--decay-steps", type=int, default=None,
                    help="length of the cosine schedule (default --steps)")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay)
@@ -131,6 +130,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks per node for the two-level reduce-scatter (emulates nodes on one machine)")
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="keep the weights gathered between forward and backward (ZeRO-2 like)")
+    g.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="cpu (gloo) or cuda (NCCL, one GPU a worker); default cuda if available")
     g.add_argument("--param-dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--timeout", dest="timeout_s", type=float, default=None,
                    help="seconds a collective may wait before the job fails (default 600)")
@@ -147,11 +148,6 @@ def _train_args(ns: argparse.Namespace):
 
 # ---------------------------------------------------------------------------------------------
 # Validation
-
-
-def _under_torchrun() -> bool:
-    env = os.environ
-    return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
 
 
 def _check_writable(out: str) -> None:
@@ -173,7 +169,7 @@ def _validate_train(args, nproc: int | None, *, full: bool) -> int:
     from qsdp.train.loop import check_out_dir, check_resume, prepare_dataset, validate_args
 
     validate_args(args)
-    if _under_torchrun():
+    if under_torchrun():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if nproc is not None and nproc != world:
             raise UsageError(f"--nproc {nproc} conflicts with torchrun's WORLD_SIZE={world}; "
@@ -182,6 +178,13 @@ def _validate_train(args, nproc: int | None, *, full: bool) -> int:
         world = 1 if nproc is None else nproc
         if world < 1:
             raise UsageError(f"--nproc must be a positive number of processes, got {world}")
+        import torch
+
+        from qsdp.train.loop import use_cuda
+
+        if use_cuda(args) and world > torch.cuda.device_count():
+            raise UsageError(f"--nproc {world} needs {world} GPUs (one a worker); this machine has "
+                             f"{torch.cuda.device_count()}")
     lws = args.local_world_size
     if lws is not None and world % lws:
         raise UsageError(f"--local-world-size {lws} must divide the number of processes {world} "
@@ -201,12 +204,6 @@ def _validate_train(args, nproc: int | None, *, full: bool) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Launching workers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker_entry(args, error_dir: str) -> dict[str, Any] | None:
@@ -272,24 +269,17 @@ def _root_cause(error_dir: Path, failures: dict[int, Any], out: str) -> WorkerFa
 def _launch(args, nproc: int) -> dict[str, Any]:
     """Run ``train_worker(args)`` in ``nproc`` local processes; returns rank 0's summary."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-        run_id=f"qsdp-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        rdzv_configs={"timeout": int(max(60, args.timeout_s))},
-        max_restarts=0, monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1",
-    )
-    # torchrun's default: one thread per worker unless the user says otherwise; here the
-    # machine's cores shared by the workers.
+    from qsdp.launch import launch_local
+
+    # torchrun's default is one thread per worker; here the machine's cores shared by the workers.
     env_threads = "OMP_NUM_THREADS" not in os.environ
     if env_threads:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     error_dir = Path(tempfile.mkdtemp(prefix="qsdp-errors-"))
     try:
         with _quiet_elastic_logs():
-            results = elastic_launch(config, _worker_entry)(args, str(error_dir))
+            results = launch_local(_worker_entry, nproc, args, str(error_dir))
     except ChildFailedError as e:
         raise _root_cause(error_dir, e.failures, args.out) from None
     finally:
@@ -304,7 +294,7 @@ def run_training(args, nproc: int | None = None) -> dict[str, Any]:
     returns the summary. Raises UsageError / the loop's user errors / WorkerFailure."""
     from qsdp.train.loop import train_worker
 
-    if _under_torchrun():
+    if under_torchrun():
         _validate_train(args, nproc, full=False)
         return train_worker(args)
     world = _validate_train(args, nproc, full=True)
@@ -326,10 +316,11 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 DEMO_PRESETS = ("fsdp", "qsdp", "sdp4bit")
-# Measured on a 2-core CPU machine: three runs of 4 workers finish in about 4 minutes, and the
-# byte-level loss falls from ln(256) = 5.5 to about 2.5.
-DEMO_DEFAULTS = dict(model="tiny", steps=300, batch_size=8, seq_len=64, lr=3e-3, eval_every=50,
-                     eval_batches=8, ckpt_every=0, keep_checkpoints=1, log_every=1)
+# Measured on a 2-core CPU machine (shared with other jobs, load ~7): the three runs of 4
+# workers took 4 minutes (about 2.5 on an idle machine), and the byte-level loss falls from
+# ln(256) = 5.5 to about 2.4.
+DEMO_DEFAULTS = dict(model="tiny", steps=150, batch_size=8, seq_len=64, lr=3e-3, warmup=20,
+                     eval_every=50, eval_batches=8, ckpt_every=0, keep_checkpoints=1, log_every=1)
 _DEMO_ARTIFACTS = ("metrics.jsonl", "summary.json", "checkpoints", "error.txt")
 
 
@@ -337,13 +328,14 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
     from qsdp.train.loop import TrainArgs
     from qsdp.train.plots import plot_runs
 
-    if _under_torchrun():
+    if under_torchrun():
         raise UsageError("qsdp demo launches its own workers; run it without torchrun")
     nproc, lws = 4, 2
     opts = {**DEMO_DEFAULTS, **({"steps": ns.steps} if ns.steps is not None else {})}
     runs = {p: TrainArgs(preset=p, out=os.path.join(ns.out, p), local_world_size=lws,
-                         param_dtype="bfloat16", cache_dir=ns.cache_dir, **opts)
+                         param_dtype="bfloat16", device="cpu", cache_dir=ns.cache_dir, **opts)
             for p in DEMO_PRESETS}
+    _check_writable(ns.out)
     for p, args in runs.items():  # validate all three before the first one starts
         for name in _DEMO_ARTIFACTS:  # the demo owns these: a new demo replaces an old one
             path = Path(args.out) / name
@@ -438,7 +430,10 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     import importlib
 
     module = importlib.import_module(BENCHMARKS[ns.bench])
-    rc = module.main(ns.bench_args)
+    try:
+        rc = module.main(ns.bench_args)
+    except SystemExit as e:  # its own argparse: --help, usage errors
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
     return int(rc or 0)
 
 
@@ -484,14 +479,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = _parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error already printed
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+    # Under torchrun every rank validates the same inputs: one line per node, not per rank.
+    speak = not under_torchrun() or os.environ.get("LOCAL_RANK", "0") == "0"
     try:
         return ns.func(ns)
-    except UsageError as e:
-        _error(str(e))
-        return EXIT_USAGE
-    except USER_ERRORS as e:
-        prefix = f"[rank {os.environ['RANK']}] " if _under_torchrun() and "RANK" in os.environ else ""
-        _error(prefix + str(e))
+    except (UsageError, *USER_ERRORS) as e:
+        if speak:
+            _error(str(e))
         return EXIT_USAGE
     except WorkerFailure as e:
         _error(str(e))

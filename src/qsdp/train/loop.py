@@ -57,7 +57,7 @@ from qsdp.train.model import MODEL_SIZES, count_params, make_gpt, transformer_bl
 
 __all__ = [
     "TrainArgs", "TrainError", "PeerError", "USER_ERRORS", "train_worker", "validate_args",
-    "check_out_dir", "check_resume", "prepare_dataset", "lr_at", "default_cache_dir",
+    "check_out_dir", "check_resume", "prepare_dataset", "lr_at", "default_cache_dir", "use_cuda",
 ]
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -79,7 +79,7 @@ USER_ERRORS = (TrainError, DataError, ConfigError, CheckpointError)
 class TrainArgs:
     """Everything a training run needs. ``steps`` is the total: a resumed run continues up to it.
 
-    warmup: linear warmup steps; ``None`` = 5 % of the schedule. decay_steps: length of the
+    warmup: linear warmup steps; ``None`` = 10 % of the schedule, at most 1000. decay_steps: length of the
         cosine schedule (``None`` = ``steps``); set it to stop a run early on the schedule of a
         longer one (a run of ``k`` steps with ``decay_steps=2k``, resumed with ``steps=2k``, is
         the run of ``2k`` steps). min_lr: ``None`` = ``lr / 10``.
@@ -90,6 +90,8 @@ class TrainArgs:
         value or ``LOCAL_WORLD_SIZE``); lets one machine emulate several nodes.
     param_dtype: ``float32`` or ``bfloat16`` (FSDP2 mixed precision, gradients reduced in fp32);
         ``None`` = bfloat16 on CUDA, float32 on CPU.
+    device: ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU a process); ``None`` = ``cuda`` if there is
+        one. Only used when ``train_worker`` creates the process group.
     cache_dir: token and tokenizer caches; ``None`` = ``$QSDP_CACHE_DIR`` or ``~/.cache/qsdp``.
     """
 
@@ -118,6 +120,7 @@ class TrainArgs:
     local_world_size: int | None = None
     reshard_after_forward: bool = True
     param_dtype: str | None = None
+    device: str | None = None
     timeout_s: float = 600.0
     cache_dir: str | None = None
     progress: bool = True
@@ -125,7 +128,7 @@ class TrainArgs:
     def schedule(self) -> tuple[int, int, float]:
         """(warmup, decay_steps, min_lr) with the defaults filled in."""
         decay = self.decay_steps if self.decay_steps is not None else self.steps
-        warmup = self.warmup if self.warmup is not None else max(1, decay // 20)
+        warmup = self.warmup if self.warmup is not None else max(1, min(1000, decay // 10))
         min_lr = self.min_lr if self.min_lr is not None else self.lr / 10
         return warmup, decay, min_lr
 
@@ -188,6 +191,8 @@ def validate_args(args: TrainArgs) -> None:
          f"local_world_size must be a positive integer, got {args.local_world_size!r}")
     need(args.param_dtype is None or args.param_dtype in PARAM_DTYPES,
          f"unknown param_dtype {args.param_dtype!r}; allowed: {', '.join(PARAM_DTYPES)}")
+    need(args.device in (None, "cpu", "cuda"), f"unknown device {args.device!r}; allowed: cpu, cuda")
+    need(args.device != "cuda" or torch.cuda.is_available(), "device cuda requested but CUDA is not available")
     need(bool(args.out), "out must be a directory path")
     resolve_config(args.preset, args.quant_overrides())  # raises ConfigError
 
@@ -290,11 +295,16 @@ def _init_process_group(args: TrainArgs) -> None:
                 f"({var} is not set); launch with `qsdp train --nproc N` or torchrun"
             )
     timeout = datetime.timedelta(seconds=args.timeout_s)
-    if torch.cuda.is_available():
+    if use_cuda(args):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl", timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)
+
+
+def use_cuda(args: TrainArgs) -> bool:
+    """Whether a process group this job creates runs on CUDA/NCCL."""
+    return args.device == "cuda" or (args.device is None and torch.cuda.is_available())
 
 
 def _device() -> torch.device:
@@ -530,6 +540,10 @@ class _Trainer:
                 if bar is not None:
                     bar.update(1)
 
+                # Checkpoint before evaluating: the evaluation's forward gathers advance the
+                # direct-quantization version counters that the training step of step + 1
+                # would otherwise advance, so a checkpoint taken after them would not resume
+                # bit-identically.
                 if (args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps:
                     wire.collect(device)
                     meta = {"identity": identity, "wire": wire.as_dict(), "preset": args.preset,
