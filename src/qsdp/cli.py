@@ -423,7 +423,14 @@ def _cmd_plot(ns: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"volume": "qsdp.bench.volume"}
+BENCHMARKS = {
+    "volume": "qsdp.bench.volume",
+    "simulate": "qsdp.bench.simulate",
+    "cluster": "qsdp.bench.cluster",
+    "kernels": "qsdp.bench.kernels",
+    "convergence": "qsdp.bench.convergence",
+    "soak": "qsdp.bench.soak",
+}
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
