@@ -11,19 +11,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib.resources
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
+
+from .files import atomic_write
 
 __all__ = [
     "DataError",
@@ -303,7 +303,7 @@ class TokenDataset:
         path = Path(cache_dir) / f"tokens-{key[:24]}.npy"
         if not path.exists():
             ids = tokenizer.encode_corpus(text).astype(_id_dtype(tokenizer.vocab_size))
-            _atomic_write(path, lambda f: np.save(f, ids, allow_pickle=False))
+            atomic_write(path, lambda f: np.save(f, ids, allow_pickle=False))
         ids = np.load(path, mmap_mode="r", allow_pickle=False)
         return cls(ids, tokenizer.vocab_size, val_fraction=val_fraction, seed=seed)
 
@@ -402,22 +402,5 @@ def _sha256(text: str, salt: str) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, write) -> None:
-    # Temp file in the same directory + os.replace: readers (other ranks) never see a partial
-    # file, and concurrent writers of the same content simply replace one another.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    _atomic_write(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: f.write(data))

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, TextIO
+
+from .files import atomic_write
 
 __all__ = ["MetricsWriter", "write_summary", "read_metrics", "read_summary",
            "METRICS_FILE", "SUMMARY_FILE"]
@@ -79,19 +80,7 @@ def write_summary(out_dir: str | os.PathLike, summary: dict[str, Any]) -> str:
     path = Path(out_dir) / SUMMARY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(summary, indent=2, sort_keys=True, default=_jsonable) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=SUMMARY_FILE + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
     return str(path)
 
 
