@@ -4,6 +4,12 @@ The flat tensor is cut into contiguous blocks of ``block`` elements and each blo
 by the unnormalized Sylvester Hadamard matrix (entries +-1). ``H @ H = block * I``, so the
 inverse is the same product scaled by ``1 / block``. Spreading an outlier over its block lowers
 the absmax of the block's quantization groups and so the error of every other element.
+
+The product is computed as a radix-2 butterfly in a fixed order (stage ``k`` combines the
+elements whose in-block index differs in bit ``k``, ``k = 0, 1, ...``: ``(a, b) -> (a + b,
+a - b)``), not as a matrix multiplication, whose summation order belongs to the BLAS library and
+the device. Every step is one IEEE addition or subtraction, so the result is the same on every
+device and the fused Triton kernels (:mod:`qsdp.codecs.triton_kernels`) reproduce it bit for bit.
 """
 
 from __future__ import annotations
@@ -34,14 +40,29 @@ def hadamard_matrix(block: int, *, dtype=torch.float32, device="cpu") -> torch.T
     return _matrix_cpu(block).to(dtype=dtype, device=device, copy=True)
 
 
+def _butterfly(rows: torch.Tensor, block: int) -> torch.Tensor:
+    """``rows @ H`` for fp32 ``rows`` of ``[N, block]``, in the fixed butterfly order (a new
+    tensor; ``rows`` is not modified)."""
+    bufs = [torch.empty_like(rows), None]
+    cur, h, i = rows, 1, 0
+    while h < block:
+        if bufs[i] is None:
+            bufs[i] = torch.empty_like(rows)
+        src = cur.view(-1, block // (2 * h), 2, h)
+        dst = bufs[i].view(-1, block // (2 * h), 2, h)
+        torch.add(src[:, :, 0], src[:, :, 1], out=dst[:, :, 0])
+        torch.sub(src[:, :, 0], src[:, :, 1], out=dst[:, :, 1])
+        cur, h, i = bufs[i], 2 * h, 1 - i
+    return cur
+
+
 def _apply(x: torch.Tensor, block: int, scale: float) -> torch.Tensor:
     _check_block(block)
     flat = x.reshape(-1).float()
     n_full = (flat.numel() // block) * block
     out = flat.clone()
     if n_full:
-        h = hadamard_matrix(block, device=flat.device)
-        out[:n_full] = (flat[:n_full].view(-1, block) @ h).reshape(-1)
+        out[:n_full] = _butterfly(flat[:n_full].view(-1, block), block).reshape(-1)
         if scale != 1.0:
             out[:n_full] *= scale
     return out.view(x.shape)

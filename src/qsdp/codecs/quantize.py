@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from . import rng
+from .dispatch import use_triton
 from .pack import SUPPORTED_BITS, pack_codes, packed_nbytes, unpack_codes
 
 ROUNDINGS = ("nearest", "stochastic", "shift")
@@ -198,21 +199,44 @@ def quantize(
             torch.empty(0, dtype=torch.uint8, device=x.device), empty,
             None if symmetric else empty.clone(), x.shape, x.dtype, bits, group_size, symmetric,
         )
+    if rounding != "nearest" and seed is None:
+        seed = rng.fresh_seed()
+    kw = dict(bits=bits, group_size=group_size, symmetric=symmetric, rounding=rounding, seed=seed)
+    if use_triton(flat):
+        from . import triton_kernels
+
+        if triton_kernels.supports(bits=bits, group_size=group_size):
+            codes, scales, zeros = triton_kernels.quantize_flat(flat, **kw)
+            return QTensor(codes, scales, zeros, x.shape, x.dtype, bits, group_size, symmetric)
+    codes, scales, zeros = quantize_reference(flat, **kw)
+    return QTensor(codes, scales, zeros, x.shape, x.dtype, bits, group_size, symmetric)
+
+
+def quantize_reference(
+    flat: torch.Tensor, *, bits: int, group_size: int, symmetric: bool, rounding: str, seed: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The torch reference of :func:`quantize` (the oracle of the fused kernels) on a flat,
+    non-empty, finite-or-not tensor, without checks or dispatch: ``(codes, scales, zeros)``."""
+    n = flat.numel()
     g = _grouped(flat.float(), group_size)
+    # Exactness notes (the fused kernels reproduce this function bit for bit, on every device):
+    # the divisor of the scales is a tensor on the data's device, because CUDA turns a division
+    # by a Python scalar into a multiplication by its reciprocal; ``+ 0.0`` makes a zero minimum
+    # or maximum +0.0, since which signed zero amin/amax return depends on the reduction order.
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        scales = g.abs().amax(dim=1) / qmax
+        amax = g.abs().amax(dim=1)
+        scales = amax / amax.new_full((), qmax)
         zeros = None
         v = g / torch.where(scales > 0, scales, 1.0).unsqueeze(1)
         q = _round(v, rounding, seed).clamp_(-qmax, qmax) + 2 ** (bits - 1)
     else:
         levels = 2**bits - 1
-        zeros = g.amin(dim=1)
-        scales = (g.amax(dim=1) - zeros) / levels
+        zeros = g.amin(dim=1) + 0.0
+        scales = (g.amax(dim=1) + 0.0 - zeros) / zeros.new_full((), levels)
         v = (g - zeros.unsqueeze(1)) / torch.where(scales > 0, scales, 1.0).unsqueeze(1)
         q = _round(v, rounding, seed).clamp_(0, levels)
-    codes = pack_codes(q.reshape(-1)[:n].to(torch.uint8), bits)
-    return QTensor(codes, scales, zeros, x.shape, x.dtype, bits, group_size, symmetric)
+    return pack_codes(q.reshape(-1)[:n].to(torch.uint8), bits), scales, zeros
 
 
 def dequantize(q: QTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -220,10 +244,21 @@ def dequantize(q: QTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tenso
     n = q.numel
     if n == 0:
         return torch.empty(q.shape, dtype=dtype, device=q.codes.device)
+    if use_triton(q.codes):
+        from . import triton_kernels
+
+        if triton_kernels.supports(bits=q.bits, group_size=q.group_size) and dtype in FLOAT_DTYPES:
+            return triton_kernels.dequantize_flat(q, dtype=dtype).view(q.shape)
+    return dequantize_reference(q).to(dtype).view(q.shape)
+
+
+def dequantize_reference(q: QTensor) -> torch.Tensor:
+    """The torch reference of :func:`dequantize` (non-empty ``q``): flat float32 values."""
+    n = q.numel
     codes = unpack_codes(q.codes, q.bits, n).to(torch.float32)
     g = _grouped(codes, q.group_size)
     if q.symmetric:
         vals = (g - 2 ** (q.bits - 1)) * q.scales.unsqueeze(1)
     else:
         vals = g * q.scales.unsqueeze(1) + q.zeros.unsqueeze(1)
-    return vals.reshape(-1)[:n].to(dtype).view(q.shape)
+    return vals.reshape(-1)[:n]

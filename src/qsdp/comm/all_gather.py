@@ -100,8 +100,7 @@ class QuantizedAllGather(_Base):
         all_gather_flat(gathered, send, group)
         intra, inter = self.topology.peers()
         METER.record_peers("weights", send.numel(), n, intra, inter)
-        values = self.codec.decode(gathered, n)
-        output_tensor.view(world, n).copy_(values)
+        self.codec.decode_into(gathered, n, output_tensor.view(world, n))
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -212,17 +211,17 @@ class DifferenceAllGather(_Base):
             return None
         self.version += 1
         replica_rows = self.replica.view(world, n)
-        diff = shard.float() - replica_rows[rank].float()
         seed = derive_seed(self.config.seed, self.comm_id, self.version, rank, 2)
-        send = self.codec.encode(diff.view(1, n), seed=seed)
+        # quantize(shard - replica[own slice]) in one pass on CUDA
+        send = self.codec.encode_difference(shard.view(1, n), replica_rows[rank].view(1, n), seed=seed)
         gathered = torch.empty(world, send.shape[1], dtype=torch.uint8, device=send.device)
         all_gather_flat(gathered, send, group)
         intra, inter = self.topology.peers()
         METER.record_peers("weights", send.numel(), n, intra, inter)
-        deltas = self.codec.decode(gathered, n)
         # ``shard`` is a view of ``output_tensor``: remember it before the output is overwritten.
         self._last.copy_(shard)
-        replica_rows.copy_((replica_rows.float() + deltas).to(self.replica.dtype))
+        # replica += dequantize(every rank's difference), in the replica's dtype, one pass on CUDA
+        self.codec.decode_into(gathered, n, replica_rows, add=True)
         output_tensor.copy_(self.replica)
         every = self.config.verify_replicas_every
         if every and self.version % every == 0:

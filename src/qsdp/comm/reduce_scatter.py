@@ -150,8 +150,7 @@ class QuantizedReduceScatter(_Base):
         dist.all_to_all_single(recv, send, group=group)
         intra, inter = self.topology.peers()
         METER.record_peers("grads", send.shape[1], s, 0 if inter_only else intra, inter)
-        vals = codec.decode(recv, s, keep_padding=True).sum(dim=0)
-        return codec.finish(vals, s)
+        return codec.decode_sum(recv, s, finish=True)
 
     def _two_hops(self, x: torch.Tensor) -> torch.Tensor:
         topo, g = self.topology, self.config.grads
@@ -161,10 +160,9 @@ class QuantizedReduceScatter(_Base):
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
         xp = _pad_cols(x.float(), lp) if lp != s else x.float()
-        if hop1.hadamard_block and not hop1.exact:
-            from ..codecs import hadamard
-
-            xp = hadamard(xp, block=hop1.hadamard_block)
+        # The Hadamard transform (blockwise, and every slice is whole blocks) is applied by
+        # hop1.encode slice by slice, fused into the quantization on CUDA; the inverse by
+        # hop2.decode_sum, slice by slice too.
         # Destination-major order for the intra-node exchange: row (l, n) holds the chunk of the
         # rank with local rank l on node n, so local peer l receives its D rows contiguously.
         xp = xp.view(d, m, lp).transpose(0, 1).reshape(m * d, lp)
@@ -177,7 +175,7 @@ class QuantizedReduceScatter(_Base):
             k = step
             if k < n_slices:
                 a, b = bounds[k]
-                send = hop1.encode(xp[:, a:b], seed=self._seed(4, k), transformed=True)
+                send = hop1.encode(xp[:, a:b], seed=self._seed(4, k))
                 recv = torch.empty_like(send)
                 work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
                 METER.record_peers("grads", d * send.shape[1], d * real_elements(a, b, s), m - 1, 0)
@@ -187,8 +185,7 @@ class QuantizedReduceScatter(_Base):
                 a, b = bounds[k]
                 recv, work = stage1[k]
                 work.wait()
-                partial = hop1.decode(recv, b - a, keep_padding=True).view(m, d, b - a).sum(dim=0)
-                send = hop2.encode(partial, seed=self._seed(5, k), transformed=True)
+                send = hop1.decode_sum_encode(recv, b - a, sources=m, codec=hop2, seed=self._seed(5, k))
                 recv2 = torch.empty_like(send)
                 work2 = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
                 METER.record_peers("grads", send.shape[1], real_elements(a, b, s), 0, d - 1)
@@ -199,9 +196,9 @@ class QuantizedReduceScatter(_Base):
                 a, b = bounds[k]
                 recv2, work2 = stage2[k]
                 work2.wait()
-                out[a:b] = hop2.decode(recv2, b - a, keep_padding=True).sum(dim=0)
+                out[a:b] = hop2.decode_sum(recv2, b - a, finish=True)
                 stage2[k] = None
-        return hop1.finish(out, s)
+        return out[:s]
 
 
 def real_elements(a: int, b: int, s: int) -> int:

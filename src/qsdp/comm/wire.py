@@ -6,6 +6,11 @@ Hadamard blocks), by repeating its last element (which changes no group's min, m
 Its bytes are ``[fp32 scales][fp32 zero points (min-max only)][packed codes]``, padded to a
 multiple of 4 bytes so that every row's scales stay aligned. All of this padding travels and is
 metered. An unquantized codec sends the raw fp32 (or parameter-dtype) bytes of the row.
+
+Every step has a torch reference (the oracle) and, for CUDA tensors, a fused Triton kernel giving
+the same bytes (:mod:`qsdp.codecs.triton_kernels`, chosen by :func:`qsdp.codecs.dispatch.use_triton`).
+Sums of received rows go left to right (:func:`sum_rows`): an order that a kernel can reproduce,
+unlike ``torch.sum``'s, which depends on the device, the sizes and the CPU's vector width.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs import dequantize, hadamard, inverse_hadamard, quantize
+from ..codecs.dispatch import use_triton
 from ..codecs.quantize import QTensor
 
 
@@ -24,6 +30,14 @@ def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
     if pad == 0:
         return x
     return torch.cat([x, x[:, -1:].expand(-1, pad)], dim=1)
+
+
+def sum_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x[0] + x[1] + ... + x[k-1]`` (over the first dimension), added left to right."""
+    acc = x[0].clone()
+    for i in range(1, x.shape[0]):
+        acc += x[i]
+    return acc
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,8 @@ class RowCodec:
         rows, length = x.shape
         if self.exact:
             return x.to(self.raw_dtype).contiguous().view(torch.uint8).view(rows, -1)
+        if self._fused(x) and x.dtype in _OUT_DTYPES:
+            return self._encode_fused(x, None, seed=seed, transformed=transformed)
         lp = self.padded_len(length)
         xp = _pad_cols(x.float(), lp)
         if self.hadamard_block and not transformed:
@@ -92,6 +108,9 @@ class RowCodec:
         if self.exact:
             return buf.contiguous().view(self.raw_dtype).view(rows, length).float()
         lp = self.padded_len(length)
+        if self._fused(buf):
+            out = torch.empty(rows, lp if keep_padding else length, dtype=torch.float32, device=buf.device)
+            return self._decode_fused(buf, lp, out, add=False)
         groups = lp // self.group_size
         sb = groups * 4
         scales = buf[:, :sb].contiguous().view(torch.float32).reshape(-1)
@@ -112,3 +131,136 @@ class RowCodec:
         if self.hadamard_block and not self.exact:
             x = inverse_hadamard(x, block=self.hadamard_block)
         return x[..., :length]
+
+    # ------------------------------------------------------------------ fused steps
+    # Each method below is defined by its reference expression (the torch path); on CUDA the
+    # same result comes from one Triton kernel.
+
+    def encode_difference(self, x: torch.Tensor, base: torch.Tensor, *, seed: int) -> torch.Tensor:
+        """``encode(x.float() - base.float())`` (the weight difference), in one pass on CUDA."""
+        if self._fused(x) and base.shape == x.shape and x.dtype in _OUT_DTYPES and base.dtype in _OUT_DTYPES:
+            return self._encode_fused(x, base, seed=seed, transformed=False)
+        return self.encode(x.float() - base.float(), seed=seed)
+
+    def decode_into(self, buf: torch.Tensor, length: int, out: torch.Tensor, *, add: bool = False) -> torch.Tensor:
+        """``out[:] = decode(buf, length)`` cast to ``out.dtype``, or with ``add``,
+        ``out[:] = (out.float() + decode(buf, length)).to(out.dtype)`` (the replica update).
+        ``out``: ``[R, length]`` of float32, bfloat16 or float16."""
+        if self._fused(buf) and out.dtype in _OUT_DTYPES and out.stride(-1) == 1:
+            self._decode_fused(buf, self.padded_len(length), out, add=add)
+            return out
+        values = self.decode(buf, length)
+        if add:
+            values = out.float() + values
+        out.copy_(values)
+        return out
+
+    def decode_sum(self, buf: torch.Tensor, length: int, *, finish: bool = False) -> torch.Tensor:
+        """``sum_rows(decode(buf, length, keep_padding=True))``: float32 ``[padded_len(length)]``;
+        with ``finish``, passed through :meth:`finish` (inverse Hadamard, padding dropped)."""
+        if self.exact:
+            total = sum_rows(self.decode(buf, length, keep_padding=True))
+            return self.finish(total, length) if finish else total
+        total, finished = self._sum_sources(buf, length, buf.shape[0], finish=finish)
+        total = total[0]
+        return self.finish(total, length) if finish and not finished else total
+
+    def decode_sum_encode(
+        self, buf: torch.Tensor, length: int, *, sources: int, codec: "RowCodec", seed: int
+    ) -> torch.Tensor:
+        """The two-level middle step: ``buf`` holds ``sources x D`` rows (source-major); row ``n``
+        of the result is ``codec.encode`` (still in the Hadamard domain) of the sum over the
+        sources of their dequantized row ``n``:
+        ``codec.encode(sum_rows(decode(buf, length, keep_padding=True).view(sources, D, -1)),
+        transformed=True)``. One kernel on CUDA when both codecs quantize with the same groups."""
+        lp = self.padded_len(length)
+        if (
+            self._fused(buf) and codec._fused(buf) and codec.group_size == self.group_size
+            and codec.padded_len(lp) == lp and self.group_size <= _tk().MAX_TILE
+        ):
+            tk = _tk()
+            dests = buf.shape[0] // sources
+            out = codec._alloc(dests, lp, buf.device)
+            tk.dequantize_into(
+                self._packed(buf, lp), groups=lp // self.group_size, bits=self.bits, group_size=self.group_size,
+                symmetric=self.symmetric, sources=sources, outputs=dests, row_o=1, row_j=dests,
+                requantize=(codec._packed(out, lp), codec.bits, codec.symmetric, codec.rounding, seed),
+            )
+            return out
+        partial, _ = self._sum_sources(buf, length, sources, finish=False)
+        return codec.encode(partial, seed=seed, transformed=True)
+
+    def _sum_sources(
+        self, buf: torch.Tensor, length: int, sources: int, *, finish: bool
+    ) -> tuple[torch.Tensor, bool]:
+        """(``[D, padded_len]``, False): row ``n`` sums the dequantized rows ``j * D + n``, ``j <
+        sources``. With ``finish``, (``[D, length]`` after the inverse Hadamard, True) when the
+        kernel fuses it; otherwise finishing is left to the caller."""
+        lp = self.padded_len(length)
+        dests = buf.shape[0] // sources
+        if not self._fused(buf):
+            return sum_rows(self.decode(buf, length, keep_padding=True).view(sources, dests, lp)), False
+        tk = _tk()
+        hb = self.hadamard_block if finish else 0
+        if hb and not tk.fuses_hadamard(self.group_size, hb):
+            hb = 0
+        finished = finish and (hb > 0 or not self.hadamard_block)
+        width = length if finished else lp
+        out = torch.empty(dests, width, dtype=torch.float32, device=buf.device)
+        tk.dequantize_into(
+            self._packed(buf, lp), groups=lp // self.group_size, bits=self.bits, group_size=self.group_size,
+            symmetric=self.symmetric, sources=sources, outputs=dests, row_o=1, row_j=dests,
+            out=out, length=width, inverse_block=hb,
+        )
+        return out, finished
+
+    def _fused(self, t: torch.Tensor) -> bool:
+        return not self.exact and use_triton(t) and _tk().supports(bits=self.bits, group_size=self.group_size)
+
+    def _alloc(self, rows: int, lp: int, device) -> torch.Tensor:
+        """Packed rows for ``lp`` elements, the 4-byte padding zeroed."""
+        width = self.row_nbytes(lp)
+        out = torch.empty(rows, width, dtype=torch.uint8, device=device)
+        used = (lp // self.group_size) * 4 * (1 if self.symmetric else 2) + lp * self.bits // 8
+        if width > used:
+            out[:, used:].zero_()
+        return out
+
+    def _packed(self, buf: torch.Tensor, lp: int):
+        return _tk().Packed.rows(buf.contiguous(), padded=lp, bits=self.bits, group_size=self.group_size,
+                                 symmetric=self.symmetric)
+
+    def _encode_fused(self, x: torch.Tensor, base: torch.Tensor | None, *, seed: int, transformed: bool) -> torch.Tensor:
+        tk = _tk()
+        rows, length = x.shape
+        lp = self.padded_len(length)
+        hb = 0 if transformed else self.hadamard_block
+        if hb and not tk.fuses_hadamard(self.group_size, hb):
+            # The butterfly in torch is exact on any device; only the quantization is fused.
+            xp = _pad_cols(x.float() if base is None else x.float() - base.float(), lp)
+            x, base, length, hb = hadamard(xp, block=hb), None, lp, 0
+        out = self._alloc(rows, lp, x.device)
+        tk.quantize_into(
+            x, self._packed(out, lp), length=length, padded=lp, ncodes=lp, bits=self.bits,
+            group_size=self.group_size, symmetric=self.symmetric, rounding=self.rounding, seed=seed,
+            base=base, hadamard_block=hb,
+        )
+        return out
+
+    def _decode_fused(self, buf: torch.Tensor, lp: int, out: torch.Tensor, *, add: bool) -> torch.Tensor:
+        rows = buf.shape[0]
+        _tk().dequantize_into(
+            self._packed(buf, lp), groups=lp // self.group_size, bits=self.bits, group_size=self.group_size,
+            symmetric=self.symmetric, sources=1, outputs=rows, row_o=1, row_j=0, out=out,
+            length=out.shape[1], add=add,
+        )
+        return out
+
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _tk():
+    from ..codecs import triton_kernels
+
+    return triton_kernels

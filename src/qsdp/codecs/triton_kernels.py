@@ -1,0 +1,592 @@
+"""Fused Triton kernels for the codec steps, bit-identical to the torch reference.
+
+Two kernels, each one pass over memory:
+
+* :func:`_quantize_kernel`: (optional ``x - y``) -> (optional blockwise Hadamard) -> group
+  scales (absmax or min-max) -> rounding (nearest, stochastic, random shift) -> packed codes.
+  It serves :func:`qsdp.codecs.quantize`, ``RowCodec.encode`` (Hadamard fused) and the weight
+  difference ``RowCodec.encode_difference``.
+* :func:`_dequantize_kernel`: unpack and dequantize ``K`` packed rows and sum them in fp32 (left to
+  right), then either store (optionally after the inverse Hadamard, optionally cast to bf16/fp16,
+  optionally added to the output: the replica update) or requantize them (the two-level middle
+  step). It serves :func:`qsdp.codecs.dequantize` and ``RowCodec.decode`` / ``decode_into`` /
+  ``decode_sum`` / ``decode_sum_encode``.
+
+Program layout: program ``(t, r)`` handles packed row ``r`` (output row for the sums) and a tile
+of ``GPP`` consecutive groups ``[t * GPP, (t + 1) * GPP)`` of that row, held as a ``[GPP, BG]``
+register tile (``BG``: the group size rounded up to a power of two, columns past the group masked;
+``GPP * BG`` about :data:`TILE` = 4096 elements, 8 warps; 4 warps for smaller tiles; e.g. group
+128 -> 32 groups a program, group 2048 -> 2). The input is read once and codes, scales and zero
+points written once. A group larger than :data:`MAX_TILE` is cut into ``NCH`` chunks of
+``BG = MAX_TILE``: one program per group makes two passes over it (statistics, then codes; the
+second mostly from L2) for quantization, one program per chunk for dequantization. Hadamard
+blocks must lie inside a tile (:func:`fuses_hadamard`); otherwise the caller transforms first
+with the reference butterfly (exact on any device) and quantizes with the kernel.
+
+Exactness, operation by operation, against :mod:`qsdp.codecs.quantize`: divisions are IEEE
+(``tl.div_rn``, never a reciprocal); ``torch.round`` is round-half-to-even (:func:`_rint`);
+``floor`` avoids libdevice, which Triton links with flush-to-zero (:func:`_floor`); the
+random numbers are :func:`qsdp.codecs.rng.uniform`'s hash in wrapping uint32 arithmetic, with the
+key ``seed_key(seed, stream)`` computed on the host and the same indices (element index within the
+padded flat tensor for ``stochastic``, group index for ``shift``); the Hadamard transform is the
+reference's butterfly order; sums of rows go left to right as ``RowCodec``'s reference does;
+bf16 rounding is done on the bits (round to nearest even, NaN -> 0x7FC0, as torch); kernels are
+compiled with ``enable_fp_fusion=False`` so that no multiply-add is contracted into an FMA. NaN and
+infinite inputs give NaN / infinite scales as in the reference (their codes are unspecified).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import rng
+from .pack import SUPPORTED_BITS, packed_nbytes
+
+# Largest group (in elements) one program keeps in registers; larger groups are chunked.
+MAX_TILE = 4096
+# Elements per program for small groups (GPP = TILE // BG groups per program).
+TILE = 4096
+# The streams of qsdp.codecs.quantize (per-element and per-group random numbers).
+_STREAM_ELEMENT = 1
+_STREAM_GROUP = 2
+_ROUNDING = {"nearest": 0, "stochastic": 1, "shift": 2}
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Passed to every launch: no FMA contraction (the reference rounds every product).
+_LAUNCH = {"enable_fp_fusion": False}
+# CUDA's limit on the second grid dimension; more rows are launched in several grids.
+_MAX_GRID_ROWS = 65535
+
+
+# ----------------------------------------------------------------------------- device helpers
+
+
+@triton.jit
+def _mix32(x):
+    # rng._mix32 on uint32 (multiplications wrap modulo 2**32, shifts are logical).
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _uniform(idx, key):
+    # rng.uniform: idx and key uint32; floats in [0, 1), multiples of 2**-24.
+    x = _mix32(idx * 0x9E3779B1 + key)
+    x = _mix32(x ^ key)
+    return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _floor(v):
+    # floor without libdevice: Triton links libdevice with FTZ on, and its floor flushes a
+    # negative denormal to -0 instead of -1. |v| >= 2**23 (and inf, NaN) is integral already.
+    t = v.to(tl.int32).to(tl.float32)
+    t = tl.where(t > v, t - 1.0, t)
+    return tl.where(tl.abs(v) < 8388608.0, t, v)
+
+
+@triton.jit
+def _rint(v):
+    # torch.round: round half to even (up to the sign of a zero result, which no code sees).
+    f = _floor(v)
+    d = v - f
+    odd = (f - 2.0 * _floor(f * 0.5)) == 1.0
+    up = (d > 0.5) | ((d == 0.5) & odd)
+    return tl.where(up, f + 1.0, f)
+
+
+@triton.jit
+def _widen(raw, KIND: tl.constexpr):
+    # KIND 0: fp32, 1: bf16 (passed as int16 bits, widened exactly by hand), 2: fp16.
+    if KIND == 1:
+        return ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def _to_kind(v, KIND: tl.constexpr):
+    # fp32 -> the stored dtype, rounding to nearest even as torch's .to(dtype).
+    if KIND == 1:
+        b = v.to(tl.uint32, bitcast=True)
+        r = (b + (((b >> 16) & 1) + 0x7FFF)) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        return r.to(tl.int16)
+    elif KIND == 2:
+        return v.to(tl.float16)
+    else:
+        return v
+
+
+@triton.jit
+def _hadamard(v, R: tl.constexpr, C: tl.constexpr, HB: tl.constexpr, HB_LOG: tl.constexpr):
+    # Blockwise Walsh-Hadamard of the [R, C] tile (C a multiple of HB, or R * C of HB with
+    # consecutive rows forming blocks), in the reference's order: stage k combines the elements
+    # whose in-block index differs in bit k. Each stage splits off the lowest index bit and puts
+    # the (sum, difference) bit on top, so after HB_LOG stages the order is natural again.
+    N: tl.constexpr = R * C // HB
+    x = tl.reshape(v, [N, HB])
+    for _ in tl.static_range(HB_LOG):
+        a, b = tl.split(tl.reshape(x, [N, HB // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [N, HB])
+    return tl.reshape(x, [R, C])
+
+
+@triton.jit
+def _stats(v, valid, SYMMETRIC: tl.constexpr):
+    # Per group (row of the tile): (min, max) or (absmax, absmax), and whether a NaN was seen
+    # (GPU max/min drop NaN; the reference's amax/amin propagate it).
+    nan = tl.max(tl.where(valid & (v != v), 1, 0), axis=1)
+    if SYMMETRIC:
+        hi = tl.max(tl.where(valid, tl.abs(v), 0.0), axis=1)
+        lo = hi
+    else:
+        hi = tl.max(tl.where(valid, v, float("-inf")), axis=1)
+        lo = tl.min(tl.where(valid, v, float("inf")), axis=1)
+    return lo, hi, nan
+
+
+@triton.jit
+def _scale_zero(lo, hi, nan, BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
+    if SYMMETRIC:
+        QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+        amax = tl.where(nan > 0, float("nan"), hi)
+        scale = tl.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+        zero = tl.zeros_like(scale)
+    else:
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        zero = tl.where(nan > 0, float("nan"), lo) + 0.0
+        mx = tl.where(nan > 0, float("nan"), hi) + 0.0
+        scale = tl.div_rn(mx - zero, tl.full(mx.shape, LEVELS, tl.float32))
+    return scale, zero
+
+
+@triton.jit
+def _codes(v, scale, zero, e_idx, g_idx, key, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+           ROUNDING: tl.constexpr):
+    # Integer codes (offset binary for symmetric) of the [GPP, BG] tile.
+    s = tl.where(scale > 0, scale, 1.0)[:, None]
+    if SYMMETRIC:
+        t = tl.div_rn(v, tl.broadcast_to(s, v.shape))
+    else:
+        t = tl.div_rn(v - zero[:, None], tl.broadcast_to(s, v.shape))
+    if ROUNDING == 0:
+        r = _rint(t)
+    elif ROUNDING == 1:
+        r = _floor(t + _uniform(e_idx.to(tl.uint32), key))
+    else:
+        r = _floor(t + _uniform(g_idx.to(tl.uint32), key)[:, None])
+    if SYMMETRIC:
+        QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+        r = tl.minimum(tl.maximum(r, -QMAX * 1.0), QMAX * 1.0) + (QMAX + 1) * 1.0
+    else:
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        r = tl.minimum(tl.maximum(r, 0.0), LEVELS * 1.0)
+    return r.to(tl.int32)
+
+
+@triton.jit
+def _store_codes(ptr, c, byte0, gmask, col_lim, NCB, GPP: tl.constexpr, BG: tl.constexpr,
+                 BITS: tl.constexpr):
+    # Pack the [GPP, BG] codes little end first and store the bytes of each group at
+    # byte0[group]; only bytes of the group's first col_lim columns and below NCB are written.
+    PB: tl.constexpr = 8 // BITS
+    if BITS == 8:
+        b = c
+    elif BITS == 4:
+        lo, hi = tl.split(tl.reshape(c, [GPP, BG // 2, 2]))
+        b = lo | (hi << 4)
+    else:
+        p, q = tl.split(tl.reshape(c, [GPP, BG // 4, 2, 2]))
+        c0, c2 = tl.split(p)
+        c1, c3 = tl.split(q)
+        b = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
+    bcol = tl.arange(0, BG // PB)
+    pos = byte0[:, None] + bcol[None, :]
+    mask = gmask[:, None] & (bcol[None, :] * PB < col_lim) & (pos < NCB)
+    tl.store(ptr + pos, b.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _dequant_tile(codes_row, scales_row, zeros_row, g, gmask, c0, NCB, GS: tl.constexpr,
+                  GPP: tl.constexpr, BG: tl.constexpr, BITS: tl.constexpr,
+                  SYMMETRIC: tl.constexpr):
+    # Values of columns [c0, c0 + BG) of groups g of one packed row, fp32 [GPP, BG].
+    PB: tl.constexpr = 8 // BITS
+    bcol = tl.arange(0, BG // PB)
+    pos = g.to(tl.int64)[:, None] * (GS // PB) + (c0 // PB + bcol)[None, :]
+    m = gmask[:, None] & (bcol[None, :] * PB < GS - c0) & (pos < NCB)
+    b = tl.load(codes_row + pos, mask=m, other=0).to(tl.int32)
+    if BITS == 8:
+        c = b
+    elif BITS == 4:
+        c = tl.reshape(tl.join(b & 15, b >> 4), [GPP, BG])
+    else:
+        c = tl.reshape(tl.join(tl.join(b & 3, (b >> 4) & 3), tl.join((b >> 2) & 3, b >> 6)), [GPP, BG])
+    cf = c.to(tl.float32)
+    scale = tl.load(scales_row + g, mask=gmask, other=0.0)
+    if SYMMETRIC:
+        HALF: tl.constexpr = 1 << (BITS - 1)
+        return (cf - HALF * 1.0) * scale[:, None]
+    else:
+        zero = tl.load(zeros_row + g, mask=gmask, other=0.0)
+        return cf * scale[:, None] + zero[:, None]
+
+
+@triton.jit
+def _load_values(x_row, y_row, e, L, X_KIND: tl.constexpr, Y_KIND: tl.constexpr,
+                 GPP: tl.constexpr, BG: tl.constexpr, HB: tl.constexpr, HB_LOG: tl.constexpr):
+    # Row elements e, the row padded past L by repeating its last element; minus y if Y_KIND >= 0;
+    # Hadamard-transformed if HB > 0. (A masked contiguous load plus a select, rather than a
+    # load at min(e, L - 1), keeps the loads vectorizable.)
+    inside = e < L
+    v = tl.where(inside, _widen(tl.load(x_row + e, mask=inside, other=0), X_KIND),
+                 _widen(tl.load(x_row + (L - 1)), X_KIND))
+    if Y_KIND >= 0:
+        y = tl.where(inside, _widen(tl.load(y_row + e, mask=inside, other=0), Y_KIND),
+                     _widen(tl.load(y_row + (L - 1)), Y_KIND))
+        v = v - y
+    if HB > 0:
+        v = _hadamard(v, GPP, BG, HB, HB_LOG)
+    return v
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit(do_not_specialize=["key"])
+def _quantize_kernel(
+    x_ptr, y_ptr, codes_ptr, scales_ptr, zeros_ptr,
+    L, G, NC, NCB, x_rs, y_rs, code_rs, code_off, scale_rs, scale_off, zero_off, key, row0,
+    GS: tl.constexpr, BG: tl.constexpr, GPP: tl.constexpr, NCH: tl.constexpr,
+    BITS: tl.constexpr, SYMMETRIC: tl.constexpr, ROUNDING: tl.constexpr,
+    HB: tl.constexpr, HB_LOG: tl.constexpr, X_KIND: tl.constexpr, Y_KIND: tl.constexpr,
+):
+    """Row r has L input elements (x_ptr + r * x_rs), padded to G groups of GS by repeating the
+    last one; its codes (NC of them: the rest of the last byte is zero) go to codes_ptr +
+    code_off + r * code_rs, NCB bytes, its scales (zero points) to scales_ptr (zeros_ptr) +
+    scale_off (zero_off) + r * scale_rs. Rows start at row0 (grids have at most 65535 rows)."""
+    row = tl.program_id(1).to(tl.int64) + row0
+    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
+    gmask = g < G
+    cols = tl.arange(0, BG)
+    x_row = x_ptr + row * x_rs
+    y_row = y_ptr + row * y_rs
+    codes_row = codes_ptr + code_off + row * code_rs
+    gstart = g.to(tl.int64) * GS
+    row_start = row * G * GS
+    key32 = key.to(tl.uint32)
+    g_idx = row * G + g
+    PB: tl.constexpr = 8 // BITS
+    if NCH == 1:
+        e = gstart[:, None] + cols[None, :]
+        v = _load_values(x_row, y_row, e, L, X_KIND, Y_KIND, GPP, BG, HB, HB_LOG)
+        lo, hi, nan = _stats(v, (cols < GS)[None, :], SYMMETRIC)
+        scale, zero = _scale_zero(lo, hi, nan, BITS, SYMMETRIC)
+        c = _codes(v, scale, zero, row_start + e, g_idx, key32, BITS, SYMMETRIC, ROUNDING)
+        c = tl.where(e < NC, c, 0)
+        _store_codes(codes_row, c, gstart // PB, gmask, GS, NCB, GPP, BG, BITS)
+    else:
+        # One group per program (GPP == 1), larger than a tile: statistics over its chunks,
+        # then a second pass computes and stores the codes.
+        if SYMMETRIC:
+            lo = tl.zeros([GPP], tl.float32)
+            hi = tl.zeros([GPP], tl.float32)
+        else:
+            lo = tl.full([GPP], float("inf"), tl.float32)
+            hi = tl.full([GPP], float("-inf"), tl.float32)
+        nan = tl.zeros([GPP], tl.int32)
+        for ch in range(NCH):
+            cc = ch * BG + cols
+            e = gstart[:, None] + cc[None, :]
+            v = _load_values(x_row, y_row, e, L, X_KIND, Y_KIND, GPP, BG, HB, HB_LOG)
+            clo, chi, cnan = _stats(v, (cc < GS)[None, :], SYMMETRIC)
+            lo = tl.minimum(lo, clo)
+            hi = tl.maximum(hi, chi)
+            nan = tl.maximum(nan, cnan)
+        scale, zero = _scale_zero(lo, hi, nan, BITS, SYMMETRIC)
+        for ch in range(NCH):
+            cc = ch * BG + cols
+            e = gstart[:, None] + cc[None, :]
+            v = _load_values(x_row, y_row, e, L, X_KIND, Y_KIND, GPP, BG, HB, HB_LOG)
+            c = _codes(v, scale, zero, row_start + e, g_idx, key32, BITS, SYMMETRIC, ROUNDING)
+            c = tl.where(e < NC, c, 0)
+            _store_codes(codes_row, c, (gstart + ch * BG) // PB, gmask, GS - ch * BG, NCB, GPP, BG, BITS)
+    tl.store(scales_ptr + scale_off + row * scale_rs + g, scale, mask=gmask)
+    if not SYMMETRIC:
+        tl.store(zeros_ptr + zero_off + row * scale_rs + g, zero, mask=gmask)
+
+
+@triton.jit(do_not_specialize=["key"])
+def _dequantize_kernel(
+    codes_ptr, scales_ptr, zeros_ptr, out_ptr, q_codes_ptr, q_scales_ptr, q_zeros_ptr,
+    ROW_O, ROW_J, G, NCB, code_rs, code_off, scale_rs, scale_off, zero_off,
+    L_OUT, out_rs, q_NCB, q_code_rs, q_code_off, q_scale_rs, q_scale_off, q_zero_off, key, row0,
+    K: tl.constexpr, GS: tl.constexpr, BG: tl.constexpr, GPP: tl.constexpr, NCH: tl.constexpr,
+    BITS: tl.constexpr, SYMMETRIC: tl.constexpr, HB: tl.constexpr, HB_LOG: tl.constexpr,
+    MODE: tl.constexpr, OUT_KIND: tl.constexpr, ADD: tl.constexpr,
+    Q_BITS: tl.constexpr, Q_SYMMETRIC: tl.constexpr, Q_ROUNDING: tl.constexpr,
+):
+    """Output row o sums (left to right) the dequantized packed rows o * ROW_O + j * ROW_J,
+    j < K, each of G groups of GS. MODE 0: optional inverse Hadamard (HB > 0), then stored to
+    out_ptr + o * out_rs, first L_OUT columns, as OUT_KIND (added to what is there if ADD).
+    MODE 1: requantized (Q_BITS, Q_SYMMETRIC, Q_ROUNDING, same groups) into the q_* layout.
+    Output rows start at row0."""
+    o = tl.program_id(1).to(tl.int64) + row0
+    pid = tl.program_id(0)
+    ch = pid % NCH
+    g = (pid // NCH) * GPP + tl.arange(0, GPP)
+    gmask = g < G
+    c0 = ch * BG
+    row = o * ROW_O
+    acc = _dequant_tile(codes_ptr + code_off + row * code_rs, scales_ptr + scale_off + row * scale_rs,
+                        zeros_ptr + zero_off + row * scale_rs, g, gmask, c0, NCB,
+                        GS, GPP, BG, BITS, SYMMETRIC)
+    for j in range(1, K):
+        row = o * ROW_O + j * ROW_J
+        acc += _dequant_tile(codes_ptr + code_off + row * code_rs, scales_ptr + scale_off + row * scale_rs,
+                             zeros_ptr + zero_off + row * scale_rs, g, gmask, c0, NCB,
+                             GS, GPP, BG, BITS, SYMMETRIC)
+    cols = c0 + tl.arange(0, BG)
+    e = g.to(tl.int64)[:, None] * GS + cols[None, :]
+    if MODE == 0:
+        if HB > 0:
+            acc = _hadamard(acc, GPP, BG, HB, HB_LOG) * (1.0 / HB)
+        m = gmask[:, None] & (cols < GS)[None, :] & (e < L_OUT)
+        ptr = out_ptr + o * out_rs + e
+        if ADD:
+            acc = _widen(tl.load(ptr, mask=m, other=0), OUT_KIND) + acc
+        tl.store(ptr, _to_kind(acc, OUT_KIND), mask=m)
+    else:
+        Q_PB: tl.constexpr = 8 // Q_BITS
+        lo, hi, nan = _stats(acc, (cols < GS)[None, :], Q_SYMMETRIC)
+        scale, zero = _scale_zero(lo, hi, nan, Q_BITS, Q_SYMMETRIC)
+        c = _codes(acc, scale, zero, o * G * GS + e, o * G + g, key.to(tl.uint32),
+                   Q_BITS, Q_SYMMETRIC, Q_ROUNDING)
+        _store_codes(q_codes_ptr + q_code_off + o * q_code_rs, c, g.to(tl.int64) * (GS // Q_PB), gmask, GS,
+                     q_NCB, GPP, BG, Q_BITS)
+        tl.store(q_scales_ptr + q_scale_off + o * q_scale_rs + g, scale, mask=gmask)
+        if not Q_SYMMETRIC:
+            tl.store(q_zeros_ptr + q_zero_off + o * q_scale_rs + g, zero, mask=gmask)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def supports(*, bits: int, group_size: int) -> bool:
+    """Whether the kernels handle this scheme: every group must start on a byte boundary."""
+    return bits in SUPPORTED_BITS and group_size >= 1 and group_size % (8 // bits) == 0
+
+
+def fuses_hadamard(group_size: int, block: int) -> bool:
+    """Whether a Hadamard block of ``block`` fits the kernels' group tiles: whole blocks inside a
+    group, or (small power-of-two groups) whole groups inside a block."""
+    if group_size % block == 0:
+        return group_size <= MAX_TILE or MAX_TILE % block == 0
+    return group_size < block and block % group_size == 0 and group_size & (group_size - 1) == 0 and block <= MAX_TILE
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Where the packed rows live: codes (uint8), scales and zero points (fp32) of row ``r`` at
+    ``codes[code_off + r * code_rs:]``, ``scales[scale_off + r * scale_rs:]`` and
+    ``zeros[zero_off + r * scale_rs:]``; ``ncb`` code bytes per row."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    code_off: int
+    code_rs: int
+    scale_off: int
+    zero_off: int
+    scale_rs: int
+    ncb: int
+
+    @classmethod
+    def flat(cls, codes, scales, zeros, numel: int, bits: int) -> "Packed":
+        """A :class:`~qsdp.codecs.QTensor`'s separate buffers, as one row."""
+        return cls(codes, scales, scales if zeros is None else zeros, 0, 0, 0, 0, 0, packed_nbytes(numel, bits))
+
+    @classmethod
+    def rows(cls, buf: torch.Tensor, *, padded: int, bits: int, group_size: int, symmetric: bool) -> "Packed":
+        """``RowCodec``'s rows: uint8 ``[R, W]``, each ``[fp32 scales][fp32 zero points if
+        min-max][packed codes][zero padding to 4 bytes]`` for ``padded`` elements."""
+        if not buf.is_contiguous():
+            raise ValueError("packed rows must be contiguous")
+        width = buf.shape[1]
+        groups = padded // group_size
+        f = buf.view(torch.float32)
+        sb = 4 * groups * (1 if symmetric else 2)
+        return cls(buf, f, f, sb, width, 0, groups, width // 4, padded * bits // 8)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _tile(group_size: int, groups: int, hadamard_block: int = 0) -> tuple[int, int, int]:
+    """(BG, GPP, NCH) for a row of ``groups`` groups."""
+    if group_size > MAX_TILE:
+        return MAX_TILE, 1, -(-group_size // MAX_TILE)
+    bg = _next_pow2(group_size)
+    need = hadamard_block // group_size if hadamard_block > group_size else 1
+    gpp = min(max(1, TILE // bg), _next_pow2(max(1, groups)))
+    return bg, max(gpp, need), 1
+
+
+def _warps(elements: int) -> int:
+    return 8 if elements >= 4096 else 4
+
+
+def _kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """bf16 tensors are passed as their int16 bits (widened and rounded by hand in the kernels)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _kind(t: torch.Tensor) -> int:
+    try:
+        return _KIND[t.dtype]
+    except KeyError:
+        raise ValueError(f"dtype={t.dtype} is not supported; allowed: float32, bfloat16, float16") from None
+
+
+def _rows_2d(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def quantize_into(
+    x: torch.Tensor,
+    dst: Packed,
+    *,
+    length: int,
+    padded: int,
+    ncodes: int,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    rounding: str,
+    seed: int | None,
+    base: torch.Tensor | None = None,
+    hadamard_block: int = 0,
+) -> None:
+    """Quantize the rows of ``x`` (``[R, length]``; minus ``base`` if given) padded to ``padded``
+    elements by repeating the last, Hadamard-transformed first if ``hadamard_block``, into
+    ``dst``; the first ``ncodes`` codes of each row are stored."""
+    x = _rows_2d(x)
+    rows = x.shape[0]
+    groups = padded // group_size
+    if rows == 0 or groups == 0:
+        return
+    hb = hadamard_block
+    if hb and not fuses_hadamard(group_size, hb):
+        raise ValueError(f"hadamard block {hb} does not fit group size {group_size}")
+    bg, gpp, nch = _tile(group_size, groups, hb)
+    key = rng.seed_key(seed, _STREAM_GROUP if rounding == "shift" else _STREAM_ELEMENT) if rounding != "nearest" else 0
+    if base is not None:
+        base = _rows_2d(base)
+    y = base if base is not None else x
+    for row0 in range(0, rows, _MAX_GRID_ROWS):
+        grid = (triton.cdiv(groups, gpp), min(_MAX_GRID_ROWS, rows - row0))
+        _quantize_kernel[grid](
+            _kernel_view(x), _kernel_view(y), dst.codes, dst.scales, dst.zeros,
+            length, groups, ncodes, dst.ncb, x.stride(0), y.stride(0),
+            dst.code_rs, dst.code_off, dst.scale_rs, dst.scale_off, dst.zero_off, key, row0,
+            GS=group_size, BG=bg, GPP=gpp, NCH=nch, BITS=bits, SYMMETRIC=symmetric,
+            ROUNDING=_ROUNDING[rounding], HB=hb, HB_LOG=hb.bit_length() - 1 if hb else 0,
+            X_KIND=_kind(x), Y_KIND=_kind(base) if base is not None else -1,
+            num_warps=_warps(gpp * bg), **_LAUNCH,
+        )
+
+
+def dequantize_into(
+    src: Packed,
+    *,
+    groups: int,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    sources: int = 1,
+    outputs: int = 1,
+    row_o: int = 1,
+    row_j: int = 0,
+    out: torch.Tensor | None = None,
+    length: int = 0,
+    add: bool = False,
+    inverse_block: int = 0,
+    requantize: tuple[Packed, int, bool, str, int | None] | None = None,
+) -> None:
+    """Output row ``o < outputs`` = sum over ``j < sources`` (left to right) of the dequantized
+    packed rows ``o * row_o + j * row_j`` of ``src``. Either stored into ``out`` (``[outputs,
+    >= length]``, unit column stride, fp32/bf16/fp16; first ``length`` columns; inverse Hadamard
+    first if ``inverse_block``; added to ``out`` if ``add``) or, with ``requantize = (dst, bits,
+    symmetric, rounding, seed)``, quantized again with the same groups into ``dst``."""
+    if outputs == 0 or groups == 0:
+        return
+    hb = inverse_block
+    if hb and not fuses_hadamard(group_size, hb):
+        raise ValueError(f"hadamard block {hb} does not fit group size {group_size}")
+    bg, gpp, nch = _tile(group_size, groups, hb)
+    if requantize is None:
+        if out.stride(-1) != 1:
+            raise ValueError("out must have a unit column stride")
+        q, qkw = src, dict(Q_BITS=8, Q_SYMMETRIC=True, Q_ROUNDING=0)
+        key, q_ncb, mode = 0, 0, 0
+        out_arg, out_rs, kind = _kernel_view(out), out.stride(0) if out.dim() > 1 else 0, _kind(out)
+    else:
+        q, qbits, qsym, qround, seed = requantize
+        if nch != 1 or hb:
+            raise ValueError("requantization needs groups of at most MAX_TILE and no inverse Hadamard")
+        qkw = dict(Q_BITS=qbits, Q_SYMMETRIC=qsym, Q_ROUNDING=_ROUNDING[qround])
+        key = rng.seed_key(seed, _STREAM_GROUP if qround == "shift" else _STREAM_ELEMENT) if qround != "nearest" else 0
+        q_ncb, mode = q.ncb, 1
+        out_arg, out_rs, kind = src.scales, 0, 0
+    for row0 in range(0, outputs, _MAX_GRID_ROWS):
+        grid = (triton.cdiv(groups, gpp) * nch, min(_MAX_GRID_ROWS, outputs - row0))
+        _dequantize_kernel[grid](
+            src.codes, src.scales, src.zeros, out_arg, q.codes, q.scales, q.zeros,
+            row_o, row_j, groups, src.ncb, src.code_rs, src.code_off, src.scale_rs, src.scale_off,
+            src.zero_off, length, out_rs, q_ncb, q.code_rs, q.code_off, q.scale_rs, q.scale_off, q.zero_off,
+            key, row0,
+            K=sources, GS=group_size, BG=bg, GPP=gpp, NCH=nch, BITS=bits, SYMMETRIC=symmetric, HB=hb,
+            HB_LOG=hb.bit_length() - 1 if hb else 0, MODE=mode, OUT_KIND=kind, ADD=add, **qkw,
+            num_warps=_warps(gpp * bg), **_LAUNCH,
+        )
+
+
+# ----------------------------------------------------------------------------- codec entry points
+
+
+def quantize_flat(
+    flat: torch.Tensor, *, bits: int, group_size: int, symmetric: bool, rounding: str, seed: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`qsdp.codecs.quantize` of a flat, non-empty tensor: (codes, scales, zeros)."""
+    n = flat.numel()
+    groups = -(-n // group_size)
+    dev = flat.device
+    codes = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev)
+    scales = torch.empty(groups, dtype=torch.float32, device=dev)
+    zeros = None if symmetric else torch.empty(groups, dtype=torch.float32, device=dev)
+    quantize_into(
+        flat.view(1, n), Packed.flat(codes, scales, zeros, n, bits), length=n, padded=groups * group_size,
+        ncodes=n, bits=bits, group_size=group_size, symmetric=symmetric, rounding=rounding, seed=seed,
+    )
+    return codes, scales, zeros
+
+
+def dequantize_flat(q, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`qsdp.codecs.dequantize` of a non-empty :class:`~qsdp.codecs.QTensor`, flat."""
+    n = q.numel
+    out = torch.empty(n, dtype=dtype, device=q.codes.device)
+    dequantize_into(
+        Packed.flat(q.codes, q.scales.contiguous(), None if q.zeros is None else q.zeros.contiguous(), n, q.bits),
+        groups=q.n_groups, bits=q.bits, group_size=q.group_size, symmetric=q.symmetric,
+        out=out.view(1, n), length=n,
+    )
+    return out

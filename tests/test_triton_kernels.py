@@ -1,0 +1,590 @@
+"""The fused Triton kernels give exactly the bytes of the torch reference.
+
+Every comparison is bit for bit (``same``: equal shapes, dtypes and bit patterns) between a codec
+step run by the kernels and the same step run by the reference on CPU, the oracle.
+
+The file runs in three modes (``QSDP_TRITON_TEST_MODE``):
+
+* ``driver`` (plain pytest, CPU CI included): :func:`test_interpreter_suite` re-runs this file
+  in a subprocess in ``interpret`` mode, :func:`test_kernels_compile_for_sm90` in ``compile``
+  mode; both skip when triton is not installed. Triton's interpreter must be switched on before
+  triton is first imported, hence the subprocess.
+* ``interpret``: ``TRITON_INTERPRET=1`` and ``QSDP_TRITON_ON_CPU=1``: the kernels run on CPU
+  tensors under the interpreter and the codec functions dispatch to them.
+* ``compile``: the kernels are compiled for sm_90 (no GPU needed) and the PTX is checked for
+  what would break exactness on a GPU: FMA contraction, approximate division, flushed denormals.
+
+The ``gpu`` tests (``pytest -m gpu``) run the same comparisons on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+MODE = os.environ.get("QSDP_TRITON_TEST_MODE", "driver")
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+NO_TRITON = "triton is not installed (pip install 'qsdp[gpu]' or the triton wheel)"
+
+interpret_only = pytest.mark.skipif(MODE != "interpret", reason="runs in the interpreter subprocess of test_interpreter_suite")
+compile_only = pytest.mark.skipif(MODE != "compile", reason="runs in the compile subprocess of test_kernels_compile_for_sm90")
+
+
+def _gpu_skip_reason() -> str | None:
+    if MODE != "driver":
+        return "GPU tests run in the main pytest process only"
+    if not HAVE_TRITON:
+        return NO_TRITON
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1 is set"
+    return None
+
+
+def gpu_test(fn):
+    """``@pytest.mark.gpu``, skipped with the reason when it cannot run here."""
+    reason = _gpu_skip_reason()
+    return pytest.mark.gpu(pytest.mark.skipif(reason is not None, reason=str(reason))(fn))
+
+BITS = (2, 4, 8)
+ROUNDINGS = ("nearest", "stochastic", "shift")
+SCHEMES = list(itertools.product(BITS, (True, False), ROUNDINGS))  # (bits, symmetric, rounding)
+
+
+def sid(s) -> str:
+    bits, symmetric, rounding = s
+    return f"{bits}b-{'sym' if symmetric else 'minmax'}-{rounding}"
+
+
+# ----------------------------------------------------------------------------- drivers
+
+
+def _run_mode(mode: str, timeout: float) -> None:
+    env = dict(os.environ, QSDP_TRITON_TEST_MODE=mode, PYTHONHASHSEED="0")
+    if mode == "interpret":
+        env.update(TRITON_INTERPRET="1", QSDP_TRITON_ON_CPU="1")
+    else:
+        env.pop("TRITON_INTERPRET", None)
+        env.pop("QSDP_TRITON_ON_CPU", None)
+    env.pop("QSDP_DISABLE_TRITON", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", __file__]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(__file__))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{mode} subprocess failed (rc={proc.returncode}):\n{out[-8000:]}"
+    assert " passed" in out and "no tests ran" not in out, out[-2000:]
+
+
+@pytest.mark.skipif(MODE != "driver", reason="the driver itself")
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
+def test_interpreter_suite():
+    _run_mode("interpret", timeout=280)
+
+
+@pytest.mark.skipif(MODE != "driver", reason="the driver itself")
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
+def test_kernels_compile_for_sm90():
+    _run_mode("compile", timeout=280)
+
+
+# ----------------------------------------------------------------------------- comparison helpers
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    if t.dtype.is_floating_point:
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def same(a, b, what: str = "") -> None:
+    """Bit-for-bit equality of tensors (or tuples / None)."""
+    if isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{what}[{i}]")
+        return
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
+    x, y = _bits(a), _bits(b)
+    diff = (x != y).sum().item()
+    assert diff == 0, f"{what}: {diff} of {x.numel()} elements differ; first at {(x != y).reshape(-1).nonzero()[:5].flatten().tolist()}"
+
+
+@contextlib.contextmanager
+def reference():
+    old = os.environ.get("QSDP_DISABLE_TRITON")
+    os.environ["QSDP_DISABLE_TRITON"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["QSDP_DISABLE_TRITON"]
+        else:
+            os.environ["QSDP_DISABLE_TRITON"] = old
+
+
+class Launches:
+    """Counts kernel launches, so that a comparison cannot pass by silently using the reference."""
+
+    def __init__(self, monkeypatch):
+        from qsdp.codecs import triton_kernels as tk
+
+        self.n = 0
+        for name in ("quantize_into", "dequantize_into"):
+            fn = getattr(tk, name)
+
+            def counted(*a, _fn=fn, **k):
+                self.n += 1
+                return _fn(*a, **k)
+
+            monkeypatch.setattr(tk, name, counted)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    return Launches(monkeypatch)
+
+
+def compare(build, device: str, launches: Launches | None = None):
+    """``build(device)`` returns tensors computed by the codec functions from inputs made on CPU
+    (deterministic) and moved to ``device``; compared with the CPU reference, bit for bit."""
+    with reference():
+        expected = build("cpu")
+    before = launches.n if launches is not None else 0
+    got = build(device)
+    if launches is not None:
+        assert launches.n > before, "the Triton kernels were not used"
+    same(got, expected)
+    return got
+
+
+def data(n: int, *, seed: int = 0, dtype=torch.float32, special: bool = True) -> torch.Tensor:
+    """Gradient-like values: heavy tails, outliers, exact ties, signed zeros, a constant run, and
+    a group so wide that its small elements divided by the scale are denormal."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+    if special and n >= 64:
+        x[::37] *= 50
+        x[3:20] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.0, -0.0, 3.5, -3.5, 0.0, -0.0, 7.0, -7.0, 1.0, -1.0, 0.25])
+        x[20:40] = 1.25
+        if dtype != torch.float16:  # a huge range: x / scale is denormal for the small elements
+            x[40:48] = torch.tensor([7e30, -1e-10, 1e-10, -3e-9, 2e-12, -5e-11, 0.0, -1e-10])
+    return x.to(dtype)
+
+
+# ----------------------------------------------------------------------------- the checks (any device)
+
+
+def check_quantize(device, n, group_size, dtype, scheme, launches=None, special=True):
+    from qsdp.codecs import dequantize, quantize
+
+    bits, symmetric, rounding = scheme
+    x = data(n, seed=n + group_size, dtype=dtype, special=special)
+
+    def build(dev):
+        q = quantize(x.to(dev), bits=bits, group_size=group_size, symmetric=symmetric, rounding=rounding, seed=n)
+        return q.codes, q.scales, q.zeros, dequantize(q), dequantize(q, dtype=torch.bfloat16), dequantize(q, dtype=torch.float16)
+
+    compare(build, device, launches)
+
+
+def _codec(bits, symmetric, rounding, group_size, hadamard_block=0):
+    from qsdp.comm.wire import RowCodec
+
+    return RowCodec(bits=bits, group_size=group_size, symmetric=symmetric, rounding=rounding, hadamard_block=hadamard_block)
+
+
+def check_rows(device, rows, length, group_size, hadamard_block, scheme, launches=None, dtype=torch.float32):
+    """encode (Hadamard fused), decode, decode_into, decode_sum (inverse Hadamard fused)."""
+    codec = _codec(*scheme, group_size, hadamard_block)
+    x = data(rows * length, seed=length, dtype=dtype).view(rows, length)
+    base = torch.zeros(rows, length, dtype=torch.bfloat16)
+
+    def build(dev):
+        buf = codec.encode(x.to(dev), seed=11)
+        into = base.to(dev, copy=True)
+        codec.decode_into(buf, length, into)
+        return (buf, codec.decode(buf, length), codec.decode(buf, length, keep_padding=True), into,
+                codec.decode_sum(buf, length), codec.decode_sum(buf, length, finish=True))
+
+    compare(build, device, launches)
+
+
+def check_transformed(device, scheme, launches=None):
+    """encode(transformed=True): rows already in the Hadamard domain are not transformed again."""
+    codec = _codec(*scheme, 32, 32)
+    x = data(3 * 96, seed=5).view(3, 96)
+    compare(lambda dev: codec.encode(x.to(dev), seed=3, transformed=True), device, launches)
+
+
+def check_difference(device, rows, length, group_size, dtype, scheme, launches=None):
+    """The weight-difference gather: encode(shard - replica), replica += decode(all rows)."""
+    codec = _codec(*scheme, group_size)
+    replica = data(rows * length, seed=1, dtype=dtype).view(rows, length)
+    shard = (replica[1].float() + 0.01 * data(length, seed=2)).to(dtype).view(1, length)
+
+    def build(dev):
+        rep = replica.to(dev, copy=True)
+        send = codec.encode_difference(shard.to(dev), rep[1:2], seed=9)
+        others = [codec.encode_difference(rep[r:r + 1] * 0.5, rep[r:r + 1], seed=10 + r) for r in range(rows)]
+        gathered = torch.cat([send if r == 1 else others[r] for r in range(rows)])
+        codec.decode_into(gathered, length, rep, add=True)
+        return send, rep
+
+    compare(build, device, launches)
+
+
+def check_middle(device, sources, dests, length, hop1, hop2, group_size, hadamard_block, launches=None):
+    """The two-level middle step: dequantize, sum over sources, requantize (hop2)."""
+    c1 = _codec(*hop1, group_size, hadamard_block)
+    c2 = _codec(*hop2, group_size, hadamard_block)
+    x = data(sources * dests * length, seed=3).view(sources * dests, length)
+    buf = c1.encode(x, seed=4)  # CPU reference bytes, the same input on both sides
+
+    def build(dev):
+        mid = c1.decode_sum_encode(buf.to(dev), length, sources=sources, codec=c2, seed=6)
+        return mid, c2.decode_sum(mid, length, finish=True)
+
+    compare(build, device, launches)
+
+
+# ----------------------------------------------------------------------------- the reference's fixed orders
+# (no triton needed: these pin down what the kernels reproduce)
+
+
+def test_reference_hadamard_is_the_documented_butterfly():
+    """Stage k combines the elements whose in-block index differs in bit k: (a, b) -> (a + b, a - b)."""
+    import numpy as np
+
+    from qsdp.codecs import hadamard, inverse_hadamard
+
+    x = data(4 * 32, seed=4)
+    y = x.numpy().astype(np.float32).reshape(-1, 32).copy()
+    h = 1
+    while h < 32:
+        for j in range(32):
+            if not j & h:
+                a, b = y[:, j].copy(), y[:, j + h].copy()
+                y[:, j], y[:, j + h] = a + b, a - b
+        h *= 2
+    same(hadamard(x), torch.from_numpy(y.reshape(-1)))
+    same(inverse_hadamard(x), torch.from_numpy(y.reshape(-1) * np.float32(1 / 32)))
+
+
+def test_reference_row_sums_go_left_to_right():
+    from qsdp.comm.wire import sum_rows
+
+    x = torch.tensor([[1e8], [1.0], [-1e8], [1.0]])
+    assert sum_rows(x).item() == 1.0  # fp32: (1e8 + 1) - 1e8 == 0, then + 1
+    rows = data(5 * 300, seed=6).view(5, 300)
+    same(sum_rows(rows), (((rows[0] + rows[1]) + rows[2]) + rows[3]) + rows[4])
+
+
+def test_reference_zero_points_and_scales_of_signed_zeros_are_positive_zero():
+    """Which signed zero amin/amax return depends on the reduction order; the reference makes
+    it +0.0 so that any implementation gives the same bytes."""
+    from qsdp.codecs import quantize
+
+    x = torch.tensor([-0.0, 0.0, -0.0, 0.0] * 8 + [-0.0] * 32)
+    q = quantize(x, bits=4, group_size=32, symmetric=False, rounding="nearest")
+    assert q.zeros.view(torch.int32).tolist() == [0, 0] and q.scales.view(torch.int32).tolist() == [0, 0]
+
+
+# ----------------------------------------------------------------------------- interpreter tests
+
+FLAT_CASES = [  # (n, group_size, dtype)
+    (1, 8, torch.float32),
+    (1001, 8, torch.float32),
+    (777, 24, torch.bfloat16),
+    (1000, 128, torch.float16),
+    (2500, 1000, torch.float32),
+]
+
+
+@interpret_only
+@pytest.mark.parametrize("scheme", SCHEMES, ids=sid)
+@pytest.mark.parametrize("n,group_size,dtype", FLAT_CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_quantize_and_dequantize_match_the_reference(launches, scheme, n, group_size, dtype):
+    check_quantize("cpu", n, group_size, dtype, scheme, launches)
+
+
+@interpret_only
+@pytest.mark.parametrize("scheme", [(2, False, "shift"), (4, True, "stochastic"), (8, False, "nearest")], ids=sid)
+@pytest.mark.parametrize("group_size", [200, 256])
+def test_groups_larger_than_a_tile_are_processed_in_chunks(launches, monkeypatch, scheme, group_size):
+    from qsdp.codecs import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "MAX_TILE", 64)
+    check_quantize("cpu", 1100, group_size, torch.float32, scheme, launches)
+    check_rows("cpu", 2, 500, group_size, 32 if group_size == 256 else 0, scheme, launches)
+
+
+@interpret_only
+def test_more_rows_than_a_grid_holds_are_launched_in_several_grids(launches, monkeypatch):
+    from qsdp.codecs import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "_MAX_GRID_ROWS", 2)
+    check_rows("cpu", 5, 100, 32, 32, (4, True, "stochastic"), launches)
+    check_difference("cpu", 5, 100, 32, torch.bfloat16, (4, False, "shift"), launches)
+    check_middle("cpu", 2, 5, 64, (8, True, "stochastic"), (4, True, "stochastic"), 32, 0, launches)
+
+
+@interpret_only
+@pytest.mark.parametrize("scheme", [(4, True, "nearest"), (8, False, "stochastic")], ids=sid)
+def test_non_finite_inputs_give_the_same_non_finite_scales(scheme):
+    from qsdp.codecs import quantize
+
+    bits, symmetric, rounding = scheme
+    x = data(512)
+    x[5], x[100], x[300] = float("nan"), float("inf"), -float("inf")
+    with reference():
+        r = quantize(x, bits=bits, group_size=64, symmetric=symmetric, rounding=rounding, seed=1, check_finite=False)
+    q = quantize(x, bits=bits, group_size=64, symmetric=symmetric, rounding=rounding, seed=1, check_finite=False)
+    for a, b in ((q.scales, r.scales), (q.zeros, r.zeros)):
+        if a is None:
+            continue
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+        fin = torch.isfinite(b)
+        same(a[fin], b[fin])
+    good = torch.isfinite(r.scales).repeat_interleave(64 * bits // 8)
+    same(q.codes[good], r.codes[good])
+
+
+@interpret_only
+def test_floor_round_and_uniform_helpers_match_torch():
+    import triton
+    import triton.language as tl
+
+    from qsdp.codecs import rng
+
+    global tk  # the kernel below looks its helpers up in the module's globals
+    from qsdp.codecs import triton_kernels as tk
+
+    @triton.jit
+    def helpers(x_ptr, f_ptr, r_ptr, u_ptr, key, N: tl.constexpr):
+        i = tl.arange(0, N)
+        x = tl.load(x_ptr + i)
+        tl.store(f_ptr + i, tk._floor(x))
+        tl.store(r_ptr + i, tk._rint(x))
+        tl.store(u_ptr + i, tk._uniform((i.to(tl.int64) + 4294967000).to(tl.uint32), key.to(tl.uint32)))
+
+    special = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999997, -0.49999997, 1e-40, -1e-40, 0.0, -0.0,
+               8388607.5, -8388607.5, 8388608.0, 16777217.0, 3e38, -3e38, 254.5, 255.5, -127.5]
+    x = torch.cat([torch.tensor(special), torch.randn(1024 - len(special)) * 300])
+    f, r, u = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    key = rng.seed_key(12345, 1)
+    helpers[(1,)](x, f, r, u, key, N=1024)
+    assert torch.equal(f, torch.floor(x)) and torch.equal(r, torch.round(x))  # == ignores the sign of 0
+    same(u, rng.uniform(12345, 1024, offset=4294967000, stream=1))
+
+
+ROW_CASES = [  # (rows, length, group_size, hadamard_block)
+    (3, 100, 16, 0),
+    (2, 300, 128, 32),
+    (3, 70, 8, 32),     # small groups inside a Hadamard block
+    (2, 200, 96, 32),   # a non power-of-two group of whole blocks
+    (2, 100, 24, 32),   # blocks straddle groups: the transform is not fused (exact torch butterfly)
+]
+
+
+@interpret_only
+@pytest.mark.parametrize("scheme", SCHEMES, ids=sid)
+@pytest.mark.parametrize("rows,length,group_size,hadamard_block", ROW_CASES, ids=str)
+def test_row_codec_steps_match_the_reference(launches, scheme, rows, length, group_size, hadamard_block):
+    check_rows("cpu", rows, length, group_size, hadamard_block, scheme, launches)
+
+
+@interpret_only
+def test_low_precision_rows_and_pretransformed_rows(launches):
+    check_rows("cpu", 2, 150, 32, 32, (4, True, "stochastic"), launches, dtype=torch.bfloat16)
+    check_rows("cpu", 2, 150, 64, 0, (8, False, "shift"), launches, dtype=torch.float16)
+    check_transformed("cpu", (4, True, "stochastic"), launches)
+
+
+@interpret_only
+@pytest.mark.parametrize("scheme", [(4, True, "stochastic"), (8, False, "shift"), (2, True, "nearest")], ids=sid)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_weight_difference_and_replica_update_match_the_reference(launches, scheme, dtype):
+    check_difference("cpu", 3, 333, 64, dtype, scheme, launches)
+
+
+@interpret_only
+@pytest.mark.parametrize(
+    "hop1,hop2,group_size,hadamard_block",
+    [
+        ((8, True, "stochastic"), (4, True, "stochastic"), 128, 32),
+        ((4, True, "nearest"), (4, True, "shift"), 32, 0),
+        ((8, False, "stochastic"), (2, False, "stochastic"), 64, 0),
+        ((8, True, "stochastic"), (4, False, "nearest"), 16, 32),
+    ],
+    ids=str,
+)
+def test_dequantize_sum_requantize_matches_the_reference(launches, hop1, hop2, group_size, hadamard_block):
+    check_middle("cpu", 3, 2, 256, hop1, hop2, group_size, hadamard_block, launches)
+
+
+def _collectives_fused_vs_reference(rank, world):
+    import torch.distributed as dist
+
+    import qsdp
+    from qsdp.comm import DifferenceAllGather, QuantizedReduceScatter, build_topology
+
+    grads = qsdp.GradComm("two_level", bits_intra=8, bits_inter=4, group_size=32, symmetric=True,
+                          rounding="stochastic", hadamard_block=32, pipeline_slices=3)
+    weights = qsdp.WeightComm("difference", bits=4, group_size=64, symmetric=True, rounding="stochastic")
+    cfg = qsdp.QuantConfig(grads=grads, weights=weights, seed=5, min_shard_numel=1)
+    g = torch.Generator().manual_seed(rank)
+    grad = torch.randn(world * 200, generator=g)
+    from qsdp.codecs import triton_kernels as tk
+
+    calls = []
+    for name in ("quantize_into", "dequantize_into"):
+        def counted(*a, _fn=getattr(tk, name), _name=name, **k):
+            calls.append(_name)
+            return _fn(*a, **k)
+
+        setattr(tk, name, counted)  # a forked child: the patch dies with it
+    results = []
+    for disable in (True, False):
+        ctx = reference() if disable else contextlib.nullcontext()
+        with ctx:
+            rs = QuantizedReduceScatter(cfg, build_topology(), 0)
+            out = torch.empty(200)
+            rs(output_tensor=out, input_tensor=grad, group=dist.group.WORLD, op=dist.ReduceOp.AVG)
+            ag = DifferenceAllGather(cfg, build_topology(), 1)
+            flat = torch.zeros(world * 150, dtype=torch.bfloat16)
+            gathered = []
+            for step in range(3):
+                shard = flat.view(world, 150)[rank]
+                shard.copy_(torch.randn(150, generator=torch.Generator().manual_seed(100 * step + rank)).bfloat16())
+                ag(output_tensor=flat, input_tensor=shard, group=dist.group.WORLD)
+                gathered.append(flat.clone())
+        results.append((out, torch.stack(gathered)))
+    same(results[1], results[0], f"rank {rank}")
+    # two-level: encode (Hadamard fused), dequantize-sum-requantize, dequantize-sum-inverse per
+    # slice; weight difference: encode_difference and the replica update per quantized gather
+    assert calls.count("quantize_into") == 3 + 2 and calls.count("dequantize_into") == 3 * 2 + 2, calls
+    return True
+
+
+@interpret_only
+def test_collectives_give_the_same_bytes_with_the_kernels():
+    from distributed import run_world
+
+    assert all(run_world(_collectives_fused_vs_reference, 4, local_world_size=2, timeout=200))
+
+
+@interpret_only
+@pytest.mark.parametrize("name", ["quantize", "hadamard_quantize", "dequantize_accumulate", "dequantize_requantize",
+                                  "weight_difference_quantize", "replica_update"])
+def test_benchmark_workloads_fused_equal_their_reference(launches, name):
+    from qsdp.bench import kernels as bench
+
+    w = bench.build(name, bench.ALIGN, device="cpu")
+    expected = w.reference(*w.args)
+    expected = tuple(t.clone() for t in expected) if isinstance(expected, tuple) else expected.clone()
+    w.reset()
+    got = w.fused()
+    assert launches.n > 0
+    same(got, expected)
+
+
+# ----------------------------------------------------------------------------- compile checks
+
+
+@compile_only
+def test_kernels_compile_for_sm90_without_fma_approximate_division_or_ftz():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from qsdp.codecs import triton_kernels as tk
+
+    common_q = {"x_ptr": "*fp32", "y_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*fp32", "zeros_ptr": "*fp32",
+                **{k: "i32" for k in ("L", "G", "NC", "NCB", "x_rs", "y_rs", "code_rs", "code_off", "scale_rs",
+                                      "scale_off", "zero_off", "row0")}, "key": "i64"}
+    common_d = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "zeros_ptr": "*fp32", "out_ptr": "*fp32",
+                "q_codes_ptr": "*u8", "q_scales_ptr": "*fp32", "q_zeros_ptr": "*fp32",
+                **{k: "i32" for k in ("ROW_O", "ROW_J", "G", "NCB", "code_rs", "code_off", "scale_rs", "scale_off",
+                                      "zero_off", "L_OUT", "out_rs", "q_NCB", "q_code_rs", "q_code_off", "q_scale_rs",
+                                      "q_scale_off", "q_zero_off", "row0")}, "key": "i64"}
+    variants = [
+        (tk._quantize_kernel, common_q, dict(GS=128, BG=128, GPP=32, NCH=1, BITS=4, SYMMETRIC=True, ROUNDING=1,
+                                             HB=32, HB_LOG=5, X_KIND=0, Y_KIND=-1)),
+        (tk._quantize_kernel, {**common_q, "x_ptr": "*i16", "y_ptr": "*i16"},
+         dict(GS=8192, BG=4096, GPP=1, NCH=2, BITS=2, SYMMETRIC=False, ROUNDING=2, HB=0, HB_LOG=0, X_KIND=1, Y_KIND=1)),
+        (tk._dequantize_kernel, {**common_d, "out_ptr": "*i16"},
+         dict(K=4, GS=2048, BG=2048, GPP=2, NCH=1, BITS=4, SYMMETRIC=False, HB=0, HB_LOG=0, MODE=0, OUT_KIND=1,
+              ADD=True, Q_BITS=8, Q_SYMMETRIC=True, Q_ROUNDING=0)),
+        (tk._dequantize_kernel, common_d,
+         dict(K=8, GS=128, BG=128, GPP=32, NCH=1, BITS=8, SYMMETRIC=True, HB=32, HB_LOG=5, MODE=0, OUT_KIND=0,
+              ADD=False, Q_BITS=8, Q_SYMMETRIC=True, Q_ROUNDING=0)),
+        (tk._dequantize_kernel, common_d,
+         dict(K=8, GS=128, BG=128, GPP=32, NCH=1, BITS=8, SYMMETRIC=True, HB=0, HB_LOG=0, MODE=1, OUT_KIND=0,
+              ADD=False, Q_BITS=4, Q_SYMMETRIC=True, Q_ROUNDING=1)),
+    ]
+    for fn, sig, consts in variants:
+        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False, "num_warps": 8}).asm["ptx"]
+        lines = [ln.strip() for ln in ptx.splitlines()]
+        fma = [ln for ln in lines if ln.startswith("fma.") and ".f32" in ln]
+        div = [ln for ln in lines if ln.startswith("div.") and ".f32" in ln]
+        assert not fma, f"{fn.__name__} {consts}: FMA contraction: {fma[:3]}"
+        assert all(ln.startswith("div.rn.f32") for ln in div), f"{fn.__name__}: inexact division: {div[:3]}"
+        assert not [ln for ln in lines if ".ftz" in ln and ".f32" in ln], f"{fn.__name__}: denormals flushed"
+
+
+# ----------------------------------------------------------------------------- GPU tests
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=sid)
+@pytest.mark.parametrize(
+    "n,group_size,dtype",
+    [(1, 8, torch.float32), (1_000_003, 128, torch.float32), (300_001, 2048, torch.bfloat16),
+     (100_003, 1000, torch.float16), (200_000, 8192, torch.float32)],
+    ids=lambda v: str(v).replace("torch.", ""),
+)
+@gpu_test
+def test_gpu_quantize_and_dequantize_match_the_cpu_reference(launches, scheme, n, group_size, dtype):
+    check_quantize("cuda", n, group_size, dtype, scheme, launches)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=sid)
+@pytest.mark.parametrize("rows,length,group_size,hadamard_block",
+                         ROW_CASES + [(4, 100_003, 128, 32), (2, 50_000, 2048, 0)], ids=str)
+@gpu_test
+def test_gpu_row_codec_steps_match_the_cpu_reference(launches, scheme, rows, length, group_size, hadamard_block):
+    check_rows("cuda", rows, length, group_size, hadamard_block, scheme, launches)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("scheme", [(4, True, "stochastic"), (8, False, "shift")], ids=sid)
+@gpu_test
+def test_gpu_weight_difference_middle_step_and_transformed_rows(launches, dtype, scheme):
+    check_difference("cuda", 4, 100_001, 2048, dtype, scheme, launches)
+    check_middle("cuda", 4, 2, 4096, (8, True, "stochastic"), (4, True, "stochastic"), 128, 32, launches)
+    check_transformed("cuda", scheme, launches)
+
+
+@gpu_test
+def test_gpu_torch_reference_is_device_independent():
+    """The reference run on CUDA (QSDP_DISABLE_TRITON=1) gives the CPU bytes too."""
+    scheme = (4, False, "stochastic")
+    codec = _codec(*scheme, 128, 32)
+    x = data(4 * 10_000, seed=8).view(4, 10_000)
+    with reference():
+        a = codec.encode(x, seed=1)
+        b = codec.encode(x.cuda(), seed=1)
+        same(b, a)
+        same(codec.decode_sum(b, 10_000, finish=True), codec.decode_sum(a, 10_000, finish=True))
+
