@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _config(mode="one_level", quantize=True, seed=0, **grads):
-    fields = dict(bits=8, group_size=16, symmetric=True, rounding="stochastic")
+    fields = dict(bits=8, group_size=16, symmetric=True, rounding="stochastic", pipeline_min_slice=1)
     fields.update(grads)
     return qsdp.QuantConfig(grads=qsdp.GradComm(mode, quantize=quantize, **fields), seed=seed)
 
@@ -147,3 +147,15 @@ def _bad_op(rank, world):
 def test_an_unsupported_reduce_op_is_refused_before_any_data_moves():
     for msg in run_world(_bad_op, 2):
         assert "ReduceOp.SUM and ReduceOp.AVG" in msg
+
+
+def test_pipeline_slices_are_whole_codec_units_and_never_below_the_minimum():
+    from qsdp.comm.reduce_scatter import pipeline_slices_bounds
+    from qsdp.comm.wire import RowCodec
+
+    codec = RowCodec(bits=8, group_size=128, hadamard_block=32)
+    bounds = pipeline_slices_bounds(128 * 100, codec, 8, min_slice=1)
+    assert len(bounds) == 8 and bounds[0][0] == 0 and bounds[-1][1] == 128 * 100
+    assert all(a % 128 == 0 for a, _ in bounds) and all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
+    assert len(pipeline_slices_bounds(128 * 100, codec, 8, min_slice=4096)) == 3
+    assert pipeline_slices_bounds(128 * 10, codec, 8, min_slice=1 << 20) == [(0, 1280)]

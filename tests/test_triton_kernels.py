@@ -440,7 +440,8 @@ def _collectives_fused_vs_reference(rank, world):
     from qsdp.comm import DifferenceAllGather, QuantizedReduceScatter, build_topology
 
     grads = qsdp.GradComm("two_level", bits_intra=8, bits_inter=4, group_size=32, symmetric=True,
-                          rounding="stochastic", hadamard_block=32, pipeline_slices=3)
+                          rounding="stochastic", hadamard_block=32, pipeline_slices=3,
+                          pipeline_min_slice=1)
     weights = qsdp.WeightComm("difference", bits=4, group_size=64, symmetric=True, rounding="stochastic")
     cfg = qsdp.QuantConfig(grads=grads, weights=weights, seed=5, min_shard_numel=1)
     g = torch.Generator().manual_seed(rank)

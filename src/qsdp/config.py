@@ -50,6 +50,8 @@ class GradComm:
     hadamard_block: 0 (off) or the block of the Walsh-Hadamard smoothing (SDP4Bit: 32).
     pipeline_slices: the two-level exchange is cut into this many slices so that quantizing one
         overlaps the communication of the previous one (SDP4Bit: 8).
+    pipeline_min_slice: fewer slices are used where a slice would hold fewer elements per
+        destination than this (small FSDP groups gain nothing from slicing but latency).
     quantize: ``False`` sends exact fp32 values along the same route (an ablation and a test
         oracle: the route alone must not change the result).
     """
@@ -63,6 +65,7 @@ class GradComm:
     rounding: str = "stochastic"
     hadamard_block: int = 0
     pipeline_slices: int = 1
+    pipeline_min_slice: int = 16384
     quantize: bool = True
 
 
@@ -216,6 +219,8 @@ def validate(cfg: QuantConfig) -> None:
             raise ConfigError(f"grads.hadamard_block={hb} and group_size={g.group_size} align only every {math.lcm(hb, g.group_size)} elements")
         if not _is_int(g.pipeline_slices) or g.pipeline_slices < 1:
             raise ConfigError(f"grads.pipeline_slices={g.pipeline_slices!r} must be a positive integer")
+        if not _is_int(g.pipeline_min_slice) or g.pipeline_min_slice < 1:
+            raise ConfigError(f"grads.pipeline_min_slice={g.pipeline_min_slice!r} must be a positive integer")
         if not isinstance(g.quantize, bool):
             raise ConfigError(f"grads.quantize={g.quantize!r} must be a bool")
     for name, v in (("weights.symmetric", w.symmetric), ("grads.symmetric", g.symmetric)):

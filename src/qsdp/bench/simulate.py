@@ -175,7 +175,7 @@ def step_collectives(
         hop1 = grad_codec(g, g.bits_intra, raw)
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
-        for a, b in pipeline_slices_bounds(lp, hop1, g.pipeline_slices):
+        for a, b in pipeline_slices_bounds(lp, hop1, g.pipeline_slices, g.pipeline_min_slice):
             width = b - a
             out.append(Collective(
                 "grads", "a2a_intra", d * hop1.row_nbytes(width), d * real_elements(a, b, s), m - 1, 0,

@@ -166,7 +166,7 @@ class QuantizedReduceScatter(_Base):
         # Destination-major order for the intra-node exchange: row (l, n) holds the chunk of the
         # rank with local rank l on node n, so local peer l receives its D rows contiguously.
         xp = xp.view(d, m, lp).transpose(0, 1).reshape(m * d, lp)
-        bounds = pipeline_slices_bounds(lp, hop1, g.pipeline_slices)
+        bounds = pipeline_slices_bounds(lp, hop1, g.pipeline_slices, g.pipeline_min_slice)
         out = torch.empty(lp, dtype=torch.float32, device=x.device)
         n_slices = len(bounds)
         stage1: list[tuple[torch.Tensor, Any] | None] = [None] * n_slices
@@ -206,12 +206,12 @@ def real_elements(a: int, b: int, s: int) -> int:
     return max(0, min(b, s) - a)
 
 
-def pipeline_slices_bounds(length: int, codec: RowCodec, n: int) -> list[tuple[int, int]]:
-    """Up to ``n`` contiguous slices of ``[0, length)``, each a whole number of codec units."""
-    unit = max(1, length if codec.exact else math.lcm(codec.group_size, codec.hadamard_block or 1))
-    if codec.exact:
-        unit = 1
+def pipeline_slices_bounds(length: int, codec: RowCodec, n: int, min_slice: int = 1) -> list[tuple[int, int]]:
+    """Up to ``n`` contiguous slices of ``[0, length)``, each a whole number of codec units and,
+    unless the whole row is shorter, at least ``min_slice`` elements: below that, a slice's
+    collective costs more in latency than its overlap saves."""
+    unit = 1 if codec.exact else math.lcm(codec.group_size, codec.hadamard_block or 1)
     units = max(1, length // unit)
-    n = max(1, min(n, units))
+    n = max(1, min(n, units, length // max(1, min_slice)))
     per = -(-units // n) * unit
     return [(a, min(a + per, length)) for a in range(0, length, per)]
