@@ -104,11 +104,14 @@ class QuantizedAllGather(_Base):
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version}
+        # The last shard decides whether the next gather is a new version: without it a resumed
+        # run would bump the version (and change the rounding) where the original did not.
+        return {"version": self.version, "last": self._last}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = int(state.get("version", 0))
-        self._last = None
+        last = state.get("last")
+        self._last = None if last is None else last.detach().clone()
 
 
 class DifferenceAllGather(_Base):
