@@ -7,6 +7,9 @@ then runs the training job (:func:`qsdp.train.loop.train_worker`):
 - otherwise in ``--nproc`` local worker processes started by torch's elastic launcher (the
   machinery behind ``torchrun``), with a c10d rendezvous on a free local port.
 
+With ``--max-restarts N`` the elastic launcher restarts the workers up to N times after a failure
+(a worker killed, a lost peer); a restarted group resumes from the run's last checkpoint.
+
 A bad input ends with one line ``qsdp: error: ...`` on stderr and exit code 2; a failure inside
 the workers ends with one line naming the root cause (the first rank that failed) and exit code
 1 (2 if that cause is a bad input), not a traceback from every rank.
@@ -135,6 +138,14 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--param-dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--timeout", dest="timeout_s", type=float, default=None,
                    help="seconds a collective may wait before the job fails (default 600)")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart the local workers up to N times after a failure; a restart resumes "
+                        "from the last checkpoint in --out (default 0; under torchrun use its own "
+                        "--max-restarts)")
+    g = p.add_argument_group("reliability")
+    g.add_argument("--on-nonfinite", default=d.on_nonfinite, choices=["skip", "raise"],
+                   help="when a rank reduces a NaN/Inf gradient: skip the step on every rank and "
+                        "count it (default), or stop the run with an error naming the step")
 
 
 def _train_args(ns: argparse.Namespace):
@@ -162,13 +173,18 @@ def _check_writable(out: str) -> None:
         raise UsageError(f"--out directory {out!r} is not writable: {e.strerror or e}") from None
 
 
-def _validate_train(args, nproc: int | None, *, full: bool) -> int:
+def _validate_train(args, nproc: int | None, *, full: bool, max_restarts: int = 0) -> int:
     """Check every input of a run before anything starts; returns the world size. ``full``
     also builds the dataset (and its caches) here, in the launching process."""
     from qsdp.train.data import load_corpus
-    from qsdp.train.loop import check_out_dir, check_resume, prepare_dataset, validate_args
+    from qsdp.train.loop import check_out_dir, check_resume, prepare_dataset, restart_count, validate_args
 
     validate_args(args)
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts must be a non-negative integer, got {max_restarts}")
+    if under_torchrun() and max_restarts:
+        raise UsageError("--max-restarts is for the workers qsdp launches; under torchrun pass "
+                         "torchrun's own --max-restarts")
     if under_torchrun():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if nproc is not None and nproc != world:
@@ -195,7 +211,9 @@ def _validate_train(args, nproc: int | None, *, full: bool) -> int:
     else:
         load_corpus(args.data)
         data_id = None
-    if args.resume:
+    if restart_count() > 0:
+        pass  # torchrun restarted this worker: the job resumes from the run's own checkpoint
+    elif args.resume:
         check_resume(args, world, data_id)
     else:
         check_out_dir(args)
@@ -217,11 +235,12 @@ def _worker_entry(args, error_dir: str) -> dict[str, Any] | None:
         rank = int(os.environ.get("RANK", "-1"))
         record = {
             "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
             "user": isinstance(e, USER_ERRORS), "secondary": isinstance(e, PeerError),
             "traceback": traceback.format_exc(),
         }
         with contextlib.suppress(OSError):
-            path = Path(error_dir) / f"rank{rank}.json"
+            path = Path(error_dir) / f"rank{rank}.attempt{record['attempt']}.json"
             path.with_suffix(".tmp").write_text(json.dumps(record), encoding="utf-8")
             os.replace(path.with_suffix(".tmp"), path)
         # Exit quietly: the launcher prints the root cause once.
@@ -251,6 +270,8 @@ def _root_cause(error_dir: Path, failures: dict[int, Any], out: str) -> WorkerFa
         with contextlib.suppress(OSError, ValueError):
             records.append(json.loads(p.read_text(encoding="utf-8")))
     if records:
+        last = max(r.get("attempt", 0) for r in records)  # with --max-restarts: the final attempt
+        records = [r for r in records if r.get("attempt", 0) == last]
         r = min(records, key=lambda r: (r["secondary"], r["time"], not r["user"]))
         if r["user"]:
             return WorkerFailure(r["message"], EXIT_USAGE)
@@ -266,8 +287,10 @@ def _root_cause(error_dir: Path, failures: dict[int, Any], out: str) -> WorkerFa
     return WorkerFailure("the workers failed without reporting an error")
 
 
-def _launch(args, nproc: int) -> dict[str, Any]:
-    """Run ``train_worker(args)`` in ``nproc`` local processes; returns rank 0's summary."""
+def _launch(args, nproc: int, max_restarts: int = 0) -> dict[str, Any]:
+    """Run ``train_worker(args)`` in ``nproc`` local processes (restarted up to
+    ``max_restarts`` times; a restarted group resumes from the run's last checkpoint); returns
+    rank 0's summary."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from qsdp.launch import launch_local
@@ -279,7 +302,7 @@ def _launch(args, nproc: int) -> dict[str, Any]:
     error_dir = Path(tempfile.mkdtemp(prefix="qsdp-errors-"))
     try:
         with _quiet_elastic_logs():
-            results = launch_local(_worker_entry, nproc, args, str(error_dir))
+            results = launch_local(_worker_entry, nproc, args, str(error_dir), max_restarts=max_restarts)
     except ChildFailedError as e:
         raise _root_cause(error_dir, e.failures, args.out) from None
     finally:
@@ -289,16 +312,16 @@ def _launch(args, nproc: int) -> dict[str, Any]:
     return results[0]
 
 
-def run_training(args, nproc: int | None = None) -> dict[str, Any]:
+def run_training(args, nproc: int | None = None, max_restarts: int = 0) -> dict[str, Any]:
     """Validate and run one training job (the ``qsdp train`` command without the printing);
     returns the summary. Raises UsageError / the loop's user errors / WorkerFailure."""
     from qsdp.train.loop import train_worker
 
     if under_torchrun():
-        _validate_train(args, nproc, full=False)
+        _validate_train(args, nproc, full=False, max_restarts=max_restarts)
         return train_worker(args)
-    world = _validate_train(args, nproc, full=True)
-    return _launch(args, world)
+    world = _validate_train(args, nproc, full=True, max_restarts=max_restarts)
+    return _launch(args, world, max_restarts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,11 +330,18 @@ def run_training(args, nproc: int | None = None) -> dict[str, Any]:
 
 def _cmd_train(ns: argparse.Namespace) -> int:
     args = _train_args(ns)
-    summary = run_training(args, ns.nproc)
+    summary = run_training(args, ns.nproc, ns.max_restarts)
     if int(os.environ.get("RANK", "0")) == 0:
+        notes = ""
+        if summary.get("nonfinite_skipped"):
+            notes += f", {summary['nonfinite_skipped']} steps skipped (non-finite gradients)"
+        if summary.get("restarts"):
+            start = summary["start_step"]
+            notes += (f", {summary['restarts']} restart(s) (resumed from step {start})" if start
+                      else f", {summary['restarts']} restart(s) (no checkpoint yet: started again)")
         print(f"{PROG}: done: {summary['steps']} steps of {args.model} with {summary['config']['name']}, "
               f"final val loss {summary['final_val_loss']:.4f}, "
-              f"{_fmt_bytes(summary['wire_bytes_total'])} on the wire; run in {args.out}")
+              f"{_fmt_bytes(summary['wire_bytes_total'])} on the wire{notes}; run in {args.out}")
     return 0
 
 
@@ -480,7 +510,7 @@ def _parser() -> _Parser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``qsdp`` command; returns the exit code."""
-    from qsdp.train.loop import USER_ERRORS, PeerError
+    from qsdp.train.loop import USER_ERRORS, CollectiveTimeoutError, NonFiniteGradientError, PeerError
 
     try:
         ns = _parser().parse_args(argv)
@@ -499,6 +529,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code
     except PeerError:
         return 1  # under torchrun: the rank that failed first reports the cause
+    except (NonFiniteGradientError, CollectiveTimeoutError) as e:  # under torchrun: a run-time stop
+        if speak:
+            _error(f"rank {os.environ.get('RANK', '0')}: {type(e).__name__}: {e}")
+        return 1
     except KeyboardInterrupt:
         _error("interrupted")
         return 130

@@ -16,11 +16,43 @@ is a function of the step). Per step, in this order: train, log, checkpoint, eva
     wire_bytes_total,
     wire_bytes_{kind}_{level}, bits_per_elt_{kind}_{level}   kind: weights, grads (and
         wire_bytes_control_{level}); level: intra, inter, total
+    nonfinite_skipped (steps skipped so far, see below; grad_norm is null on a skipped step)
 
 and ``{"step", "val_loss"}`` lines. Bytes are cumulative since the start of the run (resumes
 included) and summed over all ranks: the whole job's traffic as the byte meter counts it
 (see :mod:`qsdp.comm.meter`), evaluation forwards included. ``summary.json`` at the end holds
-the config, the final losses, the bytes by kind and level, timings and the environment.
+the config, the final losses, the bytes by kind and level, timings, the environment,
+``nonfinite_skipped`` and ``final_weights_sha256`` / ``final_optimizer_sha256``: SHA-256 over every
+rank's digest of its local shards (model parameters; optimizer state), in rank order. Two runs
+with the same world size have equal hashes exactly when their final states are bit-identical.
+
+Non-finite gradients (``on_nonfinite``). After ``backward`` every rank asks
+:meth:`qsdp.QuantizedComms.nonfinite_gradients` (one collective) whether any rank reduced a NaN
+or Inf gradient. ``skip`` (the default): every rank drops the step's gradients and does not step
+the optimizer, so weights, optimizer state (AdamW's step count included) and the weight-difference
+replicas stay unchanged and identical on all ranks; the step number still advances, i.e. the batch
+of that step is consumed and the learning-rate schedule, a function of the step number, does not
+shift (the skipped step's learning rate is simply never applied). ``raise``: the run stops with
+:class:`NonFiniteGradientError` naming the step (weights not updated at that step).
+
+Restarts. Under torch's elastic agent (``qsdp train --max-restarts N``, or torchrun's) a failed
+worker group is restarted with ``TORCHELASTIC_RESTART_COUNT`` > 0; a restarted attempt resumes
+from ``OUT/checkpoints/latest`` when there is one (the same identity check as ``--resume``), else
+starts afresh. A resume (``--resume`` or a restart) first drops the records of ``metrics.jsonl``
+after the checkpoint's step: they belong to the attempt that crashed and are written again.
+
+A collective that waits longer than ``timeout_s`` (a peer that stopped answering) ends the run
+with :class:`CollectiveTimeoutError` naming the step, instead of hanging.
+
+Test-only fault injection (environment variables, read once per worker; never set them in real
+runs). ``STEP`` is 1-based, ``RANK`` the global rank; each fires once, on the first attempt only
+(``TORCHELASTIC_RESTART_COUNT`` unset or 0):
+
+- ``QSDP_TEST_NAN_AT=STEP:RANK``: that rank back-propagates ``loss * NaN`` at that step (its
+  gradients become NaN; the logged loss stays the forward's).
+- ``QSDP_TEST_KILL_AT=STEP:RANK``: that rank sends itself SIGKILL after that step's backward.
+- ``QSDP_TEST_STALL_AT=STEP:RANK:SECONDS``: that rank sleeps before that step (a peer that stops
+  answering).
 """
 
 from __future__ import annotations
@@ -31,6 +63,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -52,15 +85,18 @@ from qsdp.train.checkpoint import (
     save_checkpoint,
 )
 from qsdp.train.data import TOKENIZER_KINDS, DataError, TokenDataset, get_tokenizer, load_corpus
-from qsdp.train.metrics import METRICS_FILE, MetricsWriter, write_summary
+from qsdp.train.metrics import METRICS_FILE, MetricsWriter, read_metrics, write_summary
 from qsdp.train.model import MODEL_SIZES, count_params, make_gpt, transformer_blocks
 
 __all__ = [
-    "TrainArgs", "TrainError", "PeerError", "USER_ERRORS", "train_worker", "validate_args",
-    "check_out_dir", "check_resume", "prepare_dataset", "lr_at", "default_cache_dir", "use_cuda",
+    "TrainArgs", "TrainError", "PeerError", "NonFiniteGradientError", "CollectiveTimeoutError",
+    "USER_ERRORS", "ON_NONFINITE", "train_worker", "validate_args", "check_out_dir", "check_resume",
+    "prepare_dataset", "lr_at", "default_cache_dir", "use_cuda", "restart_count",
 ]
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ON_NONFINITE = ("skip", "raise")
+MAX_TIMEOUT_S = 1e9  # about 31 years; much more overflows the process group's timedelta
 
 
 class TrainError(ValueError):
@@ -69,6 +105,14 @@ class TrainError(ValueError):
 
 class PeerError(RuntimeError):
     """Raised on the other ranks when one rank failed a step they all wait for."""
+
+
+class NonFiniteGradientError(RuntimeError):
+    """``on_nonfinite="raise"``: some rank reduced a NaN/Inf gradient; the message names the step."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited longer than ``timeout_s``: a peer stopped answering."""
 
 
 # Errors that are the user's input, not a bug: reported as one line, exit code 2.
@@ -88,6 +132,8 @@ class TrainArgs:
         0 = only at the end. grad_clip: 0 = off.
     local_world_size: ranks per node for the two-level reduce-scatter (``None``: the config's
         value or ``LOCAL_WORLD_SIZE``); lets one machine emulate several nodes.
+    on_nonfinite: ``skip`` (drop the step on every rank, count it) or ``raise`` (stop the run)
+        when some rank reduced a NaN/Inf gradient; see the module docstring.
     param_dtype: ``float32`` or ``bfloat16`` (FSDP2 mixed precision, gradients reduced in fp32);
         ``None`` = bfloat16 on CUDA, float32 on CPU.
     device: ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU a process); ``None`` = ``cuda`` if there is
@@ -122,6 +168,7 @@ class TrainArgs:
     param_dtype: str | None = None
     device: str | None = None
     timeout_s: float = 600.0
+    on_nonfinite: str = "skip"
     cache_dir: str | None = None
     progress: bool = True
 
@@ -186,7 +233,10 @@ def validate_args(args: TrainArgs) -> None:
          f"weight_decay must be >= 0, got {args.weight_decay!r}")
     need(math.isfinite(args.grad_clip) and args.grad_clip >= 0,
          f"grad_clip must be >= 0 (0 = off), got {args.grad_clip!r}")
-    need(args.timeout_s > 0, f"timeout must be positive, got {args.timeout_s!r}")
+    need(isinstance(args.timeout_s, (int, float)) and 0 < args.timeout_s <= MAX_TIMEOUT_S,
+         f"timeout must be a positive number of seconds (at most {MAX_TIMEOUT_S:.0e}), got {args.timeout_s!r}")
+    need(args.on_nonfinite in ON_NONFINITE,
+         f"unknown on_nonfinite {args.on_nonfinite!r}; allowed: {', '.join(ON_NONFINITE)}")
     need(args.local_world_size is None or (_is_int(args.local_world_size) and args.local_world_size > 0),
          f"local_world_size must be a positive integer, got {args.local_world_size!r}")
     need(args.param_dtype is None or args.param_dtype in PARAM_DTYPES,
@@ -262,6 +312,17 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _check_identity(path: Path, meta: dict[str, Any], args: TrainArgs, world_size: int,
+                    data_id: str | None) -> None:
+    mine = _flatten(_run_identity(args, world_size, data_id))
+    theirs = _flatten(meta.get("identity", {}))
+    # Only what both know: a field added to the config since the checkpoint is not a change.
+    diffs = [f"{k}: checkpoint {theirs[k]!r} != now {v!r}" for k, v in mine.items()
+             if k in theirs and theirs[k] != v]
+    if diffs:
+        raise TrainError(f"--resume: checkpoint {path} was written by a different run: " + "; ".join(diffs))
+
+
 def check_resume(args: TrainArgs, world_size: int, data_id: str | None = None) -> tuple[Path, dict[str, Any]]:
     """The checkpoint ``--resume`` continues from and its ``trainer.json``; TrainError if there
     is none, if it was written by a different run, or if it is already at ``--steps``."""
@@ -270,17 +331,94 @@ def check_resume(args: TrainArgs, world_size: int, data_id: str | None = None) -
         raise TrainError(f"--resume: no checkpoint in {os.path.join(args.out, 'checkpoints')} "
                          "(checkpoints/latest is missing)")
     meta = read_meta(path)
-    mine = _flatten(_run_identity(args, world_size, data_id))
-    theirs = _flatten(meta.get("identity", {}))
-    # Only what both know: a field added to the config since the checkpoint is not a change.
-    diffs = [f"{k}: checkpoint {theirs[k]!r} != now {v!r}" for k, v in mine.items()
-             if k in theirs and theirs[k] != v]
-    if diffs:
-        raise TrainError(f"--resume: checkpoint {path} was written by a different run: " + "; ".join(diffs))
+    _check_identity(path, meta, args, world_size, data_id)
     if int(meta["step"]) >= args.steps:
         raise TrainError(f"--resume: checkpoint {path.name} is already at step {meta['step']} >= "
                          f"--steps {args.steps}; pass a larger --steps to train further")
     return path, meta
+
+
+def restart_count() -> int:
+    """How many times torch's elastic agent has restarted this worker group (0: first attempt)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def _restart_checkpoint(args: TrainArgs, world_size: int, data_id: str | None) -> Path | None:
+    """The checkpoint a restarted attempt resumes from: ``latest`` if this run wrote one (the
+    identity is checked as for ``--resume``; it may already be at ``--steps`` if the crash came
+    after the final save), else ``None`` (start afresh)."""
+    path = latest_checkpoint(args.out)
+    if path is not None:
+        _check_identity(path, read_meta(path), args, world_size, data_id)
+    return path
+
+
+def _drop_metrics_after(out: str, step: int) -> None:
+    """Rewrite ``metrics.jsonl`` without the records of steps after ``step`` (what an attempt
+    that crashed logged past the checkpoint a resume continues from). Rank 0 only."""
+    path = Path(out) / METRICS_FILE
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").split("\n")[:-1]  # a partial last line is dropped
+    kept = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and int(rec.get("step", 0)) <= step:
+            kept.append(line + "\n")
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Test-only fault injection (see the module docstring)
+
+
+@dataclass(frozen=True)
+class _Faults:
+    nan_at: tuple[int, int] | None = None
+    kill_at: tuple[int, int] | None = None
+    stall_at: tuple[int, int, float] | None = None
+
+    @classmethod
+    def from_env(cls) -> _Faults:
+        if restart_count() > 0:
+            return cls()
+
+        def parse(var: str, n: int) -> tuple | None:
+            text = os.environ.get(var)
+            if not text:
+                return None
+            parts = text.split(":")
+            try:
+                if len(parts) != n:
+                    raise ValueError
+                return (int(parts[0]), int(parts[1]), *(float(x) for x in parts[2:]))
+            except ValueError:
+                raise ValueError(f"{var}={text!r}: expected {':'.join(['STEP', 'RANK', 'SECONDS'][:n])}") from None
+
+        return cls(parse("QSDP_TEST_NAN_AT", 2), parse("QSDP_TEST_KILL_AT", 2), parse("QSDP_TEST_STALL_AT", 3))
+
+    def stall(self, step: int, rank: int) -> None:
+        if self.stall_at is not None and self.stall_at[:2] == (step, rank):
+            time.sleep(self.stall_at[2])
+
+    def nan(self, step: int, rank: int) -> bool:
+        return self.nan_at == (step, rank)
+
+    def kill(self, step: int, rank: int) -> None:
+        if self.kill_at == (step, rank):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,11 +433,21 @@ def _init_process_group(args: TrainArgs) -> None:
                 f"({var} is not set); launch with `qsdp train --nproc N` or torchrun"
             )
     timeout = datetime.timedelta(seconds=args.timeout_s)
-    if use_cuda(args):
+    backend = "nccl" if use_cuda(args) else "gloo"
+    if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl", timeout=timeout)
+    attempt = restart_count()
+    if attempt > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The elastic agent keeps one TCPStore across restarts and init_process_group does not
+        # separate the attempts' keys, so a restarted group would read the dead group's gloo
+        # addresses / NCCL ids (pytorch/pytorch#135712): give each attempt its own key prefix.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"qsdp/attempt_{attempt}", store),
+                                rank=rank, world_size=world, timeout=timeout)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
 
 
 def use_cuda(args: TrainArgs) -> bool:
@@ -477,11 +625,15 @@ class _Trainer:
     def run(self) -> dict[str, Any]:
         args, rank, world, device = self.args, self.rank, self.world, self.device
         t_start = time.perf_counter()
-        if not args.resume:
+        restarted = restart_count() > 0
+        faults = _Faults.from_env()
+        if not args.resume and not restarted:
             check_out_dir(args)
         ds, data_id = _rank0_first(lambda: prepare_dataset(args), rank)
         resume_from = None
-        if args.resume:
+        if restarted:  # the elastic agent restarted the group: continue from the last good checkpoint
+            resume_from = _restart_checkpoint(args, world, data_id)
+        elif args.resume:
             resume_from, _ = check_resume(args, world, data_id)
         dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
 
@@ -490,11 +642,16 @@ class _Trainer:
         optimizer = _make_optimizer(model, args)
         qsdp.comm_stats(reset=True)
 
-        start_step, wire = 0, WireTotals()
+        start_step, wire, skipped = 0, WireTotals(), 0
+        last_loss = last_val = float("nan")
         if resume_from is not None:
             meta = load_checkpoint(resume_from, model, optimizer, handle, device)
             start_step = int(meta["step"])
             wire = WireTotals(meta.get("wire"))
+            skipped = int(meta.get("nonfinite_skipped", 0))
+            last_loss = float(meta.get("train_loss", float("nan")))
+        if rank == 0 and (resume_from is not None or restarted):
+            _drop_metrics_after(args.out, start_step)
         identity = _run_identity(args, world, data_id)
 
         writer = MetricsWriter(args.out, enabled=rank == 0)
@@ -506,21 +663,34 @@ class _Trainer:
                        dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 5.0)
         tokens_per_step = args.batch_size * args.seq_len * world
         step_times: list[float] = []
-        last_loss = last_val = float("nan")
         postfix: dict[str, str] = {}  # progress bar: loss, tokens/s, bits/element on the wire
+        step = start_step
         try:
             for step in range(start_step + 1, args.steps + 1):
                 t0 = time.perf_counter()
+                faults.stall(step, rank)
                 lr = lr_at(step - 1, args)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 x, y = ds.batch(step - 1, rank, world, args.batch_size, args.seq_len)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 _, loss = model(x, y)
-                loss.backward()
-                grad_norm = _clip_grads(model, args.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                (loss * float("nan") if faults.nan(step, rank) else loss).backward()
+                faults.kill(step, rank)
+                grad_norm: float | None
+                if handle.nonfinite_gradients():  # collective: the same answer on every rank
+                    optimizer.zero_grad(set_to_none=True)
+                    if args.on_nonfinite == "raise":
+                        raise NonFiniteGradientError(
+                            f"non-finite gradient (NaN/Inf) at step {step} (--on-nonfinite raise); "
+                            f"the weights were not updated at step {step}, the last checkpoint is "
+                            f"{_latest_name(args.out)}")
+                    skipped += 1
+                    grad_norm = None
+                else:
+                    grad_norm = _clip_grads(model, args.grad_clip)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
@@ -530,11 +700,14 @@ class _Trainer:
                     (loss_sum,) = wire.collect(device, [loss.detach().double().item()])
                     last_loss = loss_sum / world
                     rec = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm,
-                           "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, **wire.flat()}
+                           "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                           "nonfinite_skipped": skipped, **wire.flat()}
                     writer.write(rec)
                     postfix.update(loss=f"{last_loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                                    bits_w=f"{rec['bits_per_elt_weights_total']:.1f}",
                                    bits_g=f"{rec['bits_per_elt_grads_total']:.1f}")
+                    if skipped:
+                        postfix["skipped"] = str(skipped)
                     if bar is not None:
                         bar.set_postfix(postfix, refresh=False)
                 if bar is not None:
@@ -547,7 +720,8 @@ class _Trainer:
                 if (args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps:
                     wire.collect(device)
                     meta = {"identity": identity, "wire": wire.as_dict(), "preset": args.preset,
-                            "torch_version": torch.__version__}
+                            "torch_version": torch.__version__, "nonfinite_skipped": skipped,
+                            "train_loss": last_loss}
                     save_checkpoint(args.out, step, model, optimizer, handle, meta,
                                     keep=args.keep_checkpoints)
                 if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
@@ -556,12 +730,26 @@ class _Trainer:
                     postfix["val"] = f"{last_val:.3f}"
                     if bar is not None:
                         bar.set_postfix(postfix, refresh=False)
+            if start_step >= args.steps:
+                # A restart after the final checkpoint: only the final evaluation is left.
+                last_val = _evaluate(model, ds, args, rank, world, device)
+                if rank == 0 and not any(r.get("step") == args.steps and "val_loss" in r
+                                         for r in read_metrics(args.out)):
+                    writer.write({"step": args.steps, "val_loss": last_val})
+        except RuntimeError as e:
+            if isinstance(e, (NonFiniteGradientError, PeerError)) or "timed out" not in str(e).lower():
+                raise
+            raise CollectiveTimeoutError(
+                f"step {step}: a collective waited longer than "
+                f"the timeout ({args.timeout_s:g} s, --timeout): a peer stopped answering or is far "
+                f"behind ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
         finally:
             if bar is not None:
                 bar.close()
             writer.close()
 
         wire.collect(device)
+        weights_sha, optim_sha = _state_digests(model, optimizer)
         summary = {
             "config": handle.config.to_dict(),
             "preset": args.preset,
@@ -572,6 +760,10 @@ class _Trainer:
             "wire_bytes_total": wire.total_bytes(),
             "steps": args.steps,
             "start_step": start_step,
+            "restarts": restart_count(),
+            "nonfinite_skipped": skipped,
+            "final_weights_sha256": weights_sha,
+            "final_optimizer_sha256": optim_sha,
             "wall_time_s": time.perf_counter() - t_start,
             "median_step_time_s": statistics.median(step_times) if step_times else None,
             "tokens_per_step": tokens_per_step,
@@ -590,6 +782,41 @@ class _Trainer:
         if rank == 0:
             write_summary(args.out, json.loads(json.dumps(summary, default=str)))
         return summary
+
+
+def _latest_name(out: str) -> str:
+    try:
+        path = latest_checkpoint(out)
+    except CheckpointError:
+        path = None
+    return path.name if path is not None else "none"
+
+
+def _state_digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, str]:
+    """SHA-256 of the model parameters and of the optimizer state (collective): each rank
+    hashes its local shards in a fixed order, rank 0's to the last rank's digests are hashed
+    together. Equal for two runs of the same world size iff their states are bit-identical."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: Any) -> torch.Tensor:
+        t = t.to_local() if isinstance(t, DTensor) else torch.as_tensor(t)
+        return t.detach().contiguous().cpu()
+
+    def update(h: Any, name: str, t: Any) -> None:
+        t = local(t)
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+    hw, ho = hashlib.sha256(), hashlib.sha256()
+    for name, p in model.named_parameters():
+        update(hw, name, p)
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            update(ho, f"{name}.{key}", value)
+    mine = [hw.hexdigest(), ho.hexdigest()]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return tuple(hashlib.sha256("".join(d[i] for d in everyone).encode()).hexdigest()
+                 for i in range(2))  # type: ignore[return-value]
 
 
 def _device_name(device: torch.device) -> str:

@@ -1,0 +1,256 @@
+"""Reliability of the training job: non-finite gradients, crash and restart, stalled peers.
+
+Faults are injected with the loop's test-only environment variables (see
+:mod:`qsdp.train.loop`): ``QSDP_TEST_NAN_AT``, ``QSDP_TEST_KILL_AT`` and ``QSDP_TEST_STALL_AT``.
+Most runs call ``train_worker`` in a forked gloo world (``run_world``); the crash, the stall and
+the ``raise`` mode also go through the real command line (``qsdp train --nproc 2``: the elastic
+launcher and spawned workers), since what they test is the launcher's behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+
+from distributed import run_world
+from qsdp.train.checkpoint import CHECKPOINT_DIR, LATEST_FILE, latest_checkpoint
+from qsdp.train.loop import TrainArgs, lr_at, train_worker
+from qsdp.train.metrics import METRICS_FILE, read_metrics, read_summary
+
+TIMING = {"step_time_s", "tokens_per_s"}  # the only fields of a record that may differ between runs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    from qsdp.train.data import load_corpus
+
+    path = tmp_path_factory.mktemp("data") / "chat.txt"
+    path.write_text(load_corpus(None)[:300_000], encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
+    # Spawned workers with one thread each, like run_world's forked ones: the same arithmetic.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                "QSDP_TEST_NAN_AT", "QSDP_TEST_KILL_AT", "QSDP_TEST_STALL_AT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _args(out, corpus, **kw) -> TrainArgs:
+    base = dict(out=str(out), data=corpus, model="tiny", steps=6, batch_size=4, seq_len=32,
+                lr=3e-3, warmup=2, eval_every=0, eval_batches=2, ckpt_every=0, progress=False)
+    return TrainArgs(**{**base, **kw})
+
+
+def _worker(rank, world, args):
+    return train_worker(args)
+
+
+def train(args, world=2, lws=None):
+    return run_world(_worker, world, args, local_world_size=lws, timeout=90)
+
+
+def _records(run_dir):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite gradients
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("preset,world,lws", [
+    ("sdp4bit", 2, None),
+    pytest.param("fsdp", 2, None, marks=pytest.mark.slow),  # plain reduce-scatter
+    pytest.param("sdp4bit", 4, 2, marks=pytest.mark.slow),  # 2 nodes x 2 ranks: both gradient hops
+])
+def test_a_nan_gradient_skips_the_step_and_training_continues(tmp_path, corpus, monkeypatch, preset, world, lws):
+    """NaN in rank 1's gradient at step 3: the step is skipped on every rank, weights and
+    optimizer state equal those after step 2 bit for bit, the skip is counted, and training
+    continues (resumed, to check the count survives a checkpoint) with finite losses."""
+    monkeypatch.setenv("QSDP_TEST_NAN_AT", "3:1")
+    # verify_replicas_every=1: every weight-difference gather compares the replicas across ranks.
+    common = dict(preset=preset, local_world_size=lws, decay_steps=6,
+                  overrides={"verify_replicas_every": 1})
+    before, run = tmp_path / "two_steps", tmp_path / "run"
+    ref = train(_args(before, corpus, steps=2, **common), world, lws)[0]
+    got = train(_args(run, corpus, steps=3, **common), world, lws)
+    assert len({s["final_weights_sha256"] for s in got}) == 1
+    assert got[0]["final_weights_sha256"] == ref["final_weights_sha256"]  # weights unchanged
+    assert got[0]["final_optimizer_sha256"] == ref["final_optimizer_sha256"]  # AdamW state unchanged
+    assert got[0]["nonfinite_skipped"] == read_summary(run)["nonfinite_skipped"] == 1
+    recs = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["nonfinite_skipped"] for r in recs] == [0, 0, 1]
+    assert recs[2]["grad_norm"] is None and all(r["grad_norm"] > 0 for r in recs[:2])
+    assert _records(before)[:2] == [{**r, "nonfinite_skipped": 0} for r in _records(run)[:2]]
+
+    train(_args(run, corpus, steps=6, resume=True, **common), world, lws)  # NaN hook: step 3 only
+    recs = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert [r["nonfinite_skipped"] for r in recs] == [0, 0, 1, 1, 1, 1]
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] is not None for r in recs[3:])
+    assert recs[-1]["loss"] < recs[2]["loss"]
+    # The schedule is a function of the step number: a skipped step does not shift it.
+    assert [r["lr"] for r in recs] == [lr_at(s - 1, _args(run, corpus, **common)) for s in range(1, 7)]
+    assert read_summary(run)["nonfinite_skipped"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_raise_mode_is_one_line_from_the_real_cli(tmp_path, corpus, monkeypatch, capsys):
+    from qsdp.cli import main
+
+    monkeypatch.setenv("QSDP_TEST_NAN_AT", "3:1")
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "sdp4bit", "--nproc", "2", "--batch-size", "4", "--seq-len", "32",
+            "--data", corpus, "--out", str(out), "--steps", "4", "--eval-every", "0",
+            "--ckpt-every", "2", "--eval-batches", "2", "--no-progress", "--on-nonfinite", "raise"]
+    assert main(argv) == 1
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("qsdp: error: rank ")
+    assert ("NonFiniteGradientError: non-finite gradient (NaN/Inf) at step 3 (--on-nonfinite raise); "
+            "the weights were not updated at step 3, the last checkpoint is step_00000002") in lines[0]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert latest_checkpoint(out).name == "step_00000002"
+
+
+# ---------------------------------------------------------------------------------------------
+# Crash and restart
+
+
+def _restarted(rank, world, args):
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # what the elastic agent sets on a restart
+    return train_worker(args)
+
+
+def _save_then_die(original, step):
+    def save(state, checkpoint_id, **kw):
+        original(state, checkpoint_id=checkpoint_id, **kw)
+        import torch.distributed as dist
+
+        if f"step_{step:08d}" in str(checkpoint_id) and dist.get_rank() == 1:
+            os.kill(os.getpid(), 9)  # SIGKILL with its shards written, before the rename
+    return save
+
+
+@pytest.mark.timeout(150)
+def test_a_restarted_attempt_resumes_from_the_last_good_checkpoint_or_starts_afresh(
+        tmp_path, corpus, monkeypatch):
+    """What a restarted worker group does, here without the agent: a forked world in which
+    rank 1 is SIGKILLed, then a world with TORCHELASTIC_RESTART_COUNT=1 in the same directory.
+
+    - killed in step 2, before the first checkpoint: the restart starts again from step 1,
+      dropping the dead attempt's records;
+    - killed inside the save of step 4 (its shards on disk, the directory not yet renamed):
+      `latest` stays on step 2, the restart resumes from it and writes step 4 again.
+
+    Both end as the uninterrupted run, bit for bit. (A real restart by the agent: below.)"""
+    import qsdp.train.checkpoint as ckpt
+
+    ref, fresh, mid_save = tmp_path / "ref", tmp_path / "fresh", tmp_path / "mid_save"
+    args = lambda d: _args(d, corpus, preset="sdp4bit", ckpt_every=2, keep_checkpoints=0, eval_every=3)
+    train(args(ref))
+
+    monkeypatch.setenv("QSDP_TEST_KILL_AT", "2:1")
+    with pytest.raises(RuntimeError):
+        train(args(fresh))
+    monkeypatch.delenv("QSDP_TEST_KILL_AT")
+    assert [r["step"] for r in read_metrics(fresh)] == [1] and latest_checkpoint(fresh) is None
+    with open(fresh / METRICS_FILE, "a") as f:
+        f.write('{"step": 2, "lo')  # a line cut short by the crash
+    assert run_world(_restarted, 2, args(fresh), timeout=90)[0]["start_step"] == 0
+
+    original = ckpt.dcp.save
+    monkeypatch.setattr(ckpt.dcp, "save", _save_then_die(original, 4))  # forked workers inherit it
+    with pytest.raises(RuntimeError):
+        train(args(mid_save))
+    monkeypatch.setattr(ckpt.dcp, "save", original)
+    root = mid_save / CHECKPOINT_DIR
+    assert (root / LATEST_FILE).read_text().strip() == "step_00000002"
+    assert (root / "step_00000004.tmp").is_dir() and not (root / "step_00000004").exists()
+    assert run_world(_restarted, 2, args(mid_save), timeout=90)[0]["start_step"] == 2
+    assert sorted(p.name for p in root.iterdir()) == [LATEST_FILE, "step_00000002", "step_00000004",
+                                                      "step_00000006"]
+
+    for out in (fresh, mid_save):
+        assert read_summary(out)["restarts"] == 1
+        assert _records(out) == _records(ref)
+        for key in ("final_weights_sha256", "final_optimizer_sha256", "final_val_loss"):
+            assert read_summary(out)[key] == read_summary(ref)[key], key
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_worker_restarts_the_group_which_resumes_bit_identically(tmp_path, corpus, monkeypatch):
+    """`qsdp train --nproc 2 --max-restarts 1`: rank 1 SIGKILLs itself in step 6 (after the
+    checkpoint of step 4 and the record of step 5); the elastic agent restarts both workers,
+    they resume from step 4 (the record of step 5 is dropped and written again), and the run
+    ends with the metrics and final state of an uninterrupted run, bit for bit."""
+    from qsdp.cli import _parser, _train_args, main
+
+    common = ["--preset", "sdp4bit", "--batch-size", "4", "--seq-len", "32", "--data", corpus,
+              "--steps", "7", "--ckpt-every", "4", "--eval-every", "3", "--eval-batches", "2",
+              "--no-progress"]
+    ref, crash = tmp_path / "ref", tmp_path / "crash"
+    train(_train_args(_parser().parse_args(["train", *common, "--out", str(ref)])))  # same TrainArgs
+
+    monkeypatch.setenv("QSDP_TEST_KILL_AT", "6:1")
+    t0 = time.monotonic()
+    assert main(["train", *common, "--out", str(crash), "--nproc", "2", "--max-restarts", "1"]) == 0
+    elapsed = time.monotonic() - t0
+    a, b = read_summary(ref), read_summary(crash)
+    assert b["restarts"] == 1 and b["start_step"] == 4, (b["restarts"], b["start_step"], elapsed)
+    assert _records(crash) == _records(ref)  # losses, lr, grad norms, bytes, val losses
+    for key in ("final_weights_sha256", "final_optimizer_sha256", "final_train_loss",
+                "final_val_loss", "wire_bytes_total", "nonfinite_skipped"):
+        assert b[key] == a[key], key
+    root = crash / CHECKPOINT_DIR
+    assert (root / LATEST_FILE).read_text().strip() == "step_00000007"
+    assert not list(root.glob("*.tmp"))
+
+
+def test_max_restarts_is_validated(tmp_path, corpus, capsys):
+    from qsdp.cli import main
+
+    rc = main(["train", "--data", corpus, "--out", str(tmp_path), "--max-restarts", "-1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--max-restarts must be a non-negative integer" in err[0]
+    rc = main(["train", "--data", corpus, "--out", str(tmp_path), "--on-nonfinite", "ignore"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--on-nonfinite" in err[0]
+    rc = main(["train", "--data", corpus, "--out", str(tmp_path), "--timeout", "inf"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "timeout must be a positive number" in err[0]
+    assert not (tmp_path / METRICS_FILE).exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# A peer that stops answering
+
+
+@pytest.mark.timeout(150)
+def test_a_stalled_peer_ends_the_run_within_the_timeout(tmp_path, corpus, monkeypatch, capsys):
+    """Rank 1 sleeps 120 s before step 3; with --timeout 4 rank 0's collective fails after 4 s
+    and the run ends (exit 1, one line naming the step), long before the sleeper wakes."""
+    from qsdp.cli import main
+
+    timeout = 4
+    monkeypatch.setenv("QSDP_TEST_STALL_AT", "3:1:120")
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "sdp4bit", "--nproc", "2", "--batch-size", "4", "--seq-len", "32",
+            "--data", corpus, "--out", str(out), "--steps", "6", "--eval-every", "0",
+            "--eval-batches", "2", "--no-progress", "--timeout", str(timeout)]
+    assert main(argv) == 1
+    ended = time.time()
+    last_step_logged = os.path.getmtime(out / METRICS_FILE)  # step 2, just before the stall
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("qsdp:")]
+    assert len(lines) == 1, lines
+    assert "CollectiveTimeoutError: step 3: a collective waited longer than the timeout (4 s" in lines[0]
+    # The timeout plus the workers' shutdown; nowhere near the 120 s stall.
+    assert ended - last_step_logged < timeout + 20, ended - last_step_logged
