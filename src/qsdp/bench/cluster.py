@@ -73,6 +73,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from .report import emit
+
 DEFAULT_PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
 NS_PREFIX = "qsdp-"
 IFACE = "qsdp-eth"
@@ -576,12 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                       "device": f"cpu (gloo), {args.nodes} network namespaces x {args.ranks_per_node} ranks "
                                 f"on one machine with {os.cpu_count()} CPUs",
                       "date": time.strftime("%Y-%m-%d")}
-    if args.save:
-        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
-        with open(args.save, "w") as f:
-            json.dump(result, f, indent=2)
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0
+    return emit(result, as_json=args.json, save=args.save, format_text=format_table)
 
 
 if __name__ == "__main__":

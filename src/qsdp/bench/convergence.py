@@ -15,11 +15,12 @@ the full ``sdp4bit``, the ``zeropp`` baseline (qW + ULq), and QSDP's ``qsdp`` (W
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from typing import Any
+
+from .report import emit, meta
 
 VARIANTS = ("fsdp", "qw4", "qwd4", "tlq4", "tlq-hs", "sdp4bit", "zeropp", "qsdp", "qsdp-w4g4")
 # The targets of the project's convergence claim, relative gap of the final validation loss.
@@ -136,16 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps} must be at least 1")
-    import torch
 
     result = run(args.variants, out=args.out, steps=args.steps, nproc=args.nproc,
                  ranks_per_node=args.local_world_size, model=args.model, data=args.data,
                  batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed)
-    result["meta"] = {"command": "qsdp bench convergence " + " ".join(argv if argv is not None else sys.argv[1:]),
-                      "torch": torch.__version__, "device": "cpu (gloo)", "date": time.strftime("%Y-%m-%d")}
-    if args.save:
-        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
-        with open(args.save, "w") as f:
-            json.dump(result, f, indent=2)
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0
+    result["meta"] = meta("convergence", argv, "cpu (gloo)")
+    return emit(result, as_json=args.json, save=args.save, format_text=format_table)

@@ -45,9 +45,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -58,6 +55,8 @@ from ..comm.reduce_scatter import grad_codec
 from ..comm.reduce_scatter import real_elements, pipeline_slices_bounds
 from ..config import QuantConfig, resolve_config
 from ..train.model import GPTConfig, flops_per_token, n_params
+
+from .report import emit, meta
 
 DEFAULT_PRESETS = ("fsdp", "qsdp", "zeropp", "sdp4bit")
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
@@ -684,15 +683,8 @@ def main(argv: list[str] | None = None) -> int:
                      scale_gpus=args.scale_gpus, models=args.models)
     except ValueError as e:
         parser.error(str(e))
-    result["meta"] = {"command": "qsdp bench simulate " + " ".join(argv if argv is not None else sys.argv[1:]),
-                      "torch": torch.__version__, "device": "analytic model",
-                      "date": time.strftime("%Y-%m-%d")}
-    if args.save:
-        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
-        with open(args.save, "w") as f:
-            json.dump(result, f, indent=2)
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0
+    result["meta"] = meta("simulate", argv, "analytic model")
+    return emit(result, as_json=args.json, save=args.save, format_text=format_table)
 
 
 if __name__ == "__main__":

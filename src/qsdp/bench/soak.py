@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 from typing import Any, Sequence
+
+from .report import emit
 
 DEFAULT_PRESET = "sdp4bit"
 MIB = 1024 * 1024
@@ -320,12 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
     }
-    if args.save:
-        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
-        with open(args.save, "w") as f:
-            json.dump(result, f, indent=2)
-    print(json.dumps(result) if args.json else format_report(result))
-    return 0
+    return emit(result, as_json=args.json, save=args.save, format_text=format_report)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,9 @@ paid once per run (and after each checkpoint load), not per step.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import time
 from typing import Any
+
+from .report import emit, meta
 
 DEFAULT_PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
 
@@ -82,15 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps} must be at least 1")
-    import torch
 
     result = measure(args.presets, steps=args.steps, model=args.model)
-    result["meta"] = {"command": "qsdp bench volume " + " ".join(argv if argv is not None else sys.argv[1:]),
-                      "torch": torch.__version__, "device": "cpu (gloo)",
-                      "date": time.strftime("%Y-%m-%d")}
-    if args.save:
-        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
-        with open(args.save, "w") as f:
-            json.dump(result, f, indent=2)
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0
+    result["meta"] = meta("volume", argv, "cpu (gloo)")
+    return emit(result, as_json=args.json, save=args.save, format_text=format_table)

@@ -87,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks-per-node", type=int, default=None)
     parser.add_argument("--out", help="rank 0 writes its result here as JSON")
     args = parser.parse_args(argv)
-    import torch.distributed as dist  # noqa: F401
 
     result = run_steps(args.preset, args.steps, args.model, args.seq_len, args.batch_size,
                        args.ranks_per_node, args.warmup)

@@ -1,0 +1,20 @@
+"""Every benchmark's result says what produced it, is saved as JSON and printed."""
+
+import json
+
+from qsdp.bench.report import emit, meta
+
+
+def test_meta_names_the_command_torch_device_and_date():
+    m = meta("volume", ["--steps", "2"], "cpu (gloo)")
+    assert m["command"] == "qsdp bench volume --steps 2"
+    assert m["torch"] and m["device"] == "cpu (gloo)" and len(m["date"]) == 10
+
+
+def test_emit_saves_json_and_prints_text_or_json(tmp_path, capsys):
+    result = {"presets": {"fsdp": {"x": 1.0}}}
+    assert emit(result, as_json=False, save=str(tmp_path / "r" / "out.json"), format_text=lambda r: "TABLE") == 0
+    assert capsys.readouterr().out == "TABLE\n"
+    assert json.loads((tmp_path / "r" / "out.json").read_text()) == result
+    emit(result, as_json=True, save=None, format_text=lambda r: "TABLE")
+    assert json.loads(capsys.readouterr().out) == result
