@@ -23,15 +23,6 @@ from qsdp.train.metrics import METRICS_FILE, read_metrics, read_summary
 TIMING = {"step_time_s", "tokens_per_s"}  # the only fields of a record that may differ between runs
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    from qsdp.train.data import load_corpus
-
-    path = tmp_path_factory.mktemp("data") / "chat.txt"
-    path.write_text(load_corpus(None)[:300_000], encoding="utf-8")
-    return str(path)
-
-
 @pytest.fixture(autouse=True)
 def _env(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))

@@ -23,16 +23,6 @@ SUMMARY_FIELDS = {"config", "final_val_loss", "final_train_loss", "wire", "wire_
                   "wall_time_s", "median_step_time_s", "world_size", "torch_version", "device"}
 
 
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> str:
-    """A 300 kB slice of the default corpus: the same kind of text, a fraction of the load time."""
-    from qsdp.train.data import load_corpus
-
-    path = tmp_path_factory.mktemp("data") / "chat.txt"
-    path.write_text(load_corpus(None)[:300_000], encoding="utf-8")
-    return str(path)
-
-
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
