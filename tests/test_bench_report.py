@@ -18,3 +18,12 @@ def test_emit_saves_json_and_prints_text_or_json(tmp_path, capsys):
     assert json.loads((tmp_path / "r" / "out.json").read_text()) == result
     emit(result, as_json=True, save=None, format_text=lambda r: "TABLE")
     assert json.loads(capsys.readouterr().out) == result
+
+
+def test_bar_chart_writes_a_png_beside_the_json(tmp_path):
+    from qsdp.bench.report import bar_chart, png_next_to
+
+    path = png_next_to(str(tmp_path / "res" / "x.json"))
+    assert path.endswith("x.png")
+    bar_chart(path, ["a", "b"], {"measured": [1.0, 2.0], "ideal": [1.5, 3.0]}, ylabel="speedup", title="t")
+    assert (tmp_path / "res" / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -73,7 +73,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .report import emit
+from .report import bar_chart, emit, png_next_to
 
 DEFAULT_PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
 NS_PREFIX = "qsdp-"
@@ -578,7 +578,21 @@ def main(argv: list[str] | None = None) -> int:
                       "device": f"cpu (gloo), {args.nodes} network namespaces x {args.ranks_per_node} ranks "
                                 f"on one machine with {os.cpu_count()} CPUs",
                       "date": time.strftime("%Y-%m-%d")}
+    png = png_next_to(args.save)
+    if png:
+        plot(result, png)
     return emit(result, as_json=args.json, save=args.save, format_text=format_table)
+
+
+def plot(result: dict[str, Any], path: str) -> str:
+    """Measured speedup over ``fsdp`` beside the ideal (volume- and compute-bound) one."""
+    presets = [p for p, r in result["presets"].items() if r.get("speedup_vs_fsdp") is not None]
+    rows = [result["presets"][p] for p in presets]
+    rate = result["link"]["rate_mbit"]
+    return bar_chart(path, presets, {"measured": [r["speedup_vs_fsdp"] for r in rows],
+                                     "ideal": [r["ideal_speedup"] for r in rows]},
+                     ylabel="speedup over fsdp",
+                     title=f"{result['nodes']} emulated nodes x {result['ranks_per_node']} ranks, {rate:g} Mbit/s link")
 
 
 if __name__ == "__main__":

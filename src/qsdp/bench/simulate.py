@@ -56,7 +56,7 @@ from ..comm.reduce_scatter import real_elements, pipeline_slices_bounds
 from ..config import QuantConfig, resolve_config
 from ..train.model import GPTConfig, flops_per_token, n_params
 
-from .report import emit, meta
+from .report import bar_chart, emit, meta, png_next_to
 
 DEFAULT_PRESETS = ("fsdp", "qsdp", "zeropp", "sdp4bit")
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
@@ -684,7 +684,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     result["meta"] = meta("simulate", argv, "analytic model")
+    png = png_next_to(args.save)
+    if png:
+        plot(result, png)
     return emit(result, as_json=args.json, save=args.save, format_text=format_table)
+
+
+def plot(result: dict[str, Any], path: str) -> str:
+    """Predicted against reported ``sdp4bit`` speedup for every paper case."""
+    cases = result["cases"]
+    return bar_chart(path, [f"{c['model']} {c['gpu']}" for c in cases],
+                     {"predicted": [c["predicted_speedup"] for c in cases],
+                      "paper (Table 2)": [c["paper_speedup"] for c in cases]},
+                     ylabel="sdp4bit speedup over fsdp", title="SDP4Bit setups, 128 GPUs: alpha-beta model vs paper")
 
 
 if __name__ == "__main__":
