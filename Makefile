@@ -2,27 +2,32 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH_PIN := torch==2.13.0
-STAMP := $(VENV)/.installed
 
 .PHONY: install test test-all demo clean
 
-$(STAMP): pyproject.toml
+# The package alone (what the demo needs), then the dev extra on top (what the tests need).
+$(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]" "$(TORCH_PIN)"
-	touch $(STAMP)
+	$(PIP) --upgrade pip
+	$(PIP) "$(TORCH_PIN)"
+	$(PIP) -e . "$(TORCH_PIN)"
+	touch $@
 
-install: $(STAMP)
+$(VENV)/.dev: $(VENV)/.base
+	$(PIP) -e ".[dev]" "$(TORCH_PIN)"
+	touch $@
 
-test: $(STAMP)
+install: $(VENV)/.dev
+
+test: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not slow and not gpu" -p no:cacheprovider
 
-test-all: $(STAMP)
+test-all: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider
 
-demo: $(STAMP)
+demo: $(VENV)/.base
 	$(VENV)/bin/qsdp demo
 
 clean:
