@@ -243,8 +243,12 @@ def _worker_entry(args, error_dir: str) -> dict[str, Any] | None:
             path = Path(error_dir) / f"rank{rank}.attempt{record['attempt']}.json"
             path.with_suffix(".tmp").write_text(json.dumps(record), encoding="utf-8")
             os.replace(path.with_suffix(".tmp"), path)
-        # Exit quietly: the launcher prints the root cause once.
-        raise SystemExit(1) from None
+        # Exit quietly: the launcher prints the root cause once. os._exit skips the interpreter's
+        # teardown, where a process group whose peer died can abort in its C++ threads
+        # ("terminate called without an active exception") and print a wall of noise.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 @contextlib.contextmanager
