@@ -47,7 +47,6 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         )
     if bits == 8:
         return packed[:numel]
-    per_byte = 8 // bits
     mask = (1 << bits) - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     codes = (packed.unsqueeze(1) >> shifts) & mask

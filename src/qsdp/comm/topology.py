@@ -52,7 +52,7 @@ class Topology:
     def same_node(self, other_rank: int) -> bool:
         return other_rank // self.ranks_per_node == self.node
 
-    def peers(self, exclude_self: bool = True) -> tuple[int, int]:
+    def peers(self) -> tuple[int, int]:
         """How many other ranks of the group are in this node and in other nodes."""
         return self.ranks_per_node - 1, self.world_size - self.ranks_per_node
 
