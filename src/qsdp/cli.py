@@ -350,9 +350,9 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 DEMO_PRESETS = ("fsdp", "qsdp", "sdp4bit")
-# Measured on a 2-core CPU machine (shared with other jobs, load ~7): the three runs of 4
-# workers took 4 minutes (about 2.5 on an idle machine), and the byte-level loss falls from
-# ln(256) = 5.5 to about 2.4.
+# Measured on an idle 2-core CPU machine: the three runs of 4 workers take about 2 minutes
+# (about 6 under heavy load from other jobs), and the byte-level loss falls from ln(256) = 5.5
+# to about 2.4.
 DEMO_DEFAULTS = dict(model="tiny", steps=150, batch_size=8, seq_len=64, lr=3e-3, warmup=20,
                      eval_every=50, eval_batches=8, ckpt_every=0, keep_checkpoints=1, log_every=1)
 _DEMO_ARTIFACTS = ("metrics.jsonl", "summary.json", "checkpoints", "error.txt")
