@@ -12,15 +12,10 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from typing import Any, Callable
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from qsdp.launch import free_port
 
 
 def _child(fn, rank, world_size, port, local_world_size, pg_timeout, queue, args, kwargs):
@@ -61,7 +56,7 @@ def run_world(
     processes joined by a gloo group (``LOCAL_WORLD_SIZE`` set to ``local_world_size``)."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     lws = local_world_size or world_size
     procs = [
         ctx.Process(target=_child, args=(fn, r, world_size, port, lws, pg_timeout, queue, args, kwargs))

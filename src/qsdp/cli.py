@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from qsdp.launch import under_torchrun
+from qsdp.train.files import atomic_write
 
 __all__ = ["main"]
 
@@ -241,8 +242,7 @@ def _worker_entry(args, error_dir: str) -> dict[str, Any] | None:
         }
         with contextlib.suppress(OSError):
             path = Path(error_dir) / f"rank{rank}.attempt{record['attempt']}.json"
-            path.with_suffix(".tmp").write_text(json.dumps(record), encoding="utf-8")
-            os.replace(path.with_suffix(".tmp"), path)
+            atomic_write(path, lambda f: f.write(json.dumps(record).encode("utf-8")))
         # Exit quietly: the launcher prints the root cause once. os._exit skips the interpreter's
         # teardown, where a process group whose peer died can abort in its C++ threads
         # ("terminate called without an active exception") and print a wall of noise.

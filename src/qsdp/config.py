@@ -184,17 +184,18 @@ def resolve_config(config: str | QuantConfig, overrides: Mapping[str, Any] | Non
     return cfg
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An ``int`` that is not a ``bool``."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check_quantizer(prefix: str, bits_fields: dict[str, Any], group_size: Any, rounding: Any) -> None:
     for name, bits in bits_fields.items():
-        if not _is_int(bits) or bits not in SUPPORTED_BITS:
+        if not is_int(bits) or bits not in SUPPORTED_BITS:
             raise ConfigError(f"{prefix}.{name}={bits!r} is not supported; allowed: {', '.join(map(str, SUPPORTED_BITS))}")
     # Collectives lay groups out on byte and word boundaries: a multiple of 8 keeps every bit
     # width's packed group a whole number of bytes.
-    if not _is_int(group_size) or group_size < 8 or group_size % 8:
+    if not is_int(group_size) or group_size < 8 or group_size % 8:
         raise ConfigError(f"{prefix}.group_size={group_size!r} must be a positive multiple of 8")
     if rounding not in ROUNDINGS:
         raise ConfigError(f"{prefix}.rounding={rounding!r} is not supported; allowed: {', '.join(ROUNDINGS)}")
@@ -213,27 +214,27 @@ def validate(cfg: QuantConfig) -> None:
         bits = {"bits": g.bits} if g.mode == "one_level" else {"bits_intra": g.bits_intra, "bits_inter": g.bits_inter}
         _check_quantizer("grads", bits, g.group_size, g.rounding)
         hb = g.hadamard_block
-        if not _is_int(hb) or hb < 0 or (hb and (hb < 2 or hb & (hb - 1))):
+        if not is_int(hb) or hb < 0 or (hb and (hb < 2 or hb & (hb - 1))):
             raise ConfigError(f"grads.hadamard_block={hb!r} must be 0 (off) or a power of two >= 2")
         if hb and math.lcm(hb, g.group_size) > 1 << 20:
             raise ConfigError(f"grads.hadamard_block={hb} and group_size={g.group_size} align only every {math.lcm(hb, g.group_size)} elements")
-        if not _is_int(g.pipeline_slices) or g.pipeline_slices < 1:
+        if not is_int(g.pipeline_slices) or g.pipeline_slices < 1:
             raise ConfigError(f"grads.pipeline_slices={g.pipeline_slices!r} must be a positive integer")
-        if not _is_int(g.pipeline_min_slice) or g.pipeline_min_slice < 1:
+        if not is_int(g.pipeline_min_slice) or g.pipeline_min_slice < 1:
             raise ConfigError(f"grads.pipeline_min_slice={g.pipeline_min_slice!r} must be a positive integer")
         if not isinstance(g.quantize, bool):
             raise ConfigError(f"grads.quantize={g.quantize!r} must be a bool")
     for name, v in (("weights.symmetric", w.symmetric), ("grads.symmetric", g.symmetric)):
         if not isinstance(v, bool):
             raise ConfigError(f"{name}={v!r} must be a bool")
-    if not _is_int(cfg.min_shard_numel) or cfg.min_shard_numel < 0:
+    if not is_int(cfg.min_shard_numel) or cfg.min_shard_numel < 0:
         raise ConfigError(f"min_shard_numel={cfg.min_shard_numel!r} must be a non-negative integer")
     lws = cfg.local_world_size
-    if lws is not None and (not _is_int(lws) or lws < 1):
+    if lws is not None and (not is_int(lws) or lws < 1):
         raise ConfigError(f"local_world_size={lws!r} must be a positive integer or None")
-    if not _is_int(cfg.verify_replicas_every) or cfg.verify_replicas_every < 0:
+    if not is_int(cfg.verify_replicas_every) or cfg.verify_replicas_every < 0:
         raise ConfigError(f"verify_replicas_every={cfg.verify_replicas_every!r} must be a non-negative integer")
-    if not _is_int(cfg.seed):
+    if not is_int(cfg.seed):
         raise ConfigError(f"seed={cfg.seed!r} must be an integer")
     if not isinstance(cfg.name, str) or not cfg.name:
         raise ConfigError(f"name={cfg.name!r} must be a non-empty string")

@@ -21,7 +21,6 @@ are never read and are removed by the next save.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -36,6 +35,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .files import atomic_write, fsync_dir
 
 __all__ = [
     "CheckpointError", "CHECKPOINT_DIR", "LATEST_FILE", "META_FILE",
@@ -111,25 +112,6 @@ def _rank_blob(handle: Any) -> bytes:
     return buf.getvalue()
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    # Only rank 0 writes, so a fixed temp name is safe; open() honours the umask (mkstemp's
-    # files would be private).
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def save_checkpoint(
@@ -174,8 +156,8 @@ def save_checkpoint(
             os.rename(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.rename(tmp, final)
-        _fsync_dir(root)
-        _write_text_atomic(root / LATEST_FILE, name + "\n")
+        fsync_dir(root)
+        atomic_write(root / LATEST_FILE, lambda f: f.write(f"{name}\n".encode()))
         if keep > 0:
             steps = sorted(
                 (int(m.group(1)), p) for p in root.iterdir()

@@ -17,8 +17,8 @@ def _umask() -> int:
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
     """Write ``path`` through ``write(f)`` into a temp file of the same directory, fsync it and
-    ``os.replace`` it into place (concurrent writers of the same content replace one another).
-    The file gets the usual permissions (0666 minus the umask), not mkstemp's 0600."""
+    ``os.replace`` it into place (concurrent writers of the same content replace one another),
+    then fsync the directory so that the rename survives a crash. The file gets the usual permissions (0666 minus the umask), not mkstemp's 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
@@ -33,4 +33,15 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    fsync_dir(path.parent)
     return path
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename in ``path`` durable (best effort: not every filesystem allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 import qsdp
 from qsdp.comm.meter import KINDS, LEVELS
-from qsdp.config import ConfigError, resolve_config
+from qsdp.config import ConfigError, is_int, resolve_config
 from qsdp.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -85,6 +85,7 @@ from qsdp.train.checkpoint import (
     save_checkpoint,
 )
 from qsdp.train.data import TOKENIZER_KINDS, DataError, TokenDataset, get_tokenizer, load_corpus
+from qsdp.train.files import atomic_write
 from qsdp.train.metrics import METRICS_FILE, MetricsWriter, read_metrics, write_summary
 from qsdp.train.model import MODEL_SIZES, count_params, make_gpt, transformer_blocks
 
@@ -201,10 +202,6 @@ def lr_at(step: int, args: TrainArgs) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - min_lr)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def validate_args(args: TrainArgs) -> None:
     """Raise TrainError (or ConfigError for the quantization config) naming the first bad
     argument. Checks values only; the data, the run directory and the checkpoint are checked by
@@ -218,14 +215,14 @@ def validate_args(args: TrainArgs) -> None:
          f"unknown tokenizer {args.tokenizer!r}; allowed: {', '.join(TOKENIZER_KINDS)}")
     for name in ("steps", "batch_size", "seq_len", "eval_batches", "log_every"):
         v = getattr(args, name)
-        need(_is_int(v) and v > 0, f"{name} must be a positive integer, got {v!r}")
+        need(is_int(v) and v > 0, f"{name} must be a positive integer, got {v!r}")
     for name in ("eval_every", "ckpt_every", "seed"):
         v = getattr(args, name)
-        need(_is_int(v) and v >= 0, f"{name} must be a non-negative integer, got {v!r}")
-    need(_is_int(args.keep_checkpoints), f"keep_checkpoints must be an integer, got {args.keep_checkpoints!r}")
+        need(is_int(v) and v >= 0, f"{name} must be a non-negative integer, got {v!r}")
+    need(is_int(args.keep_checkpoints), f"keep_checkpoints must be an integer, got {args.keep_checkpoints!r}")
     for name in ("warmup", "decay_steps"):
         v = getattr(args, name)
-        need(v is None or (_is_int(v) and v >= 0), f"{name} must be a non-negative integer, got {v!r}")
+        need(v is None or (is_int(v) and v >= 0), f"{name} must be a non-negative integer, got {v!r}")
     need(math.isfinite(args.lr) and args.lr > 0, f"lr must be a positive number, got {args.lr!r}")
     need(args.min_lr is None or (math.isfinite(args.min_lr) and 0 <= args.min_lr <= args.lr),
          f"min_lr must be in [0, lr={args.lr}], got {args.min_lr!r}")
@@ -237,7 +234,7 @@ def validate_args(args: TrainArgs) -> None:
          f"timeout must be a positive number of seconds (at most {MAX_TIMEOUT_S:.0e}), got {args.timeout_s!r}")
     need(args.on_nonfinite in ON_NONFINITE,
          f"unknown on_nonfinite {args.on_nonfinite!r}; allowed: {', '.join(ON_NONFINITE)}")
-    need(args.local_world_size is None or (_is_int(args.local_world_size) and args.local_world_size > 0),
+    need(args.local_world_size is None or (is_int(args.local_world_size) and args.local_world_size > 0),
          f"local_world_size must be a positive integer, got {args.local_world_size!r}")
     need(args.param_dtype is None or args.param_dtype in PARAM_DTYPES,
          f"unknown param_dtype {args.param_dtype!r}; allowed: {', '.join(PARAM_DTYPES)}")
@@ -373,9 +370,7 @@ def _drop_metrics_after(out: str, step: int) -> None:
             kept.append(line + "\n")
     if len(kept) == len(lines):
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write("".join(kept).encode("utf-8")))
 
 
 # ---------------------------------------------------------------------------------------------
