@@ -16,17 +16,12 @@ from .report import emit, meta
 DEFAULT_PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
 
 
-def _worker(preset: str, steps: int, model_name: str, seq_len: int, batch_size: int, ranks_per_node: int) -> dict[str, Any]:
-    from .workload import run_steps
-
-    return run_steps(preset, steps, model_name, seq_len, batch_size, ranks_per_node)
-
-
 def measure(presets=DEFAULT_PRESETS, steps: int = 3, nproc: int = 4, ranks_per_node: int = 2,
             model: str = "tiny", seq_len: int = 64, batch_size: int = 4) -> dict[str, Any]:
     """Run every preset and return the JSON-ready result (rank 0's meter; all ranks send the
     same volumes by symmetry)."""
     from ..launch import launch_local
+    from .workload import run_steps
     from ..config import resolve_config
 
     for p in presets:
@@ -34,7 +29,7 @@ def measure(presets=DEFAULT_PRESETS, steps: int = 3, nproc: int = 4, ranks_per_n
     out: dict[str, Any] = {"nodes": nproc // ranks_per_node, "ranks_per_node": ranks_per_node,
                            "model": model, "steps": steps, "warmup_steps": 1, "presets": {}}
     for p in presets:
-        res = launch_local(_worker, nproc, p, steps, model, seq_len, batch_size, ranks_per_node)[0]
+        res = launch_local(run_steps, nproc, p, steps, model, seq_len, batch_size, ranks_per_node)[0]
         st = res["stats"]
         out["presets"][p] = {
             "weights_bits_per_elt": st["weights"]["total"]["bits_per_element"],

@@ -457,6 +457,20 @@ def _kind(t: torch.Tensor) -> int:
         raise ValueError(f"dtype={t.dtype} is not supported; allowed: float32, bfloat16, float16") from None
 
 
+def _checked_tile(group_size: int, groups: int, hadamard_block: int) -> tuple[int, int, int]:
+    """The launch tile (see :func:`_tile`), after checking that the Hadamard block can be fused."""
+    if hadamard_block and not fuses_hadamard(group_size, hadamard_block):
+        raise ValueError(f"hadamard block {hadamard_block} does not fit group size {group_size}")
+    return _tile(group_size, groups, hadamard_block)
+
+
+def _rounding_key(seed: int | None, rounding: str) -> int:
+    """The host-side hash key of the rounding's random stream (the reference's ``seed_key``)."""
+    if rounding == "nearest":
+        return 0
+    return rng.seed_key(seed, _STREAM_GROUP if rounding == "shift" else _STREAM_ELEMENT)
+
+
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -485,10 +499,8 @@ def quantize_into(
     if rows == 0 or groups == 0:
         return
     hb = hadamard_block
-    if hb and not fuses_hadamard(group_size, hb):
-        raise ValueError(f"hadamard block {hb} does not fit group size {group_size}")
-    bg, gpp, nch = _tile(group_size, groups, hb)
-    key = rng.seed_key(seed, _STREAM_GROUP if rounding == "shift" else _STREAM_ELEMENT) if rounding != "nearest" else 0
+    bg, gpp, nch = _checked_tile(group_size, groups, hb)
+    key = _rounding_key(seed, rounding)
     if base is not None:
         base = _rows_2d(base)
     y = base if base is not None else x
@@ -530,9 +542,7 @@ def dequantize_into(
     if outputs == 0 or groups == 0:
         return
     hb = inverse_block
-    if hb and not fuses_hadamard(group_size, hb):
-        raise ValueError(f"hadamard block {hb} does not fit group size {group_size}")
-    bg, gpp, nch = _tile(group_size, groups, hb)
+    bg, gpp, nch = _checked_tile(group_size, groups, hb)
     if requantize is None:
         if out.stride(-1) != 1:
             raise ValueError("out must have a unit column stride")
@@ -544,7 +554,7 @@ def dequantize_into(
         if nch != 1 or hb:
             raise ValueError("requantization needs groups of at most MAX_TILE and no inverse Hadamard")
         qkw = dict(Q_BITS=qbits, Q_SYMMETRIC=qsym, Q_ROUNDING=_ROUNDING[qround])
-        key = rng.seed_key(seed, _STREAM_GROUP if qround == "shift" else _STREAM_ELEMENT) if qround != "nearest" else 0
+        key = _rounding_key(seed, qround)
         q_ncb, mode = q.ncb, 1
         out_arg, out_rs, kind = src.scales, 0, 0
     for row0 in range(0, outputs, _MAX_GRID_ROWS):

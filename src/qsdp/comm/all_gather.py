@@ -46,6 +46,15 @@ class _Base:
         intra, inter = self.topology.peers()
         METER.record_peers("weights", shard.numel() * shard.element_size(), shard.numel(), intra, inter)
 
+    def _gather_bytes(self, send: torch.Tensor, elements: int, group: dist.ProcessGroup) -> torch.Tensor:
+        """All-gather this rank's encoded row ``[1, B]`` into ``[world, B]``, metered as
+        ``elements`` weights."""
+        gathered = torch.empty(self.topology.world_size, send.shape[1], dtype=torch.uint8, device=send.device)
+        all_gather_flat(gathered, send, group)
+        intra, inter = self.topology.peers()
+        METER.record_peers("weights", send.numel(), elements, intra, inter)
+        return gathered
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -96,10 +105,7 @@ class QuantizedAllGather(_Base):
         world, rank = self.topology.world_size, self.topology.rank
         seed = derive_seed(self.config.seed, self.comm_id, self.version, rank, 1)
         send = self.codec.encode(input_tensor.detach().view(1, n), seed=seed)
-        gathered = torch.empty(world, send.shape[1], dtype=torch.uint8, device=send.device)
-        all_gather_flat(gathered, send, group)
-        intra, inter = self.topology.peers()
-        METER.record_peers("weights", send.numel(), n, intra, inter)
+        gathered = self._gather_bytes(send, n, group)
         self.codec.decode_into(gathered, n, output_tensor.view(world, n))
         return None
 
@@ -217,10 +223,7 @@ class DifferenceAllGather(_Base):
         seed = derive_seed(self.config.seed, self.comm_id, self.version, rank, 2)
         # quantize(shard - replica[own slice]) in one pass on CUDA
         send = self.codec.encode_difference(shard.view(1, n), replica_rows[rank].view(1, n), seed=seed)
-        gathered = torch.empty(world, send.shape[1], dtype=torch.uint8, device=send.device)
-        all_gather_flat(gathered, send, group)
-        intra, inter = self.topology.peers()
-        METER.record_peers("weights", send.numel(), n, intra, inter)
+        gathered = self._gather_bytes(send, n, group)
         # ``shard`` is a view of ``output_tensor``: remember it before the output is overwritten.
         self._last.copy_(shard)
         # replica += dequantize(every rank's difference), in the replica's dtype, one pass on CUDA
