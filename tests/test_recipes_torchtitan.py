@@ -1,0 +1,131 @@
+"""The torchtitan recipe (examples/recipes/torchtitan_llama3.py) on torchtitan's own llama3 model
+and FSDP2 wrapping, in the order torchtitan's trainer runs: shard on the meta device, attach qsdp,
+``to_empty``, ``init_weights``, load the checkpoint.
+
+torchtitan's ``Trainer`` itself cannot run on a CPU-only machine (it resolves its device to CUDA
+and builds its meshes there), so these tests call the pieces the trainer calls: its llama3
+``Transformer``, its ``apply_fsdp`` (what ``parallelize_llama`` runs for FSDP) and its checkpoint
+``ModelWrapper`` (the Stateful its ``CheckpointManager`` hands to DCP).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from distributed import run_world
+
+pytest.importorskip("torchtitan", reason="needs the optional 'torchtitan' extra")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes"))
+import torchtitan_llama3 as recipe  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB = 64
+
+
+def _sharded_llama(world: int, seed: int, preset: str | None):
+    """torchtitan's llama3 built on meta, sharded by torchtitan's apply_fsdp, qsdp attached (when
+    ``preset``), then materialised and initialised as torchtitan's trainer does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+    from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+
+    args = TransformerModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=VOCAB, max_seq_len=16)
+    with torch.device("meta"):
+        model = Transformer(args)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+    handle = recipe.attach_qsdp(model, mesh.get_group(), preset) if preset else None
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model, handle
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+
+
+def _resume_gathers_loaded_weights(rank, world, ckpt):
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpoint import ModelWrapper
+
+    ids = _tokens()[:, :-1]
+    saved, _ = _sharded_llama(world, seed=1, preset=None)
+    with torch.no_grad():
+        expected = saved(ids)
+    dcp.save({"model": ModelWrapper(saved)}, checkpoint_id=ckpt)
+
+    model, handle = _sharded_llama(world, seed=0, preset="sdp4bit")
+    with torch.no_grad():
+        model(ids)  # the replicas are built here, from the seed-0 initial weights
+        dcp.load({"model": ModelWrapper(model)}, checkpoint_id=ckpt)
+        got = model(ids)
+    return torch.equal(got, expected), [(ag.gathers, ag.exact_resends) for ag in handle.all_gathers]
+
+
+def test_the_registered_spec_is_llama3_with_the_qsdp_parallelize_fn():
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec(recipe.SPEC_NAME)
+    assert spec.parallelize_fn is recipe.parallelize_llama_qsdp
+    assert spec.model_cls is get_train_spec("llama3").model_cls
+
+
+def test_a_checkpoint_loaded_after_the_first_gather_is_resent_exactly(tmp_path):
+    for same, comms in run_world(_resume_gathers_loaded_weights, 2, str(tmp_path / "ckpt")):
+        assert same, "the first forward after the load must see the loaded weights bit for bit"
+        # embeddings, two blocks, the grouped [norm, output] tail (the root holds no parameter)
+        resends = [resent for gathers, resent in comms if gathers > 0]
+        assert resends == [1, 1, 1, 1]
+
+
+def _edit_first_module_of_the_grouped_tail(rank, world):
+    model, handle = _sharded_llama(world, seed=0, preset="sdp4bit")
+    ids = _tokens()[:, :-1]
+    with torch.no_grad():
+        model(ids)
+        model.norm.weight.mul_(2.0)  # an edit outside the optimizer, in the tail's first module
+        model(ids)
+    return sum(ag.exact_resends for ag in handle.all_gathers)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fully_shard([norm, output]) makes two FSDPModules that share one parameter group; "
+    "quantize_comms attaches a comm to each, the last one wins and watches only output's "
+    "parameters, so an in-place change of norm.weight is not detected",
+)
+def test_an_edit_of_any_module_in_a_grouped_fully_shard_is_resent_exactly():
+    assert run_world(_edit_first_module_of_the_grouped_tail, 2) == [1, 1]
+
+
+def _train_meta_built(rank, world):
+    model, handle = _sharded_llama(world, seed=0, preset="sdp4bit")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = _tokens()
+    losses = []
+    for _ in range(6):
+        logits = model(ids[:, :-1])
+        # torchtitan scales the loss by the global token count and sums gradients (divide factor 1)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torchtitan's apply_fsdp sets the FSDP2 gradient divide factor to 1, so FSDP2 passes "
+    "ReduceOp.PREMUL_SUM(1.0) to the custom reduce-scatter, which qsdp rejects (SUM/AVG only)",
+)
+def test_a_meta_built_torchtitan_llama_trains_with_sdp4bit():
+    for losses in run_world(_train_meta_built, 2):
+        assert losses[-1] < 0.9 * losses[0]
