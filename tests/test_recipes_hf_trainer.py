@@ -1,0 +1,109 @@
+"""The Hugging Face Trainer recipe (examples/recipes/hf_trainer.py): ``QsdpCallback`` attaches qsdp
+in ``on_train_begin`` to the Trainer's FSDP2 model, after ``resume_from_checkpoint`` was loaded.
+
+The Trainer enables FSDP through Accelerate, which does so only on accelerator backends: on a
+CPU-only machine the test Trainer hands Accelerate's state the FSDP2 plugin the Trainer built
+from its own ``fsdp_config`` (what Accelerate does on GPUs). Everything else is the Trainer's:
+``accelerator.prepare``, the training loop, FSDP checkpoints and resume.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from distributed import run_world
+
+pytest.importorskip("transformers", reason="needs the optional 'accelerate' extra (transformers)")
+pytest.importorskip("accelerate", reason="needs the optional 'accelerate' extra")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes"))
+import hf_trainer as recipe  # noqa: E402
+from accelerate_fsdp2 import tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _trainer(out: str, init_seed: int, callbacks: list, steps: int = 6):
+    from accelerate import FullyShardedDataParallelPlugin, PartialState
+    from accelerate.utils import DistributedType
+    from transformers import Trainer
+
+    class CpuFsdpTrainer(Trainer):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            state = self.accelerator.state
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+            self.is_fsdp_enabled = True
+
+    args = recipe.fsdp2_arguments(out, max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-2,
+                                  logging_steps=1, save_steps=3, use_cpu=True, disable_tqdm=True, seed=0)
+    torch.manual_seed(init_seed)
+    return CpuFsdpTrainer(model=tiny_llama(), args=args, train_dataset=recipe.TokenDataset(), callbacks=callbacks)
+
+
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _train(rank, world, out):
+    qsdp_cb = recipe.QsdpCallback("sdp4bit")
+    trainer = _trainer(out, init_seed=0, callbacks=[qsdp_cb])
+    trainer.train()
+    return _losses(trainer), [ag.gathers for ag in qsdp_cb.handle.all_gathers]
+
+
+def test_the_trainer_trains_with_sdp4bit_attached_at_train_begin(tmp_path):
+    for losses, gathers in run_world(_train, 2, str(tmp_path / "out")):
+        assert sum(gathers) > 0, "the Trainer's all-gathers must go through qsdp"
+        assert losses[-1] < 0.9 * losses[0]
+
+
+class _FirstGatheredWeight:
+    """Records the unsharded ``layers[0].mlp.gate_proj.weight`` the first forward sees."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        probe = self
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                linear = model.model.layers[0].mlp.gate_proj
+                probe.handle = linear.register_forward_pre_hook(probe.record)
+
+            def on_save(self, args, state, control, model=None, **kwargs):
+                probe.saved[state.global_step] = model.model.layers[0].mlp.gate_proj.weight.full_tensor()
+
+        self.callback = Callback()
+        self.first: torch.Tensor | None = None
+        self.saved: dict[int, torch.Tensor] = {}
+
+    def record(self, module, inputs):
+        if self.first is None:
+            self.first = module.weight.detach().clone()
+
+
+def _resume(rank, world, out):
+    probe = _FirstGatheredWeight()
+    trainer = _trainer(out, init_seed=0, callbacks=[recipe.QsdpCallback("sdp4bit"), probe.callback])
+    trainer.train()
+    saved_at_3, uninterrupted = probe.saved[3], _losses(trainer)
+
+    resumed_probe = _FirstGatheredWeight()
+    qsdp_cb = recipe.QsdpCallback("sdp4bit")
+    # another seed: the initial weights differ, only the checkpoint can make them equal
+    resumed = _trainer(out, init_seed=1, callbacks=[qsdp_cb, resumed_probe.callback])
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+    # the resumed history starts with the checkpoint's three logged steps
+    return torch.equal(resumed_probe.first, saved_at_3), uninterrupted[3:], _losses(resumed)[3:]
+
+
+def test_after_resume_from_checkpoint_the_first_gather_sends_the_loaded_weights(tmp_path):
+    for exact, uninterrupted, resumed in run_world(_resume, 2, str(tmp_path / "out")):
+        assert exact, "the first forward after the resume must see the checkpoint's weights bit for bit"
+        # the resumed run starts from exact replicas, the uninterrupted one from 4-bit ones
+        assert resumed == pytest.approx(uninterrupted, rel=2e-2)
