@@ -69,6 +69,47 @@ def _resume_gathers_loaded_weights(rank, world, ckpt):
     return torch.equal(got, expected), [(ag.gathers, ag.exact_resends) for ag in handle.all_gathers]
 
 
+def _parallel_dims(world: int, replicate: int = 1):
+    from torchtitan.distributed import ParallelDims
+
+    return ParallelDims(dp_replicate=replicate, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world)
+
+
+def _through_the_spec_parallelize_fn(rank, world):
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.config import JobConfig
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    # torchtitan resolves its device type to CUDA on a CPU-only machine; its meshes live on CPU here
+    parallel_dims_module.device_type = "cpu"
+    dims = _parallel_dims(world)
+    dims.build_mesh()
+    job = JobConfig()
+    job.training.seq_len = 16
+    with torch.device("meta"):
+        model = Transformer(TransformerModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=VOCAB, max_seq_len=16))
+    model = get_train_spec(recipe.SPEC_NAME).parallelize_fn(model, dims, job)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        recipe.qsdp.comm_stats(reset=True)
+        logits = model(_tokens()[:, :-1])
+    carried = recipe.qsdp.comm_stats()["weights"]["total"]["elements"]
+    # every parameter's shard went to the other rank through qsdp's all-gathers
+    everything = sum(p.numel() for p in model.parameters()) * (world - 1) / world
+    return carried >= everything, bool(torch.isfinite(logits).all())
+
+
+def test_the_spec_parallelize_fn_attaches_qsdp_on_the_meta_device_and_the_model_runs():
+    assert run_world(_through_the_spec_parallelize_fn, 2) == [(True, True)] * 2
+
+
+def test_hsdp_is_rejected_before_any_collective_with_the_setting_to_change():
+    with pytest.raises(ValueError, match="data_parallel_replicate_degree = 1"):
+        recipe.parallelize_llama_qsdp(torch.nn.Linear(1, 1), _parallel_dims(2, replicate=2), None)
+
+
 def test_the_registered_spec_is_llama3_with_the_qsdp_parallelize_fn():
     from torchtitan.protocols.train_spec import get_train_spec
 
