@@ -19,8 +19,8 @@ import torch
 
 from distributed import run_world
 
-pytest.importorskip("accelerate", reason="needs the optional 'accelerate' extra")
-pytest.importorskip("transformers", reason="needs the optional 'accelerate' extra (transformers)")
+pytest.importorskip("accelerate", reason="needs the optional 'accelerate' extra: pip install -e '.[accelerate]'")
+pytest.importorskip("transformers", reason="needs the optional 'accelerate' extra: pip install -e '.[accelerate]'")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes"))
 import accelerate_fsdp2 as recipe  # noqa: E402
 

@@ -17,8 +17,8 @@ import torch
 
 from distributed import run_world
 
-pytest.importorskip("transformers", reason="needs the optional 'accelerate' extra (transformers)")
-pytest.importorskip("accelerate", reason="needs the optional 'accelerate' extra")
+pytest.importorskip("transformers", reason="needs the optional 'accelerate' extra: pip install -e '.[accelerate]'")
+pytest.importorskip("accelerate", reason="needs the optional 'accelerate' extra: pip install -e '.[accelerate]'")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes"))
 import hf_trainer as recipe  # noqa: E402
 from accelerate_fsdp2 import tiny_llama  # noqa: E402

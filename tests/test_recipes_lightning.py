@@ -14,7 +14,7 @@ import torch
 
 from distributed import run_world
 
-pytest.importorskip("lightning", reason="needs the optional 'lightning' extra")
+pytest.importorskip("lightning", reason="needs the optional 'lightning' extra: pip install -e '.[lightning]'")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes"))
 import lightning_fsdp2 as recipe  # noqa: E402
 
