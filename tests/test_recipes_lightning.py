@@ -151,13 +151,13 @@ def test_fabric_parallelize_fn_trains_and_resumes_from_its_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("mode, done", [([], "max_steps=4` reached"), (["--fabric"], "step   3")])
-def test_the_recipe_script_runs_under_torchrun(mode, done):
+def test_the_recipe_script_runs_under_torchrun(mode, done, tmp_path):
     import subprocess
 
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes", "lightning_fsdp2.py")
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script, "--devices", "2", "--steps", "4", *mode],
-        capture_output=True, text=True, timeout=110, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=110, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert done in out.stdout + out.stderr

@@ -37,7 +37,7 @@ def fsdp2_arguments(output_dir: str, **kwargs):
 
     return TrainingArguments(
         output_dir=output_dir,
-        fsdp="full_shard auto_wrap",
+        fsdp=True,
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                      "reshard_after_forward": True},
         report_to=[],
