@@ -124,3 +124,17 @@ def test_after_load_fsdp_model_the_gathers_send_the_loaded_weights_exactly(tmp_p
         # a 4-bit difference against stale replicas would be off by ~1e-2
         assert err < 1e-5
         assert resent and all(r == 1 for r in resent)
+
+
+def _without_fsdp(rank, world):
+    from accelerate import Accelerator
+
+    model = recipe.tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="Accelerate is not set up for FSDP2") as err:
+        recipe.prepare_with_qsdp(Accelerator(), model, optimizer)
+    return str(err.value)
+
+
+def test_an_accelerator_without_fsdp2_is_rejected_before_prepare():
+    assert "fsdp_version=2" in run_world(_without_fsdp, 1)[0]

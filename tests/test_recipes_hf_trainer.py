@@ -108,3 +108,18 @@ def test_after_resume_from_checkpoint_the_first_gather_sends_the_loaded_weights(
         assert exact, "the first forward after the resume must see the checkpoint's weights bit for bit"
         # the resumed run starts from exact replicas, the uninterrupted one from 4-bit ones
         assert resumed == pytest.approx(uninterrupted, rel=2e-2)
+
+
+def _without_fsdp(rank, world, out):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(out, max_steps=1, use_cpu=True, report_to=[], disable_tqdm=True)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=recipe.TokenDataset(),
+                      callbacks=[recipe.QsdpCallback("sdp4bit")])
+    with pytest.raises(ValueError, match="did not shard LlamaForCausalLM with FSDP2") as err:
+        trainer.train()
+    return str(err.value)
+
+
+def test_a_trainer_without_fsdp2_is_rejected_at_train_begin(tmp_path):
+    assert "fsdp=True" in run_world(_without_fsdp, 1, str(tmp_path))[0]

@@ -39,7 +39,14 @@ def fsdp2_plugin(layer_cls: str):
 def prepare_with_qsdp(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, preset: str = "sdp4bit"):
     """``accelerator.prepare(model, optimizer)``, then qsdp on the prepared model.
 
-    Returns ``(model, optimizer, handle)``; ``handle`` is the :class:`qsdp.QuantizedComms`."""
+    Returns ``(model, optimizer, handle)``; ``handle`` is the :class:`qsdp.QuantizedComms`.
+    Raises ``ValueError`` before anything is prepared if Accelerate will not shard with FSDP2."""
+    if not accelerator.is_fsdp2:
+        raise ValueError(
+            f"Accelerate is not set up for FSDP2 (distributed_type={accelerator.distributed_type}): pass "
+            "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...)) and launch on "
+            "an accelerator backend (Accelerate does not enable FSDP on CPU)"
+        )
     model, optimizer = accelerator.prepare(model, optimizer)
     handle = qsdp.quantize_comms(model, preset)
     return model, optimizer, handle

@@ -26,6 +26,13 @@ class QsdpCallback(TrainerCallback):
         self.handle: qsdp.QuantizedComms | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule):
+            raise ValueError(
+                f"the Trainer did not shard {type(model).__name__} with FSDP2: pass "
+                "TrainingArguments(fsdp=True, fsdp_config={'version': 2, ...}) (see fsdp2_arguments)"
+            )
         if self.handle is None:
             self.handle = qsdp.quantize_comms(model, self.preset, overrides=self.overrides)
         return control
