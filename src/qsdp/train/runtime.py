@@ -16,9 +16,10 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from qsdp.codecs.dispatch import use_triton
 from qsdp.train.args import PeerError, TrainArgs, TrainError
 
-__all__ = ["init_process_group", "run_device", "device_name", "rank0_first"]
+__all__ = ["init_process_group", "run_device", "device_name", "codec_kernels", "rank0_first"]
 
 T = TypeVar("T")
 
@@ -69,6 +70,12 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads/rank)"
+
+
+def codec_kernels(device: torch.device) -> str:
+    """The codec implementation tensors on ``device`` run: ``triton`` (the fused kernels) or
+    ``torch`` (the reference; CPU tensors, no triton, or ``QSDP_DISABLE_TRITON=1``)."""
+    return "triton" if use_triton(torch.empty(1, device=device)) else "torch"
 
 
 def rank0_first(fn: Callable[[], T], rank: int) -> T:

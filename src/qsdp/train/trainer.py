@@ -60,7 +60,7 @@ from qsdp.train.faults import Faults
 from qsdp.train.metrics import MetricsWriter, WireTotals, drop_records_after, read_metrics, train_record
 from qsdp.train.model import count_params, make_gpt, transformer_blocks
 from qsdp.train.preflight import Plan, restart_count
-from qsdp.train.runtime import device_name
+from qsdp.train.runtime import codec_kernels, device_name
 
 __all__ = ["Trainer", "RunState", "StepResult"]
 
@@ -352,4 +352,5 @@ class Trainer:
             "vocab_size": self.dataset.vocab_size, "data_id": self.plan.data_id,
             "torch_version": torch.__version__, "qsdp_version": qsdp.__version__,
             "device": device_name(self.device), "backend": str(dist.get_backend()),
+            "codec_kernels": codec_kernels(self.device),
         }
