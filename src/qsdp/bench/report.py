@@ -41,6 +41,7 @@ def emit(result: dict[str, Any], *, as_json: bool, save: str | None,
 def bar_chart(path: str, labels: list[str], series: dict[str, list[float]], *, ylabel: str,
               title: str) -> str:
     """Grouped bars, one group per label and one bar per series; written as a PNG."""
+    # matplotlib costs a second to import: loaded only when a plot is drawn.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
