@@ -63,8 +63,13 @@ def _worker_plan(args: TrainArgs, plan: Plan | None, config: QuantConfig, rank: 
     launcher built; otherwise rank 0 prepares the data first and the checks run here."""
     if plan is not None and plan.data_id is not None and plan.world_size == world and restart_count() == 0:
         return open_dataset(args), plan
-    dataset, data_id = rank0_first(lambda: prepare_dataset(args), rank)
-    return dataset, preflight(args, world, data_id, config)
+    # Rank 0 prepares (checks the text, builds the caches, fingerprints it); the others read
+    # the caches and take rank 0's fingerprint.
+    dataset, data_id = rank0_first(lambda: prepare_dataset(args), rank,
+                                   others=lambda: (open_dataset(args), None))
+    shared = [data_id]
+    dist.broadcast_object_list(shared, src=0)
+    return dataset, preflight(args, world, shared[0], config)
 
 
 def train_worker(args: TrainArgs, plan: Plan | None = None) -> dict[str, Any]:

@@ -78,9 +78,9 @@ def codec_kernels(device: torch.device) -> str:
     return "triton" if use_triton(torch.empty(1, device=device)) else "torch"
 
 
-def rank0_first(fn: Callable[[], T], rank: int) -> T:
-    """``fn()`` on rank 0, then on the other ranks (rank 0 builds shared caches). If rank 0
-    fails, the others raise PeerError instead of waiting at the barrier."""
+def rank0_first(fn: Callable[[], T], rank: int, others: Callable[[], T] | None = None) -> T:
+    """``fn()`` on rank 0, then ``others()`` (default ``fn()``) on the other ranks (rank 0
+    builds shared caches). If rank 0 fails, the others raise PeerError instead of waiting."""
     result, error = None, None
     if rank == 0:
         try:
@@ -93,4 +93,6 @@ def rank0_first(fn: Callable[[], T], rank: int) -> T:
         raise error
     if status[0] is not None:
         raise PeerError(f"rank 0 failed: {status[0]}")
-    return result if rank == 0 else fn()  # type: ignore[return-value]
+    if rank == 0:
+        return result  # type: ignore[return-value]
+    return (others or fn)()
