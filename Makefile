@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install test test-all demo clean
+.PHONY: install test test-all test-gpu demo clean
 
 # The package alone (what the demo needs), then the dev extra on top (what the tests need).
 $(VENV)/.base: pyproject.toml
@@ -26,6 +26,15 @@ test: $(VENV)/.dev
 
 test-all: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# On a CUDA machine where torch (with triton and pytest) is already installed and no package
+# registry is reachable: this checkout installed into that Python as it is, then the gpu tests,
+# `qsdp bench kernels|codecs --json` and 4 ranks sharing the GPU per preset, Triton vs reference.
+GPU_PYTHON ?= python3
+GPU_OUT ?= $(if $(OUT),$(OUT),benchmarks/results/gpu)
+test-gpu:
+	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(GPU_PYTHON) -m qsdp.bench.gpu_smoke --out "$(GPU_OUT)"
 
 demo: $(VENV)/.base
 	$(VENV)/bin/qsdp demo

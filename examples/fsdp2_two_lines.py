@@ -5,6 +5,7 @@
 """
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
 
+    if torch.cuda.is_available():  # one GPU a process, as torchrun numbers them
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), *[Block(64) for _ in range(4)], torch.nn.Linear(64, 1))
+    model.to(device)
     for block in model[1:-1]:
         fully_shard(block)
     fully_shard(model)
@@ -41,7 +46,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
-        x = torch.randn(32, 16, generator=gen)
+        x = torch.randn(32, 16, generator=gen).to(device)  # the inputs and targets on the model's device
         y = x[:, :4].sum(dim=1, keepdim=True).sin()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()

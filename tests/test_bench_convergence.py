@@ -1,6 +1,7 @@
 """`qsdp bench convergence`, quick variant: same schema as the full run."""
 
 import json
+import os
 
 import pytest
 
@@ -20,7 +21,8 @@ def test_convergence_quick_run_prints_the_table_one_json(tmp_path, capsys):
     for r in printed["presets"].values():
         assert r["final_val_loss"] > 0 and "rel_gap_vs_fsdp" in r
     assert printed["presets"]["fsdp"]["rel_gap_vs_fsdp"] == 0.0
-    assert all(p.endswith(".png") for p in printed["plots"])
+    assert [os.path.basename(p) for p in printed["plots"]] == ["loss_vs_step.png", "loss_vs_bytes.png"]
+    assert all(os.path.isfile(p) for p in printed["plots"])
     assert saved["meta"]["torch"]
 
 

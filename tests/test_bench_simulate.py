@@ -144,12 +144,15 @@ def test_table_output_names_the_cases(capsys):
 
 def test_sdp4bit_wins_on_a_slow_link_and_ties_on_an_infinite_one():
     slow = sim.run(["h800"], overrides={"inter_gbps": 1.0}, models=["1.3B", "13B"], scale_gpus=[16, 1024])
+    assert len(slow["cases"]) == 2 and len(slow["scale"]) == 2
     assert all(c["predicted_speedup"] > 1.5 for c in slow["cases"] + slow["scale"])
     fast = {"inter_gbps": 1e12, "intra_gbps": 1e12, "intra_latency_us": 0.0, "inter_latency_us": 0.0}
     free = sim.run(["a100", "h800"], overrides=fast, scale_gpus=[16])
+    assert free["cases"]
     assert all(c["predicted_speedup"] <= 1.0 + 1e-9 for c in free["cases"])  # quantizing only costs
     assert all(c["predicted_speedup"] > 0.7 for c in free["cases"])
     ideal = sim.run(["a100", "h800"], overrides={**fast, "quant_hbm_fraction": 1e9}, scale_gpus=[16])
+    assert ideal["cases"] and ideal["scale"]
     assert all(c["predicted_speedup"] == pytest.approx(1.0, abs=1e-3) for c in ideal["cases"] + ideal["scale"])
 
 

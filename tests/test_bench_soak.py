@@ -70,7 +70,7 @@ def test_a_short_soak_reports_the_memory_slope(tmp_path, monkeypatch, capsys):
     m = r["memory"]
     assert isinstance(m["slope_mb_per_hour"], float)
     assert len(m["slope_mb_per_hour_per_worker"]) == 2 and isinstance(m["flat"], bool)
-    assert all(50 < v < 10_000 for v in m["rss_mb_last"])
+    assert len(m["rss_mb_last"]) == 2 and all(50 < v < 10_000 for v in m["rss_mb_last"])
     assert set(r["step_time"]) >= {"median_s", "drift_pct", "slope_pct_per_hour"}
     assert r["step_time"]["median_s"] > 0
     s0 = r["samples"][0]

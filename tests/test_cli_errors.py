@@ -77,6 +77,8 @@ def _bad_inputs(tmp: Path, corpus: str) -> list[tuple[list[str], str]]:
         (["--tokenizer", "words"], "unknown tokenizer"),
         (["--param-dtype", "float8"], "param_dtype"),
         (["--timeout", "0"], "timeout"),
+        (["--backend", "nccl", "--device", "cpu"], "backend nccl needs CUDA tensors"),
+        (["--backend", "mpi"], "invalid choice: 'mpi'"),
         (["--out", str(a_file / "sub")], "cannot create --out"),
         (["--resume"], "no checkpoint"),
         (["--frobnicate"], "unrecognized arguments"),

@@ -71,11 +71,14 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from .report import bar_chart, emit, png_next_to
+import torch
 
-DEFAULT_PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
+from qsdp.config import resolve_config
+
+from .report import BENCH_PRESETS, bar_chart, emit, png_next_to
+
 NS_PREFIX = "qsdp-"
 IFACE = "qsdp-eth"
 SUBNET = "10.213.0"
@@ -355,15 +358,53 @@ def ideal_speedup(t_fsdp: float, inter_fsdp: float, inter_p: float, rate_mbit: f
     return t_fsdp / t if t > 0 else float("inf")
 
 
-def measure(presets: Sequence[str] = DEFAULT_PRESETS, nodes: int = 2, ranks_per_node: int = 2,
+def _log_new_warnings(cluster: EmulatedCluster, warned: set[str], log: Callable[[str], None]) -> None:
+    for warning in cluster.warnings:
+        if warning not in warned:
+            log(f"warning: {warning}")
+            warned.add(warning)
+    cluster.warnings.clear()
+
+
+def _tear_down(cluster: EmulatedCluster) -> None:
+    # A second Ctrl-C must not cut the teardown short.
+    try:
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        old_int = None
+    try:
+        cluster.down()
+    finally:
+        if old_int is not None:
+            signal.signal(signal.SIGINT, old_int)
+
+
+def _add_speedups(main: dict[str, dict[str, Any]], unlimited: dict[str, dict[str, Any]] | None,
+                  rate_mbit: float) -> None:
+    """Each preset's measured and ideal speedups against fsdp's step (``None`` without fsdp);
+    ``unlimited``: the same presets' runs on the unlimited link (the floors of the ideal)."""
+    base = main.get("fsdp")
+    for preset, row in main.items():
+        if not base:
+            row["speedup_vs_fsdp"] = row["ideal_speedup"] = row["realised_fraction_of_ideal"] = None
+            continue
+        row["speedup_vs_fsdp"] = base["step_time_s"] / row["step_time_s"]
+        floor = unlimited[preset]["step_time_s"] if unlimited and preset in unlimited else None
+        row["ideal_speedup_serial"] = ideal_speedup(base["step_time_s"], base["inter_bytes_per_step"],
+                                                    row["inter_bytes_per_step"], rate_mbit, floor)
+        wire_s = 8.0 * row["inter_bytes_per_step"] / (rate_mbit * 1e6) if rate_mbit > 0 else 0.0
+        bound = max(floor or 0.0, wire_s)
+        row["ideal_speedup"] = base["step_time_s"] / bound if bound > 0 else row["ideal_speedup_serial"]
+        row["realised_fraction_of_ideal"] = row["speedup_vs_fsdp"] / row["ideal_speedup"]
+
+
+def measure(presets: Sequence[str] = BENCH_PRESETS, nodes: int = 2, ranks_per_node: int = 2,
             rate_mbit: float = 20.0, delay_ms: float = 1.0, unlimited: bool = True, steps: int = 10,
             unlimited_steps: int = 20,
             warmup: int = 1, model: str = "tiny", seq_len: int = 64, batch_size: int = 4,
             timeout: float = 900.0, log=None) -> dict[str, Any]:
     """Set up the namespaces, run every preset (shaped, then unlimited), tear everything down.
     ``steps`` timed steps with the link shaped, ``unlimited_steps`` (cheaper) without."""
-    from ..config import resolve_config
-
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     problems = missing_requirements()
     if problems:
@@ -393,11 +434,7 @@ def measure(presets: Sequence[str] = DEFAULT_PRESETS, nodes: int = 2, ranks_per_
             for p in presets:
                 for name, lk, n_steps in runs:
                     cluster.shape(lk)
-                    for w in cluster.warnings:
-                        if w not in warned:
-                            log(f"warning: {w}")
-                            warned.add(w)
-                    cluster.warnings.clear()
+                    _log_new_warnings(cluster, warned, log)
                     if name == "limited":
                         link_info = {"rate_mbit": lk.rate_mbit, "delay_ms": cluster.delay_applied_ms,
                                      "delay_requested_ms": lk.delay_ms, "qdisc": cluster.qdisc,
@@ -412,44 +449,18 @@ def measure(presets: Sequence[str] = DEFAULT_PRESETS, nodes: int = 2, ranks_per_
                     results[name][p]["link_tx_bytes_per_run"] = statistics.mean(a - b for a, b in zip(after, before))
                     log(f"[{name}] {p}: median step {results[name][p]['step_time_s']:.3f} s")
     finally:
-        # A second Ctrl-C must not cut the teardown short.
-        try:
-            old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        except ValueError:  # not the main thread
-            old_int = None
-        try:
-            cluster.down()
-        finally:
-            if old_int is not None:
-                signal.signal(signal.SIGINT, old_int)
+        _tear_down(cluster)
     if not link_info:
         link_info = {"rate_mbit": 0.0, "delay_ms": 0.0, "delay_requested_ms": 0.0, "qdisc": "none",
                      "topology": cluster.topology}
     main_name = runs[0][0]
     main = results[main_name]
     unl = results.get("unlimited") if main_name == "limited" else None
-    base = main.get("fsdp")
-    for p, r in main.items():
-        if base:
-            r["speedup_vs_fsdp"] = base["step_time_s"] / r["step_time_s"]
-            floor = unl[p]["step_time_s"] if unl and p in unl else None
-            rate = link.rate_mbit if main_name == "limited" else 0.0
-            r["ideal_speedup_serial"] = ideal_speedup(base["step_time_s"], base["inter_bytes_per_step"],
-                                                      r["inter_bytes_per_step"], rate, floor)
-            bound = max(floor or 0.0, 8.0 * r["inter_bytes_per_step"] / (rate * 1e6) if rate > 0 else 0.0)
-            r["ideal_speedup"] = base["step_time_s"] / bound if bound > 0 else r["ideal_speedup_serial"]
-            r["realised_fraction_of_ideal"] = r["speedup_vs_fsdp"] / r["ideal_speedup"]
-        else:
-            r["speedup_vs_fsdp"] = r["ideal_speedup"] = r["realised_fraction_of_ideal"] = None
+    _add_speedups(main, unl, link.rate_mbit if main_name == "limited" else 0.0)
     out: dict[str, Any] = {
-        "link": link_info,
-        "nodes": nodes,
-        "ranks_per_node": ranks_per_node,
-        "model": model,
-        "steps": steps,
-        "unlimited_steps": unlimited_steps if unl is not None else None,
-        "warmup_steps": warmup,
-        "tokens_per_step": batch_size * seq_len * nodes * ranks_per_node,
+        "link": link_info, "nodes": nodes, "ranks_per_node": ranks_per_node, "model": model,
+        "steps": steps, "unlimited_steps": unlimited_steps if unl is not None else None,
+        "warmup_steps": warmup, "tokens_per_step": batch_size * seq_len * nodes * ranks_per_node,
         "presets": main,
         "ideal_formula": "t_fsdp / max(8*inter_bytes_p/rate, t_unlimited_p)",
         "ideal_serial_formula": "t_fsdp / max(t_fsdp - 8*(inter_bytes_fsdp - inter_bytes_p)/rate, t_unlimited_p)",
@@ -524,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qsdp bench cluster", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Needs root and iproute2 (ip, tc).")
-    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
+    parser.add_argument("--presets", nargs="+", default=list(BENCH_PRESETS))
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--rate", type=float, default=20.0,
@@ -571,7 +582,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
-    import torch
 
     result["meta"] = {"command": "qsdp bench cluster " + " ".join(argv if argv is not None else sys.argv[1:]),
                       "torch": torch.__version__,

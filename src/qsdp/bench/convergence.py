@@ -20,15 +20,19 @@ import sys
 import time
 from typing import Any
 
-from .report import emit, meta
+from qsdp.config import resolve_config
+from qsdp.train.args import TrainArgs
+from qsdp.train.launcher import launch, plan_run
+from qsdp.train.plots import plot_runs
 
-VARIANTS = ("fsdp", "qw4", "qwd4", "tlq4", "tlq-hs", "sdp4bit", "zeropp", "qsdp", "qsdp-w4g4")
+from .report import CONVERGENCE_VARIANTS, emit, meta
+
 # The targets of the project's convergence claim, relative gap of the final validation loss.
 TARGETS = {"sdp4bit": 0.003, "qsdp": 0.001}
 
 
 def run(
-    variants=VARIANTS,
+    variants=CONVERGENCE_VARIANTS,
     *,
     out: str = "runs/convergence",
     steps: int = 300,
@@ -44,11 +48,6 @@ def run(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Train every variant and return the JSON-ready result."""
-    from ..cli import _launch, _validate_train
-    from ..config import resolve_config
-    from ..train.loop import TrainArgs
-    from ..train.plots import plot_runs
-
     for v in variants:
         resolve_config(v)  # every name is valid before the first run starts
     runs = {
@@ -61,13 +60,12 @@ def run(
         )
         for v in variants
     }
-    for i, args in enumerate(runs.values()):
-        _validate_train(args, nproc, full=i == 0)
+    plans = {v: plan_run(args, nproc, prepare_data=True) for v, args in runs.items()}
     results: dict[str, Any] = {}
     for i, (v, args) in enumerate(runs.items(), 1):
         t0 = time.perf_counter()
         print(f"[{i}/{len(runs)}] {v} -> {args.out}", file=sys.stderr, flush=True)
-        summary = _launch(args, nproc)
+        summary = launch(args, plans[v])
         results[v] = {
             "final_val_loss": summary["final_val_loss"],
             "final_train_loss": summary["final_train_loss"],
@@ -121,7 +119,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qsdp bench convergence", description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="presets or variants to compare")
+    parser.add_argument("--variants", nargs="+", default=list(CONVERGENCE_VARIANTS), help="presets or variants to compare")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--data", default=None, metavar="FILE", help="any UTF-8 text corpus (default: embedded)")

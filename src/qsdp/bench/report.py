@@ -8,11 +8,20 @@ import sys
 import time
 from typing import Any, Callable
 
+import torch
+
+from qsdp.config import PRESETS
+
+# The presets the benchmarks compare by default, in one order: the baseline first.
+BENCH_PRESETS: tuple[str, ...] = tuple(PRESETS)
+# The convergence ablation: the baseline, the SDP4Bit paper's Table 1 variants (weights alone,
+# gradients alone), the presets, then QSDP's aggressive 4-bit setting.
+CONVERGENCE_VARIANTS: tuple[str, ...] = (
+    "fsdp", "qw4", "qwd4", "tlq4", "tlq-hs", "sdp4bit", "zeropp", "qsdp", "qsdp-w4g4")
+
 
 def meta(name: str, argv: list[str] | None, device: str, **extra: Any) -> dict[str, Any]:
     """The ``meta`` block of a result file: the command, torch version, device and date."""
-    import torch
-
     args = argv if argv is not None else sys.argv[1:]
     return {"command": f"qsdp bench {name} " + " ".join(args), "torch": torch.__version__,
             "device": device, "date": time.strftime("%Y-%m-%d"), **extra}
@@ -32,6 +41,7 @@ def emit(result: dict[str, Any], *, as_json: bool, save: str | None,
 def bar_chart(path: str, labels: list[str], series: dict[str, list[float]], *, ylabel: str,
               title: str) -> str:
     """Grouped bars, one group per label and one bar per series; written as a PNG."""
+    # matplotlib costs a second to import: loaded only when a plot is drawn.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -56,9 +56,9 @@ from ..comm.reduce_scatter import real_elements, pipeline_slices_bounds
 from ..config import QuantConfig, resolve_config
 from ..train.model import GPTConfig, flops_per_token, n_params
 
-from .report import bar_chart, emit, meta, png_next_to
+from .report import BENCH_PRESETS, bar_chart, emit, meta, png_next_to
 
-DEFAULT_PRESETS = ("fsdp", "qsdp", "zeropp", "sdp4bit")
+DEFAULT_PRESETS = BENCH_PRESETS
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
 # --------------------------------------------------------------------------------------------

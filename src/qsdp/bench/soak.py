@@ -37,6 +37,21 @@ import sys
 import time
 from typing import Any, Sequence
 
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+import qsdp
+from qsdp.config import ConfigError, resolve_config
+from qsdp.launch import launch_local
+from qsdp.train.args import DEVICES, TrainArgs
+from qsdp.train.data import DataError
+from qsdp.train.launcher import quiet_elastic_logs
+from qsdp.train.model import MODEL_SIZES
+from qsdp.train.preflight import prepare_dataset
+from qsdp.train.runtime import init_process_group, rank0_first, run_device
+from qsdp.train.trainer import build_model, clip_grads, make_optimizer
+
 from .report import emit
 
 DEFAULT_PRESET = "sdp4bit"
@@ -52,7 +67,7 @@ def rss_mb() -> tuple[float, str]:
                     return int(line.split()[1]) * 1024 / MIB, "VmRSS"
     except OSError:
         pass
-    import resource
+    import resource  # POSIX only: imported where it is needed
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
     return (peak / MIB if sys.platform == "darwin" else peak / 1024), "maxrss"
@@ -76,26 +91,18 @@ def least_squares_slope(xs: Sequence[float], ys: Sequence[float]) -> float | Non
 def _soak_worker(cfg: dict[str, Any]) -> dict[str, Any] | None:
     """One worker of the soak (top level: the spawn start method pickles it). Returns rank 0's
     samples, ``None`` on the other ranks."""
-    import torch
-    import torch.distributed as dist
-
-    import qsdp
-    from qsdp.train.loop import (
-        TrainArgs, _build_model, _clip_grads, _device, _init_process_group, _make_optimizer,
-        _rank0_first, prepare_dataset,
-    )
 
     args = TrainArgs(preset=cfg["preset"], model=cfg["model"], batch_size=cfg["batch_size"],
                      seq_len=cfg["seq_len"], data=cfg["data"], lr=cfg["lr"], steps=1,
                      device=cfg["device"], cache_dir=cfg["cache_dir"], progress=False)
-    _init_process_group(args)
+    init_process_group(args)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        device = _device()
-        ds, _ = _rank0_first(lambda: prepare_dataset(args), rank)
-        model, dtype_name = _build_model(args, ds.vocab_size, device)
+        device = run_device(args, created_group=True)
+        ds, _ = rank0_first(lambda: prepare_dataset(args), rank)
+        model, dtype_name = build_model(args, ds.vocab_size, device)
         handle = qsdp.quantize_comms(model, args.preset)
-        optimizer = _make_optimizer(model, args)
+        optimizer = make_optimizer(model, args)
         warmup_steps = 20
         duration = cfg["minutes"] * 60.0
         every = cfg["sample_every"]
@@ -119,7 +126,7 @@ def _soak_worker(cfg: dict[str, Any]) -> dict[str, Any] | None:
             if handle.nonfinite_gradients():
                 skipped += 1
             else:
-                _clip_grads(model, args.grad_clip)
+                clip_grads(model, args.grad_clip)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
@@ -159,8 +166,6 @@ def _soak_worker(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _device_label(device) -> str:
-    import torch
-
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads/worker)"
@@ -211,8 +216,6 @@ def measure(minutes: float, preset: str = DEFAULT_PRESET, nproc: int = 2, model:
             warmup_minutes: float | None = None, max_slope: float = 10.0, data: str | None = None,
             device: str | None = None, cache_dir: str | None = None) -> dict[str, Any]:
     """Run the soak and return the result (without ``meta``)."""
-    from qsdp.cli import _quiet_elastic_logs
-    from qsdp.launch import launch_local
 
     if warmup_minutes is None:
         warmup_minutes = min(5.0, 0.2 * minutes)
@@ -223,7 +226,7 @@ def measure(minutes: float, preset: str = DEFAULT_PRESET, nproc: int = 2, model:
     if env_threads:  # as `qsdp train`: the machine's cores shared by the workers
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     try:
-        with _quiet_elastic_logs():
+        with quiet_elastic_logs():
             run = launch_local(_soak_worker, nproc, cfg)[0]
     finally:
         if env_threads:
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="samples before this are left out of the slopes (default 20%% of --minutes, at most 5)")
     parser.add_argument("--max-slope", type=float, default=10.0, metavar="MB_PER_HOUR",
                         help="memory counts as flat up to this RSS slope (default 10 MB/hour)")
-    parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    parser.add_argument("--device", default=None, choices=DEVICES)
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
     args = parser.parse_args(argv)
@@ -286,8 +289,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sample-every must be at least 1, got {args.sample_every}")
     if args.warmup_minutes is not None and not 0 <= args.warmup_minutes < args.minutes:
         parser.error(f"--warmup-minutes must be in [0, --minutes), got {args.warmup_minutes}")
-    from qsdp.config import ConfigError, resolve_config
-    from qsdp.train.model import MODEL_SIZES
 
     try:
         resolve_config(args.preset)
@@ -295,14 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if args.model not in MODEL_SIZES:
         parser.error(f"unknown model {args.model!r}; allowed: {', '.join(MODEL_SIZES)}")
-    from qsdp.train.data import DataError
-    from qsdp.train.loop import TrainArgs, prepare_dataset
 
     try:  # the corpus and its token cache, once, before the workers start
         prepare_dataset(TrainArgs(data=args.data, seq_len=args.seq_len))
     except DataError as e:
         parser.error(str(e))
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         result = measure(args.minutes, args.preset, args.nproc, args.model, args.batch_size,
@@ -313,8 +311,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qsdp bench soak: worker rank {rank} failed: {failure.message or failure.exitcode}",
               file=sys.stderr)
         return 1
-    import torch
-
     result["meta"] = {
         "command": "qsdp bench soak " + " ".join(argv if argv is not None else sys.argv[1:]),
         "torch": torch.__version__, "device": result["device"],

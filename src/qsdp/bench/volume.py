@@ -11,19 +11,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .report import emit, meta
+from qsdp.config import resolve_config
+from qsdp.launch import launch_local
 
-DEFAULT_PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
+from .report import BENCH_PRESETS, emit, meta
+from .workload import run_steps
 
 
-def measure(presets=DEFAULT_PRESETS, steps: int = 3, nproc: int = 4, ranks_per_node: int = 2,
+def measure(presets=BENCH_PRESETS, steps: int = 3, nproc: int = 4, ranks_per_node: int = 2,
             model: str = "tiny", seq_len: int = 64, batch_size: int = 4) -> dict[str, Any]:
     """Run every preset and return the JSON-ready result (rank 0's meter; all ranks send the
     same volumes by symmetry)."""
-    from ..launch import launch_local
-    from .workload import run_steps
-    from ..config import resolve_config
-
     for p in presets:
         resolve_config(p)  # fail on a bad name before launching anything
     out: dict[str, Any] = {"nodes": nproc // ranks_per_node, "ranks_per_node": ranks_per_node,
@@ -67,7 +65,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qsdp bench volume", description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
+    parser.add_argument("--presets", nargs="+", default=list(BENCH_PRESETS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import qsdp
+from qsdp.train.model import make_gpt, transformer_blocks
 
 
 def run_steps(
@@ -26,13 +34,6 @@ def run_steps(
     """``warmup`` + ``steps`` optimizer steps on random tokens; returns rank-local step times and
     the byte meter over the timed steps. Initializes (and destroys) the process group from the
     environment if none exists."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    import qsdp
-    from qsdp.train.model import make_gpt, transformer_blocks
-
     torch.set_num_threads(1)
     own_group = not dist.is_initialized()
     if own_group:
@@ -47,22 +48,22 @@ def run_steps(
         fully_shard(model)
         overrides = {} if ranks_per_node is None else {"local_world_size": ranks_per_node}
         qsdp.quantize_comms(model, preset, overrides=overrides)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(rank)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(rank)
         times = []
         for step in range(warmup + steps):
             if step == warmup:
                 qsdp.comm_stats(reset=True)
             dist.barrier()
-            t0 = time.perf_counter()
-            x = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
-            _, loss = model(x[:, :-1], x[:, 1:])
+            started = time.perf_counter()
+            tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=generator)
+            _, loss = model(tokens[:, :-1], tokens[:, 1:])
             loss.backward()
-            opt.step()
-            opt.zero_grad()
+            optimizer.step()
+            optimizer.zero_grad()
             dist.barrier()
             if step >= warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(time.perf_counter() - started)
         stats = qsdp.comm_stats(reset=True)
         return {
             "preset": preset,
@@ -90,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
     result = run_steps(args.preset, args.steps, args.model, args.seq_len, args.batch_size,
                        args.ranks_per_node, args.warmup)
-    import os
-
     if args.out and os.environ.get("RANK", "0") == "0":
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -141,7 +141,7 @@ class BPETokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> BPETokenizer:
         """Load a tokenizer saved as ``tokenizers`` JSON."""
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import Tokenizer as HFTokenizer  # only the BPE tokenizer loads the library
 
         json_str = Path(path).read_text(encoding="utf-8")
         return cls(HFTokenizer.from_str(json_str), json_str)
@@ -176,6 +176,7 @@ class BPETokenizer:
 
 def _train_bpe(text: str, vocab_size: int):
     """Train a byte-level BPE ``tokenizers.Tokenizer`` on ``text`` (no special tokens)."""
+    # Only the BPE tokenizer loads the library (the byte tokenizer, the default, needs nothing).
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 

@@ -1,21 +1,37 @@
-"""Run metrics on disk: ``metrics.jsonl`` (one JSON object a line) and ``summary.json``.
+"""Run metrics on disk: ``metrics.jsonl`` (one JSON object a line) and ``summary.json``, and the
+schema of the training records.
 
-Training lines carry at least ``step``, ``loss``, ``lr``, ``step_time_s``, ``tokens_per_s`` and
-``wire_bytes_total`` (cumulative bytes on the wire, all kinds); validation lines carry ``step``
-and ``val_loss``. Only rank 0 writes: other ranks build the writer with ``enabled=False``.
+``metrics.jsonl`` (rank 0 writes; other ranks build the writer with ``enabled=False``), one line
+per logged step (:func:`train_record`)::
+
+    step, loss (mean over ranks), lr, grad_norm (before clipping), step_time_s, tokens_per_s,
+    wire_bytes_total,
+    wire_bytes_{kind}_{level}, bits_per_elt_{kind}_{level}   kind: weights, grads (and
+        wire_bytes_control_{level}); level: intra, inter, total
+    nonfinite_skipped (steps skipped so far; grad_norm is null on a skipped step)
+
+and ``{"step", "val_loss"}`` lines. Bytes are cumulative since the start of the run (resumes
+included) and summed over all ranks (:class:`WireTotals`): the whole job's traffic as the byte
+meter counts it (see :mod:`qsdp.comm.meter`), evaluation forwards included.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+import torch.distributed as dist
+
+from qsdp.comm.meter import KINDS, LEVELS, comm_stats
+
 from .files import atomic_write
 
-__all__ = ["MetricsWriter", "write_summary", "read_metrics", "read_summary",
-           "METRICS_FILE", "SUMMARY_FILE"]
+__all__ = ["MetricsWriter", "write_summary", "read_metrics", "read_summary", "drop_records_after",
+           "WireTotals", "train_record", "METRICS_FILE", "SUMMARY_FILE"]
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -118,3 +134,91 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{lineno}: expected a JSON object, got {kind}")
         records.append(record)
     return records
+
+
+def drop_records_after(out_dir: str | os.PathLike, step: int) -> None:
+    """Rewrite ``metrics.jsonl`` without the records of steps after ``step`` (what an attempt
+    that crashed logged past the checkpoint a resume continues from). Rank 0 only."""
+    path = Path(out_dir) / METRICS_FILE
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").split("\n")[:-1]  # a partial last line is dropped
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and int(record.get("step", 0)) <= step:
+            kept.append(line + "\n")
+    if len(kept) == len(lines):
+        return
+    atomic_write(path, lambda f: f.write("".join(kept).encode("utf-8")))
+
+
+def _bits(nbytes: float, elements: float) -> float:
+    return 8.0 * nbytes / elements if elements else 0.0
+
+
+class WireTotals:
+    """Cumulative bytes and elements per (kind, level), summed over all ranks; the state a
+    checkpoint keeps (:meth:`as_dict`) and restores (the constructor)."""
+
+    def __init__(self, state: dict[str, Any] | None = None) -> None:
+        self.counts = {kind: {level: [0, 0] for level in LEVELS} for kind in KINDS}
+        for kind, per_level in (state or {}).items():
+            for level, count in per_level.items():
+                if kind in self.counts and level in self.counts[kind]:
+                    self.counts[kind][level] = [int(count["bytes"]), int(count["elements"])]
+
+    def collect(self, device: torch.device, extra: Sequence[float] = ()) -> list[float]:
+        """Add what the meter counted on every rank since the last call (collective: one
+        all-reduce, which also sums ``extra`` over the ranks and returns it)."""
+        stats = comm_stats(reset=True)
+        vec = list(extra)
+        for kind in KINDS:
+            for level in LEVELS:
+                vec += [stats[kind][level]["bytes"], stats[kind][level]["elements"]]
+        summed = torch.tensor(vec, dtype=torch.float64, device=device)
+        dist.all_reduce(summed)
+        values = summed.tolist()  # the one host sync of a logged step
+        i = len(extra)
+        for kind in KINDS:
+            for level in LEVELS:
+                self.counts[kind][level][0] += int(values[i])
+                self.counts[kind][level][1] += int(values[i + 1])
+                i += 2
+        return values[:len(extra)]
+
+    def total_bytes(self) -> int:
+        return sum(count[0] for per_level in self.counts.values() for count in per_level.values())
+
+    def as_dict(self) -> dict[str, dict[str, dict[str, float]]]:
+        """``{kind: {level or "total": {bytes, elements, bits_per_element}}}``."""
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for kind, per_level in self.counts.items():
+            rows = {level: {"bytes": b, "elements": e, "bits_per_element": _bits(b, e)}
+                    for level, (b, e) in per_level.items()}
+            total_b = sum(c[0] for c in per_level.values())
+            total_e = sum(c[1] for c in per_level.values())
+            rows["total"] = {"bytes": total_b, "elements": total_e, "bits_per_element": _bits(total_b, total_e)}
+            out[kind] = rows
+        return out
+
+    def flat(self) -> dict[str, float]:
+        """The ``wire_*`` and ``bits_per_elt_*`` fields of a training record."""
+        record: dict[str, float] = {"wire_bytes_total": self.total_bytes()}
+        for kind, rows in self.as_dict().items():
+            for level, row in rows.items():
+                record[f"wire_bytes_{kind}_{level}"] = row["bytes"]
+                if kind != "control":
+                    record[f"bits_per_elt_{kind}_{level}"] = round(row["bits_per_element"], 4)
+        return record
+
+
+def train_record(step: int, loss: float, lr: float, grad_norm: float | None, step_time_s: float,
+                 tokens_per_step: int, skipped: int, wire: WireTotals) -> dict[str, Any]:
+    """One training line of ``metrics.jsonl`` (the schema in the module docstring)."""
+    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "step_time_s": step_time_s, "tokens_per_s": tokens_per_step / step_time_s,
+            "nonfinite_skipped": skipped, **wire.flat()}

@@ -104,6 +104,7 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
     Raises FileNotFoundError for a run without metrics.jsonl, ValueError for a run without
     training records or without ``wire_bytes_total``.
     """
+    # matplotlib costs a second to import: loaded only when a plot is drawn.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

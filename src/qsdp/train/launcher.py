@@ -1,0 +1,206 @@
+"""Running a training job from the command line: the checks before anything starts, then the
+job itself, in this process under ``torchrun`` or in local worker processes otherwise.
+
+Local workers are started by torch's elastic launcher (the machinery behind ``torchrun``) with a
+c10d rendezvous on a free local port; with ``max_restarts`` it restarts them after a failure and
+a restarted group resumes from the run's last checkpoint. A failure inside the workers becomes
+one :class:`WorkerFailure` naming the root cause (the first rank that failed), not a traceback
+from every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from qsdp.launch import launch_local, under_torchrun
+from qsdp.train.args import USER_ERRORS, PeerError, TrainArgs, validate_args
+from qsdp.train.data import load_corpus
+from qsdp.train.files import atomic_write
+from qsdp.train.loop import train_worker
+from qsdp.train.preflight import Plan, preflight, prepare_dataset
+
+__all__ = ["UsageError", "WorkerFailure", "EXIT_USAGE", "run_training", "launch", "plan_run",
+           "check_writable", "quiet_elastic_logs", "root_cause"]
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A bad input found by the command line itself: one line, exit code 2."""
+
+
+class WorkerFailure(Exception):
+    """The workers failed; ``code`` is the exit code, the message the root cause."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def check_writable(out: str) -> None:
+    """UsageError unless ``out`` exists (created if need be) and accepts a file."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create --out directory {out!r}: {e.strerror or e}") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".qsdp-write-test-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out directory {out!r} is not writable: {e.strerror or e}") from None
+
+
+def _world_size(args: TrainArgs, nproc: int | None, max_restarts: int) -> int:
+    """The number of ranks the job will have (torchrun's, or ``nproc`` local workers)."""
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts must be a non-negative integer, got {max_restarts}")
+    if under_torchrun():
+        if max_restarts:
+            raise UsageError("--max-restarts is for the workers qsdp launches; under torchrun pass "
+                             "torchrun's own --max-restarts")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if nproc is not None and nproc != world:
+            raise UsageError(f"--nproc {nproc} conflicts with torchrun's WORLD_SIZE={world}; "
+                             "leave --nproc out under torchrun")
+        return world
+    world = 1 if nproc is None else nproc
+    if world < 1:
+        raise UsageError(f"--nproc must be a positive number of processes, got {world}")
+    if args.process_backend() == "nccl" and world > torch.cuda.device_count():
+        raise UsageError(f"--nproc {world} needs {world} GPUs with NCCL (one a worker); this machine "
+                         f"has {torch.cuda.device_count()}; pass --backend gloo to share GPUs")
+    return world
+
+
+def plan_run(args: TrainArgs, nproc: int | None, *, prepare_data: bool,
+             max_restarts: int = 0) -> Plan:
+    """Check every input of a run before anything starts; returns the plan. ``prepare_data``
+    also builds the dataset (and its caches) here, in the launching process, so the workers
+    only read them."""
+    config = validate_args(args)
+    world = _world_size(args, nproc, max_restarts)
+    lws = args.local_world_size
+    if lws is not None and world % lws:
+        raise UsageError(f"--local-world-size {lws} must divide the number of processes {world} "
+                         "(ranks per node x nodes)")
+    check_writable(args.out)
+    if prepare_data:
+        _, data_id = prepare_dataset(args)
+    else:
+        load_corpus(args.data)
+        data_id = None
+    return preflight(args, world, data_id, config)
+
+
+def _worker_entry(args: TrainArgs, plan: Plan, error_dir: str) -> dict[str, Any] | None:
+    """What each launched worker runs (top level, so the spawn start method can pickle it)."""
+    try:
+        summary = train_worker(args, plan)
+        return summary if int(os.environ.get("RANK", "0")) == 0 else None
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
+        rank = int(os.environ.get("RANK", "-1"))
+        record = {
+            "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "user": isinstance(e, USER_ERRORS), "secondary": isinstance(e, PeerError),
+            "traceback": traceback.format_exc(),
+        }
+        with contextlib.suppress(OSError):
+            path = Path(error_dir) / f"rank{rank}.attempt{record['attempt']}.json"
+            atomic_write(path, lambda f: f.write(json.dumps(record).encode("utf-8")))
+        # Exit quietly: the launcher prints the root cause once. os._exit skips the interpreter's
+        # teardown, where a process group whose peer died can abort in its C++ threads
+        # ("terminate called without an active exception") and print a wall of noise.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher",
+                    "torch.distributed.elastic.multiprocessing.api",
+                    "torch.distributed.elastic.agent.server.api", "torch.multiprocessing",
+                    "torch.multiprocessing.spawn")
+
+
+@contextlib.contextmanager
+def quiet_elastic_logs() -> Iterator[None]:
+    """Silence the elastic launcher's own logging (the root cause is reported once instead)."""
+    loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def root_cause(error_dir: Path, failures: dict[int, Any], out: str) -> WorkerFailure:
+    """The failure to report: the first error record of the last attempt (a rank's own error
+    before a peer's consequence), or a worker that died without one."""
+    records = []
+    for path in error_dir.glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            records.append(json.loads(path.read_text(encoding="utf-8")))
+    if records:
+        last = max(r.get("attempt", 0) for r in records)  # with --max-restarts: the final attempt
+        records = [r for r in records if r.get("attempt", 0) == last]
+        first = min(records, key=lambda r: (r["secondary"], r["time"], not r["user"]))
+        if first["user"]:
+            return WorkerFailure(first["message"], EXIT_USAGE)
+        where = ""
+        with contextlib.suppress(OSError):
+            path = Path(out) / "error.txt"
+            path.write_text(first["traceback"], encoding="utf-8")
+            where = f" (traceback: {path})"
+        return WorkerFailure(f"rank {first['rank']}: {first['type']}: {first['message']}{where}")
+    for rank, failure in sorted(failures.items()):
+        how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        return WorkerFailure(f"worker rank {rank} died ({how}) without reporting an error")
+    return WorkerFailure("the workers failed without reporting an error")
+
+
+def launch(args: TrainArgs, plan: Plan, max_restarts: int = 0) -> dict[str, Any]:
+    """Run ``train_worker(args, plan)`` in ``plan.world_size`` local processes (restarted up to
+    ``max_restarts`` times; a restarted group resumes from the run's last checkpoint); returns
+    rank 0's summary."""
+    nproc = plan.world_size
+    # torchrun's default is one thread per worker; here the machine's cores shared by the workers.
+    env_threads = "OMP_NUM_THREADS" not in os.environ
+    if env_threads:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    error_dir = Path(tempfile.mkdtemp(prefix="qsdp-errors-"))
+    try:
+        with quiet_elastic_logs():
+            results = launch_local(_worker_entry, nproc, args, plan, str(error_dir), max_restarts=max_restarts)
+    except ChildFailedError as e:
+        raise root_cause(error_dir, e.failures, args.out) from None
+    finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
+        if env_threads:
+            os.environ.pop("OMP_NUM_THREADS", None)
+    return results[0]
+
+
+def run_training(args: TrainArgs, nproc: int | None = None, max_restarts: int = 0) -> dict[str, Any]:
+    """Validate and run one training job (the ``qsdp train`` command without the printing);
+    returns the summary. Raises UsageError / the loop's user errors / WorkerFailure."""
+    if under_torchrun():
+        return train_worker(args, plan_run(args, nproc, prepare_data=False, max_restarts=max_restarts))
+    plan = plan_run(args, nproc, prepare_data=True, max_restarts=max_restarts)
+    return launch(args, plan, max_restarts)

@@ -1,0 +1,185 @@
+"""Pre-flight: every check a run needs before it starts, done once, and the plan it yields.
+
+:func:`preflight` takes the arguments and the world size and returns a :class:`Plan`: the built
+:class:`qsdp.QuantConfig`, the checkpoint to resume from (if any) and the identity of the data.
+The command line calls it before launching workers; each worker calls it again only where the
+answer can have changed (a restarted attempt, or a launch under ``torchrun`` that had no data
+identity yet), and passes the plan's config to :func:`qsdp.quantize_comms`.
+
+A run is *resumable* from a checkpoint whose identity (model, tokenizer, sequence length, batch
+size, seed, world size, config and data) equals this run's; fields only one side knows are not
+compared, so a config field added since the checkpoint is not a change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qsdp.config import QuantConfig
+from qsdp.train.args import TrainArgs, TrainError, validate_args
+from qsdp.train.checkpoint import latest_checkpoint, read_meta
+from qsdp.train.data import TokenDataset, get_tokenizer, load_corpus
+from qsdp.train.metrics import METRICS_FILE
+
+__all__ = [
+    "Plan", "preflight", "prepare_dataset", "open_dataset", "check_out_dir", "check_resume",
+    "run_identity", "restart_count", "default_cache_dir",
+]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the checks decided. ``resume_from``: the checkpoint directory to load (``None``: a
+    fresh start). ``data_id``: a fingerprint of the text and the tokenizer (``None`` until the
+    dataset was prepared). ``restarted``: this is a restart by torch's elastic agent."""
+
+    config: QuantConfig
+    world_size: int
+    data_id: str | None = None
+    resume_from: Path | None = None
+    restarted: bool = False
+
+    def identity(self, args: TrainArgs) -> dict[str, Any]:
+        """What must be equal for a checkpoint to be resumed by this run (stored in it)."""
+        return run_identity(args, self.world_size, self.data_id, self.config)
+
+
+def restart_count() -> int:
+    """How many times torch's elastic agent has restarted this worker group (0: first attempt)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("QSDP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "qsdp")
+
+
+def _usable_cache_dir(args: TrainArgs) -> str | None:
+    path = args.cache_dir or default_cache_dir()
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None  # no cache: every rank encodes the text itself
+    return path if os.access(path, os.W_OK) else None
+
+
+def open_dataset(args: TrainArgs) -> TokenDataset:
+    """The run's dataset, read from the token and tokenizer caches when they are there."""
+    text = load_corpus(args.data)
+    cache = _usable_cache_dir(args)
+    tokenizer = get_tokenizer(args.tokenizer, text, cache)
+    return TokenDataset.from_text(text, tokenizer, cache_dir=cache, seed=args.seed)
+
+
+def prepare_dataset(args: TrainArgs) -> tuple[TokenDataset, str]:
+    """The dataset of a run (building the token and tokenizer caches if missing) and a
+    fingerprint of its text and tokenizer. Raises DataError if the text is missing, unreadable
+    or too short for ``seq_len``."""
+    text = load_corpus(args.data)
+    cache = _usable_cache_dir(args)
+    tokenizer = get_tokenizer(args.tokenizer, text, cache)
+    dataset = TokenDataset.from_text(text, tokenizer, cache_dir=cache, seed=args.seed)
+    # Both splits must hold a window of seq_len + 1 tokens (raises DataError naming the split).
+    dataset.batch(0, 0, 1, 1, args.seq_len)
+    next(dataset.val_batches(1, 1, args.seq_len))
+    digest = hashlib.sha256(tokenizer.fingerprint.encode() + b"\0")
+    digest.update(text.encode("utf-8"))
+    return dataset, digest.hexdigest()[:16]
+
+
+def check_out_dir(args: TrainArgs) -> None:
+    """A fresh run needs a run directory without a previous run's metrics or checkpoints."""
+    if args.resume:
+        return
+    out = Path(args.out)
+    for name in (METRICS_FILE, "checkpoints/latest"):
+        if (out / name).exists():
+            raise TrainError(
+                f"--out {args.out} already holds a run ({name}); pass --resume to continue it "
+                "or choose another --out"
+            )
+
+
+def run_identity(args: TrainArgs, world_size: int, data_id: str | None,
+                 config: QuantConfig | None = None) -> dict[str, Any]:
+    """What must be equal for a checkpoint to be resumed by this run."""
+    config = config if config is not None else validate_args(args)
+    identity: dict[str, Any] = {
+        "model": args.model, "tokenizer": args.tokenizer, "seq_len": args.seq_len,
+        "batch_size": args.batch_size, "seed": args.seed, "world_size": world_size,
+        "config": config.to_dict(),
+    }
+    if data_id is not None:
+        identity["data_id"] = data_id
+    return identity
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _check_identity(path: Path, meta: dict[str, Any], mine: dict[str, Any]) -> None:
+    theirs = _flatten(meta.get("identity", {}))
+    diffs = [f"{key}: checkpoint {theirs[key]!r} != now {value!r}"
+             for key, value in _flatten(mine).items() if key in theirs and theirs[key] != value]
+    if diffs:
+        raise TrainError(f"--resume: checkpoint {path} was written by a different run: " + "; ".join(diffs))
+
+
+def check_resume(args: TrainArgs, world_size: int, data_id: str | None = None,
+                 config: QuantConfig | None = None) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint ``--resume`` continues from and its ``trainer.json``; TrainError if there
+    is none, if it was written by a different run, or if it is already at ``--steps``."""
+    path = latest_checkpoint(args.out)
+    if path is None:
+        raise TrainError(f"--resume: no checkpoint in {os.path.join(args.out, 'checkpoints')} "
+                         "(checkpoints/latest is missing)")
+    meta = read_meta(path)
+    _check_identity(path, meta, run_identity(args, world_size, data_id, config))
+    if int(meta["step"]) >= args.steps:
+        raise TrainError(f"--resume: checkpoint {path.name} is already at step {meta['step']} >= "
+                         f"--steps {args.steps}; pass a larger --steps to train further")
+    return path, meta
+
+
+def _restart_checkpoint(args: TrainArgs, world_size: int, data_id: str | None,
+                        config: QuantConfig) -> Path | None:
+    """The checkpoint a restarted attempt resumes from: ``latest`` if this run wrote one (the
+    identity is checked as for ``--resume``; it may already be at ``--steps`` if the crash came
+    after the final save), else ``None`` (start afresh)."""
+    path = latest_checkpoint(args.out)
+    if path is not None:
+        _check_identity(path, read_meta(path), run_identity(args, world_size, data_id, config))
+    return path
+
+
+def preflight(args: TrainArgs, world_size: int, data_id: str | None = None,
+              config: QuantConfig | None = None) -> Plan:
+    """Check the arguments, the run directory and the resume point for a world of
+    ``world_size`` ranks; returns the plan. ``config``: an already built config of these
+    arguments (skips building it again). Raises TrainError / ConfigError / CheckpointError
+    naming the problem; touches no process group."""
+    if config is None:
+        config = validate_args(args)
+    restarted = restart_count() > 0
+    resume_from = None
+    if restarted:  # the elastic agent restarted the group: continue from the last good checkpoint
+        resume_from = _restart_checkpoint(args, world_size, data_id, config)
+    elif args.resume:
+        resume_from, _ = check_resume(args, world_size, data_id, config)
+    else:
+        check_out_dir(args)
+    return Plan(config=config, world_size=world_size, data_id=data_id, resume_from=resume_from,
+                restarted=restarted)

@@ -1,0 +1,98 @@
+"""The process group and the device of a training worker.
+
+The device (where tensors live) and the backend (how ranks talk) are chosen separately: NCCL
+needs one GPU a rank, gloo moves CUDA tensors through the host, so several gloo ranks can share
+one GPU (rank r on GPU ``LOCAL_RANK % device_count``), e.g. 4 ranks as 2 x 2 on a single card.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from qsdp.codecs.dispatch import use_triton
+from qsdp.train.args import PeerError, TrainArgs, TrainError
+
+__all__ = ["init_process_group", "run_device", "device_name", "codec_kernels", "rank0_first"]
+
+T = TypeVar("T")
+
+
+def _local_gpu() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+
+
+def init_process_group(args: TrainArgs) -> None:
+    """Create the default process group from the torchrun environment (TrainError if it is
+    missing); on CUDA, select this rank's GPU first."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise TrainError(
+                f"train_worker needs an initialized process group or the torchrun environment "
+                f"({var} is not set); launch with `qsdp train --nproc N` or torchrun"
+            )
+    timeout = datetime.timedelta(seconds=args.timeout_s)
+    backend = args.process_backend()
+    if args.use_cuda():
+        torch.cuda.set_device(_local_gpu())
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The elastic agent keeps one TCPStore across restarts and init_process_group does not
+        # separate the attempts' keys, so a restarted group would read the dead group's gloo
+        # addresses / NCCL ids (pytorch/pytorch#135712): give each attempt its own key prefix.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"qsdp/attempt_{attempt}", store),
+                                rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+
+
+def run_device(args: TrainArgs, created_group: bool) -> torch.device:
+    """Where this rank's tensors live. ``device=None`` follows the group: CUDA when this job
+    created it for CUDA, or when a given group is NCCL (a given gloo group stays on the CPU)."""
+    if args.device == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    on_cuda = args.device == "cuda" or (
+        args.use_cuda() if created_group else "nccl" in str(dist.get_backend()).lower())
+    return torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    """The device in words, for the summary."""
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads/rank)"
+
+
+def codec_kernels(device: torch.device) -> str:
+    """The codec implementation tensors on ``device`` run: ``triton`` (the fused kernels) or
+    ``torch`` (the reference; CPU tensors, no triton, or ``QSDP_DISABLE_TRITON=1``)."""
+    return "triton" if use_triton(torch.empty(1, device=device)) else "torch"
+
+
+def rank0_first(fn: Callable[[], T], rank: int, others: Callable[[], T] | None = None) -> T:
+    """``fn()`` on rank 0, then ``others()`` (default ``fn()``) on the other ranks (rank 0
+    builds shared caches). If rank 0 fails, the others raise PeerError instead of waiting."""
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
+            error = e
+    status = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(status, src=0)
+    if error is not None:
+        raise error
+    if status[0] is not None:
+        raise PeerError(f"rank 0 failed: {status[0]}")
+    if rank == 0:
+        return result  # type: ignore[return-value]
+    return (others or fn)()

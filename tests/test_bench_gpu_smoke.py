@@ -1,0 +1,94 @@
+"""The GPU smoke (``make test-gpu``) without a GPU: its arguments, the loss comparison and the
+whole training comparison on the CPU fallback."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from qsdp.bench import gpu_smoke
+from qsdp.cli import _parser
+
+
+def test_equal_losses_agree_bit_for_bit():
+    got = gpu_smoke.compare_losses([5.5, 4.0], [5.5, 4.0], rtol=0.0)
+    assert got == {"steps": 2, "max_rel_diff": 0.0, "bit_identical": True, "agree": True}
+
+
+def test_losses_agree_within_the_tolerance_only():
+    close = gpu_smoke.compare_losses([5.5, 4.002], [5.5, 4.0], rtol=1e-3)
+    assert close["agree"] and not close["bit_identical"] and close["max_rel_diff"] == pytest.approx(5e-4)
+    assert not gpu_smoke.compare_losses([5.5, 4.1], [5.5, 4.0], rtol=1e-3)["agree"]
+
+
+def test_runs_of_different_length_or_with_nan_never_agree():
+    assert not gpu_smoke.compare_losses([5.5], [5.5, 4.0], rtol=1.0)["agree"]
+    assert not gpu_smoke.compare_losses([], [], rtol=1.0)["agree"]
+    nan = gpu_smoke.compare_losses([5.5, math.nan], [5.5, math.nan], rtol=1.0)
+    assert not nan["agree"] and nan["max_rel_diff"] == math.inf
+
+
+def test_triton_is_expected_for_quantized_presets_on_cuda_with_the_kernels_on():
+    assert gpu_smoke.expected_kernels("sdp4bit", "cuda", triton_disabled=False) == "triton"
+    assert gpu_smoke.expected_kernels("sdp4bit", "cuda", triton_disabled=True) == "torch"
+    assert gpu_smoke.expected_kernels("fsdp", "cuda", triton_disabled=False) == "torch"
+    assert gpu_smoke.expected_kernels("qsdp", "cpu", triton_disabled=False) == "torch"
+
+
+def test_training_runs_share_one_device_over_gloo(tmp_path):
+    args = gpu_smoke.parse_args(["--device", "cpu", "--out", str(tmp_path)])
+    command = gpu_smoke.train_command("zeropp", tmp_path / "run", args)
+    assert command[1:3] == ["-m", "qsdp.cli"]
+    parsed = _parser().parse_args(command[3:])  # the command line qsdp itself accepts
+    assert (parsed.command, parsed.preset, parsed.nproc, parsed.local_world_size) == ("train", "zeropp", 4, 2)
+    assert (parsed.device, parsed.backend, parsed.steps) == ("cpu", "gloo", 6)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--presets", "qsdp9"], "unknown preset(s) qsdp9"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--nproc", "4", "--ranks-per-node", "3"], "must divide --nproc 4"),
+    (["--rtol", "nan"], "--rtol must be a non-negative number"),
+    (["--skip", "everything"], "invalid choice"),
+])
+def test_bad_arguments_exit_2_naming_the_problem(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_smoke.parse_args(["--device", "cpu", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_is_refused_where_there_is_none(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_smoke.parse_args([])
+    assert exit_info.value.code == 2 and "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_results_go_to_the_out_variable_by_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu_smoke.parse_args(["--device", "cpu"]).out == str(tmp_path)
+    monkeypatch.delenv("OUT")
+    assert gpu_smoke.parse_args(["--device", "cpu"]).out == "benchmarks/results/gpu"
+
+
+@pytest.mark.timeout(600)
+def test_cpu_fallback_trains_with_and_without_triton_and_compares(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path / "cache"))
+    for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["--device", "cpu", "--presets", "fsdp", "sdp4bit", "--steps", "2", "--nproc", "2",
+            "--ranks-per-node", "1", "--out", str(tmp_path / "out"), "--stage-timeout", "280"]
+    rc = gpu_smoke.main(argv)
+    result = json.loads((tmp_path / "out" / "gpu_smoke.json").read_text())
+    assert rc == 0, result["stages"]
+    assert [s["name"] for s in result["stages"]] == [
+        "train fsdp (triton)", "train fsdp (reference)", "train sdp4bit (triton)", "train sdp4bit (reference)"]
+    assert all(s["passed"] for s in result["stages"])
+    for preset in ("fsdp", "sdp4bit"):  # the reference codecs on both runs: the same bytes, the same losses
+        assert result["loss_comparison"][preset]["bit_identical"] is True
+        assert result["loss_comparison"][preset]["steps"] == 2
+    assert result["meta"]["device"].startswith("cpu") and result["meta"]["torch"] == torch.__version__
+    assert "all passed" in capsys.readouterr().out

@@ -1,0 +1,61 @@
+"""The pre-flight of a run: arguments + world size -> a plan (built config, resume point, data
+identity), checked before any process group exists."""
+
+from __future__ import annotations
+
+import pytest
+
+from qsdp.config import resolve_config
+from qsdp.train.args import TrainArgs, TrainError, validate_args
+from qsdp.train.metrics import METRICS_FILE
+from qsdp.train.preflight import Plan, preflight, prepare_dataset
+
+
+@pytest.fixture
+def args(tmp_path, monkeypatch) -> TrainArgs:
+    monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("a small corpus for the pre-flight checks.\n" * 200, encoding="utf-8")
+    return TrainArgs(preset="sdp4bit", overrides={"grads.pipeline_slices": 2}, data=str(corpus),
+                     out=str(tmp_path / "run"), seed=3, seq_len=16, local_world_size=2)
+
+
+def test_a_fresh_run_plans_the_built_config_and_no_resume(args):
+    plan = preflight(args, world_size=4, data_id="abc")
+    expected = resolve_config("sdp4bit", {"grads.pipeline_slices": 2, "local_world_size": 2, "seed": 3})
+    assert plan == Plan(config=expected, world_size=4, data_id="abc", resume_from=None, restarted=False)
+    assert plan.identity(args)["config"] == expected.to_dict() and plan.identity(args)["data_id"] == "abc"
+
+
+def test_validate_args_returns_the_config_the_plan_carries(args):
+    assert validate_args(args) == preflight(args, world_size=4).config
+
+
+def test_a_directory_holding_a_run_needs_resume(args, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / METRICS_FILE).write_text("{}\n")
+    with pytest.raises(TrainError, match="already holds a run"):
+        preflight(args, world_size=2)
+
+
+def test_resume_without_a_checkpoint_is_refused(args):
+    args.resume = True
+    with pytest.raises(TrainError, match="no checkpoint"):
+        preflight(args, world_size=2)
+
+
+def test_the_data_identity_names_text_and_tokenizer(args, tmp_path):
+    _, first = prepare_dataset(args)
+    other = tmp_path / "other.txt"
+    other.write_text("a different corpus for the pre-flight checks.\n" * 200, encoding="utf-8")
+    args.data = str(other)
+    _, second = prepare_dataset(args)
+    assert len(first) == 16 and first != second
+
+
+def test_the_backend_is_chosen_apart_from_the_device():
+    assert TrainArgs(device="cpu").process_backend() == "gloo"
+    assert TrainArgs(device="cpu", backend="gloo").use_cuda() is False
+    assert TrainArgs(device="cuda", backend="gloo").process_backend() == "gloo"
+    assert TrainArgs(device="cuda").process_backend() == "nccl"
