@@ -33,9 +33,6 @@ from .pack import SUPPORTED_BITS, pack_codes, packed_nbytes, unpack_codes
 ROUNDINGS = ("nearest", "stochastic", "shift")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPE = torch.float32
-# Streams of the counter-based generator, so that per-element and per-group draws never coincide.
-_STREAM_ELEMENT = 1
-_STREAM_GROUP = 2
 
 
 def check_scheme(*, bits: int, group_size: int, rounding: str) -> None:
@@ -149,16 +146,17 @@ def _grouped(flat: torch.Tensor, group_size: int) -> torch.Tensor:
     return flat.view(-1, group_size)
 
 
-def _round(v: torch.Tensor, rounding: str, seed: int | None) -> torch.Tensor:
+def _round_(v: torch.Tensor, rounding: str, seed: int | None) -> torch.Tensor:
+    """Round the contiguous fp32 ``[n_groups, group_size]`` grid coordinates ``v`` in place."""
     if rounding == "nearest":
-        return torch.round(v)
+        return v.round_()
     if seed is None:
         seed = rng.fresh_seed()
     if rounding == "stochastic":
-        u = rng.uniform(seed, v.numel(), stream=_STREAM_ELEMENT, device=v.device).view_as(v)
+        rng.add_uniform_(v, seed, stream=rng.STREAM_ELEMENT)
     else:  # shift: one offset per group
-        u = rng.uniform(seed, v.shape[0], stream=_STREAM_GROUP, device=v.device).unsqueeze(1)
-    return torch.floor(v + u)
+        v.add_(rng.uniform(seed, v.shape[0], stream=rng.STREAM_GROUP, device=v.device).unsqueeze(1))
+    return v.floor_()
 
 
 def quantize(
@@ -229,13 +227,13 @@ def quantize_reference(
         scales = amax / amax.new_full((), qmax)
         zeros = None
         v = g / torch.where(scales > 0, scales, 1.0).unsqueeze(1)
-        q = _round(v, rounding, seed).clamp_(-qmax, qmax) + 2 ** (bits - 1)
+        q = _round_(v, rounding, seed).clamp_(-qmax, qmax).add_(2 ** (bits - 1))
     else:
         levels = 2**bits - 1
         zeros = g.amin(dim=1) + 0.0
         scales = (g.amax(dim=1) + 0.0 - zeros) / zeros.new_full((), levels)
         v = (g - zeros.unsqueeze(1)) / torch.where(scales > 0, scales, 1.0).unsqueeze(1)
-        q = _round(v, rounding, seed).clamp_(0, levels)
+        q = _round_(v, rounding, seed).clamp_(0, levels)
     return pack_codes(q.reshape(-1)[:n].to(torch.uint8), bits), scales, zeros
 
 
