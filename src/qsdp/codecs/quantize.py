@@ -151,13 +151,12 @@ def _grouped(flat: torch.Tensor, group_size: int) -> torch.Tensor:
     return flat.view(-1, group_size)
 
 
-def _group_chunks(n: int, group_size: int, device: torch.device):
+def _group_chunks(n: int, group_size: int, device: torch.device) -> list[tuple[int, int]]:
     """``(first group, end group)`` of consecutive whole groups covering ``n`` elements: about
     :data:`_CHUNK` elements each on CPU, everything at once on other devices."""
     groups = -(-n // group_size)
-    step = max(1, _CHUNK // group_size) if device.type == "cpu" else groups
-    for g0 in range(0, groups, step):
-        yield g0, min(groups, g0 + step)
+    step = max(1, _CHUNK // group_size) if device.type == "cpu" else max(groups, 1)
+    return [(g0, min(groups, g0 + step)) for g0 in range(0, groups, step)]
 
 
 def _round_(v: torch.Tensor, rounding: str, seed: int, first_group: int) -> torch.Tensor:

@@ -112,7 +112,7 @@ def _uniform_bits(start: int, key: int, ramp: torch.Tensor, x: torch.Tensor, tmp
     return x.bitwise_and_(0xFFFFFF)
 
 
-def _chunks(n: int, device: torch.device):
+def _chunks(n: int, device: torch.device) -> list[tuple]:
     """(begin, end, ramp, int32 buffer, int32 scratch, fp32 buffer) over ``[0, n)``: cache-sized
     chunks on CPU, the whole range at once elsewhere (a GPU gains nothing from chunking)."""
     cpu = device.type == "cpu"
@@ -120,9 +120,8 @@ def _chunks(n: int, device: torch.device):
     ramp = _cpu_ramp() if cpu else _golden_ramp(n, device)
     x = torch.empty(size, dtype=torch.int32, device=device)
     tmp, f = torch.empty_like(x), torch.empty(size, dtype=torch.float32, device=device)
-    for b in range(0, n, max(size, 1)):
-        m = min(size, n - b)
-        yield b, b + m, ramp[:m], x[:m], tmp[:m], f[:m]
+    bounds = [(b, min(n, b + size)) for b in range(0, n, max(size, 1))]
+    return [(b, e, ramp[: e - b], x[: e - b], tmp[: e - b], f[: e - b]) for b, e in bounds]
 
 
 def add_uniform_(v: torch.Tensor, seed: int, *, offset: int = 0, stream: int = 0) -> torch.Tensor:
