@@ -5,8 +5,9 @@ Each step is run through the codec API exactly as the collectives run it (``quan
 replica update; the workloads of :mod:`qsdp.bench.kernels`). On CPU it is the torch reference on
 one thread (``torch.set_num_threads(1)``): nanoseconds per element and GB/s of the bytes the step
 must read and write, beside a plain copy of the same number of bytes timed in the same loop
-(interleaved, so both see the same machine load; the minimum of the repeats is kept). On CUDA the
-same steps run the fused Triton kernels, timed with CUDA events (median of the repeats).
+(interleaved, so both see the same machine load; the thread's CPU time, minimum of the
+repeats). On CUDA the same steps run the fused Triton kernels, timed with CUDA events (median of
+the repeats).
 
 The three rounding rows answer one question: what the random bits of stochastic and shift
 rounding cost over nearest rounding (``vs_nearest``).
@@ -64,16 +65,18 @@ def workload(name: str, n: int, device: str) -> tuple[Callable[[], Any], int, st
 
 
 def _time_cpu(step: Callable[[], Any], copy: Callable[[], Any], repeats: int) -> tuple[float, float]:
-    """Minimum seconds of ``step`` and of ``copy`` over ``repeats`` interleaved runs (one warm-up)."""
+    """Minimum seconds of ``step`` and of ``copy`` over ``repeats`` interleaved runs (one warm-up),
+    in this thread's CPU time: time the thread spends descheduled (other processes on a shared
+    machine) does not count, which makes the minimum stable where wall-clock time is not."""
     step()
     copy()
     best_step = best_copy = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         step()
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         copy()
-        t2 = time.perf_counter()
+        t2 = time.thread_time()
         best_step, best_copy = min(best_step, t1 - t0), min(best_copy, t2 - t1)
     return best_step, best_copy
 
@@ -189,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     steps = measure(n, device=device, steps=tuple(args.steps), repeats=args.repeats)
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    timing = (f"minimum of {args.repeats} runs, each followed by the copy" if device == "cpu"
-              else f"median of {args.repeats} runs, CUDA events")
+    timing = (f"minimum of {args.repeats} runs of this thread's CPU time, each run followed by the copy"
+              if device == "cpu" else f"median of {args.repeats} runs, CUDA events")
     result = {"meta": meta("codecs", argv, _device_name(device), cpu_affinity=affinity),
               "n": n, "threads": 1 if device == "cpu" else None, "timing": timing, "steps": steps}
     return emit(result, as_json=args.json, save=args.save, format_text=format_table)

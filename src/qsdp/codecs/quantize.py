@@ -159,16 +159,15 @@ def _group_chunks(n: int, group_size: int, device: torch.device) -> list[tuple[i
     return [(g0, min(groups, g0 + step)) for g0 in range(0, groups, step)]
 
 
-def _round_(v: torch.Tensor, rounding: str, seed: int, first_group: int) -> torch.Tensor:
+def _round_(v: torch.Tensor, rounding: str, seed: int, first_group: int, shifts: torch.Tensor | None) -> torch.Tensor:
     """Round the contiguous fp32 grid coordinates ``v`` (``[groups, group_size]``, the groups
-    from ``first_group`` on) in place."""
+    from ``first_group`` on) in place; ``shifts``: these groups' random shifts (``shift`` only)."""
     if rounding == "nearest":
         return v.round_()
     if rounding == "stochastic":
         rng.add_uniform_(v, seed, offset=first_group * v.shape[1], stream=rng.STREAM_ELEMENT)
     else:  # shift: one offset per group
-        v.add_(rng.uniform(seed, v.shape[0], offset=first_group, stream=rng.STREAM_GROUP,
-                           device=v.device).unsqueeze(1))
+        v.add_(shifts.unsqueeze(1))
     return v.floor_()
 
 
@@ -266,15 +265,19 @@ def quantize_reference(
     zeros = None if symmetric else torch.empty(groups, dtype=SCALE_DTYPE, device=dev)
     codes = torch.empty(groups, group_size, dtype=torch.uint8, device=dev)
     qmax = 2 ** (bits - 1) - 1
+    # Drawn once for all groups: per chunk, the generator's fixed cost would dominate.
+    shifts = rng.uniform(seed, groups, stream=rng.STREAM_GROUP, device=dev) if rounding == "shift" else None
     for g0, g1 in _group_chunks(n, group_size, dev):
+        sh = None if shifts is None else shifts[g0:g1]
         g = _grouped(flat[g0 * group_size : g1 * group_size].float(), group_size)
         s = scales[g0:g1]
         _scales_(g, bits, symmetric, s, None if symmetric else zeros[g0:g1])
         safe = torch.where(s > 0, s, 1.0).unsqueeze(1)
         if symmetric:
-            v = _round_(torch.div(g, safe), rounding, seed, g0).clamp_(-qmax, qmax).add_(qmax + 1)
+            v = _round_(torch.div(g, safe), rounding, seed, g0, sh).clamp_(-qmax, qmax).add_(qmax + 1)
         else:
-            v = _round_(torch.div(g - zeros[g0:g1].unsqueeze(1), safe), rounding, seed, g0).clamp_(0, 2**bits - 1)
+            v = torch.div(g - zeros[g0:g1].unsqueeze(1), safe)
+            v = _round_(v, rounding, seed, g0, sh).clamp_(0, 2**bits - 1)
         codes[g0:g1].copy_(v)
     return pack_codes(codes.view(-1)[:n], bits), scales, zeros
 
