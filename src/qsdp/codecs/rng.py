@@ -84,8 +84,16 @@ def _xorshift_(x: torch.Tensor, shift: int, tmp: torch.Tensor) -> None:
     x.bitwise_xor_(tmp)
 
 
-def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> None:
+def _mix32_head_(x: torch.Tensor, tmp: torch.Tensor) -> None:
+    """lowbias32 in place, all but its closing ``x ^= x >> 16``."""
     _xorshift_(x, 16, tmp)
+    x.mul_(_s32(_M1))
+    _xorshift_(x, 15, tmp)
+    x.mul_(_s32(_M2))
+
+
+def _mix32_tail_(x: torch.Tensor, tmp: torch.Tensor) -> None:
+    """lowbias32 in place, all but its opening ``x ^= x >> 16``."""
     x.mul_(_s32(_M1))
     _xorshift_(x, 15, tmp)
     x.mul_(_s32(_M2))
@@ -105,9 +113,12 @@ def _uniform_bits(start: int, key: int, ramp: torch.Tensor, x: torch.Tensor, tmp
     slice of :func:`_golden_ramp`), written into the int32 buffer ``x`` (returned) as values in
     [0, 2**24); ``tmp`` is scratch of the same size."""
     torch.add(ramp, _s32(start * _GOLDEN + key), out=x)
-    _mix32_(x, tmp)
-    x.bitwise_xor_(_s32(key))
-    _mix32_(x, tmp)
+    # mix(mix(a) ^ key) with the first mix's closing xorshift and the second's opening one
+    # cancelled: y ^ (y >> 16) ^ key, shifted and xor-ed again, is y ^ key ^ (key >> 16)
+    # (a 32-bit word shifted right by 32 is 0). Same bits, six passes fewer.
+    _mix32_head_(x, tmp)
+    x.bitwise_xor_(_s32(key ^ (key >> 16)))
+    _mix32_tail_(x, tmp)
     x.bitwise_right_shift_(8)
     return x.bitwise_and_(0xFFFFFF)
 
