@@ -47,7 +47,7 @@ def test_the_result_says_what_produced_it(saved):
     meta = result["meta"]
     assert meta["command"].startswith("qsdp bench codecs --device cpu")
     assert meta["torch"] == torch.__version__ and meta["date"] and meta["device"].startswith("CPU")
-    assert result["threads"] == 1 and "minimum of 1 runs" in result["timing"]
+    assert result["threads"] == 1 and "minimum of 1 rounds" in result["timing"]
 
 
 def test_the_callers_thread_count_is_restored(saved):

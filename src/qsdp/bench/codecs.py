@@ -4,9 +4,8 @@ Each step is run through the codec API exactly as the collectives run it (``quan
 ``RowCodec``'s encode, weight difference, decode-and-accumulate, dequantize-sum-requantize and
 replica update; the workloads of :mod:`qsdp.bench.kernels`). On CPU it is the torch reference on
 one thread (``torch.set_num_threads(1)``): nanoseconds per element and GB/s of the bytes the step
-must read and write, beside a plain copy of the same number of bytes timed in the same loop
-(interleaved, so both see the same machine load; the thread's CPU time, minimum of the
-repeats). On CUDA the same steps run the fused Triton kernels, timed with CUDA events (median of
+must read and write, beside a plain copy of the same number of bytes timed right after it (the
+thread's CPU time, minimum over rounds that each run every step once). On CUDA the same steps run the fused Triton kernels, timed with CUDA events (median of
 the repeats).
 
 The three rounding rows answer one question: what the random bits of stochastic and shift
@@ -64,42 +63,49 @@ def workload(name: str, n: int, device: str) -> tuple[Callable[[], Any], int, st
     return w.fused, w.nbytes, WORKLOADS[name]
 
 
-def _time_cpu(step: Callable[[], Any], copy: Callable[[], Any], repeats: int) -> tuple[float, float]:
-    """Minimum seconds of ``step`` and of ``copy`` over ``repeats`` interleaved runs (one warm-up),
-    in this thread's CPU time: time the thread spends descheduled (other processes on a shared
-    machine) does not count, which makes the minimum stable where wall-clock time is not."""
-    step()
-    copy()
-    best_step = best_copy = float("inf")
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        step()
-        t1 = time.thread_time()
-        copy()
-        t2 = time.thread_time()
-        best_step, best_copy = min(best_step, t1 - t0), min(best_copy, t2 - t1)
-    return best_step, best_copy
+def _thread_seconds(fn: Callable[[], Any]) -> float:
+    t0 = time.thread_time()
+    fn()
+    return time.thread_time() - t0
 
 
-def _time_cuda(step: Callable[[], Any], copy: Callable[[], Any], repeats: int) -> tuple[float, float]:
+def _time_cpu(calls: list[tuple[Callable[[], Any], Callable[[], Any]]], repeats: int) -> list[tuple[float, float]]:
+    """Minimum seconds of every ``(step, copy)`` pair over ``repeats`` rounds, each round running
+    every step once followed by its copy (after one warm-up round). Rounds rather than one step
+    at a time, so that a burst of load from other processes hits every step alike; this
+    thread's CPU time, so that time spent descheduled does not count."""
+    best = [[float("inf"), float("inf")] for _ in calls]
+    for r in range(repeats + 1):
+        for i, (step, copy) in enumerate(calls):
+            t_step, t_copy = _thread_seconds(step), _thread_seconds(copy)
+            if r:
+                best[i] = [min(best[i][0], t_step), min(best[i][1], t_copy)]
+    return [(a, b) for a, b in best]
+
+
+def _time_cuda(calls: list[tuple[Callable[[], Any], Callable[[], Any]]], repeats: int) -> list[tuple[float, float]]:
+    """Median seconds of every ``(step, copy)`` pair (CUDA events, CUDA graphs where they work)."""
     from .kernels import time_call
 
-    return time_call(step, warmup=3, repeats=repeats)[0], time_call(copy, warmup=3, repeats=repeats)[0]
+    return [(time_call(step, warmup=3, repeats=repeats)[0], time_call(copy, warmup=3, repeats=repeats)[0])
+            for step, copy in calls]
 
 
-def measure_step(name: str, n: int, device: str, repeats: int) -> dict[str, Any]:
+def _row(what: str, n: int, nbytes: int, t_step: float, t_copy: float) -> dict[str, Any]:
     """One row of the table: time, ns per element, GB/s, and the copy of the same bytes."""
-    import torch
-
-    step, nbytes, what = workload(name, n, device)
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    timer = _time_cpu if device == "cpu" else _time_cuda
-    t_step, t_copy = timer(step, lambda: dst.copy_(src), repeats)
-    gbps, copy_gbps = nbytes / t_step / 1e9, 2 * src.numel() / t_copy / 1e9
+    gbps, copy_gbps = nbytes / t_step / 1e9, 2 * (nbytes // 2) / t_copy / 1e9
     return {"workload": what, "n": n, "bytes": nbytes, "time_s": t_step, "ns_per_element": t_step / n * 1e9,
             "gbps": gbps, "copy_gbps": copy_gbps, "fraction_of_copy": gbps / copy_gbps,
             "copy_ns_per_element": t_copy / n * 1e9}
+
+
+def _copy_of(nbytes: int, device: str) -> Callable[[], Any]:
+    """A plain copy of ``nbytes // 2`` bytes into another buffer: ``nbytes`` read plus written."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
 
 
 def measure(n: int, *, device: str = "cpu", steps: tuple[str, ...] = STEPS, repeats: int = 5) -> dict[str, Any]:
@@ -110,9 +116,12 @@ def measure(n: int, *, device: str = "cpu", steps: tuple[str, ...] = STEPS, repe
     if device == "cpu":
         torch.set_num_threads(1)
     try:
-        rows = {name: measure_step(name, n, device, repeats) for name in steps}
+        loads = {name: workload(name, n, device) for name in steps}
+        calls = [(step, _copy_of(nbytes, device)) for step, nbytes, _ in loads.values()]
+        times = (_time_cpu if device == "cpu" else _time_cuda)(calls, repeats)
     finally:
         torch.set_num_threads(threads)
+    rows = {name: _row(what, n, nbytes, *t) for (name, (_, nbytes, what)), t in zip(loads.items(), times)}
     if "quantize_nearest" in rows:
         base = rows["quantize_nearest"]["time_s"]
         for r in ROUNDINGS[1:]:
@@ -190,11 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     if device is None:
         print(reason, file=sys.stderr)
         return 2
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     steps = measure(n, device=device, steps=tuple(args.steps), repeats=args.repeats)
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    timing = (f"minimum of {args.repeats} runs of this thread's CPU time, each run followed by the copy"
-              if device == "cpu" else f"median of {args.repeats} runs, CUDA events")
-    result = {"meta": meta("codecs", argv, _device_name(device), cpu_affinity=affinity),
+    # The machine's load around the run: CPU time excludes time spent descheduled, not the
+    # caches and memory bandwidth that other processes share.
+    load = {"before": load_before, "after": os.getloadavg()} if load_before else None
+    timing = (f"minimum of {args.repeats} rounds (each runs every step once, each step followed by its copy), "
+              "this thread's CPU time" if device == "cpu" else f"median of {args.repeats} runs, CUDA events")
+    result = {"meta": meta("codecs", argv, _device_name(device), cpu_affinity=affinity, load_average=load),
               "n": n, "threads": 1 if device == "cpu" else None, "timing": timing, "steps": steps}
     return emit(result, as_json=args.json, save=args.save, format_text=format_table)
 
