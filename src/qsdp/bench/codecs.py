@@ -5,8 +5,8 @@ Each step is run through the codec API exactly as the collectives run it (``quan
 replica update; the workloads of :mod:`qsdp.bench.kernels`). On CPU it is the torch reference on
 one thread (``torch.set_num_threads(1)``): nanoseconds per element and GB/s of the bytes the step
 must read and write, beside a plain copy of the same number of bytes timed right after it (the
-thread's CPU time, minimum over rounds that each run every step once). On CUDA the same steps run the fused Triton kernels, timed with CUDA events (median of
-the repeats).
+thread's CPU time, minimum over rounds that each run every step once). On CUDA the same steps
+run the fused Triton kernels, timed with CUDA events (median of the repeats).
 
 The three rounding rows answer one question: what the random bits of stochastic and shift
 rounding cost over nearest rounding (``vs_nearest``).
@@ -69,7 +69,10 @@ def _thread_seconds(fn: Callable[[], Any]) -> float:
     return time.thread_time() - t0
 
 
-def _time_cpu(calls: list[tuple[Callable[[], Any], Callable[[], Any]]], repeats: int) -> list[tuple[float, float]]:
+Calls = list[tuple[Callable[[], Any], Callable[[], Any]]]  # (step, copy of the same bytes)
+
+
+def _time_cpu(calls: Calls, repeats: int) -> list[tuple[float, float]]:
     """Minimum seconds of every ``(step, copy)`` pair over ``repeats`` rounds, each round running
     every step once followed by its copy (after one warm-up round). Rounds rather than one step
     at a time, so that a burst of load from other processes hits every step alike; this
@@ -83,7 +86,7 @@ def _time_cpu(calls: list[tuple[Callable[[], Any], Callable[[], Any]]], repeats:
     return [(a, b) for a, b in best]
 
 
-def _time_cuda(calls: list[tuple[Callable[[], Any], Callable[[], Any]]], repeats: int) -> list[tuple[float, float]]:
+def _time_cuda(calls: Calls, repeats: int) -> list[tuple[float, float]]:
     """Median seconds of every ``(step, copy)`` pair (CUDA events, CUDA graphs where they work)."""
     from .kernels import time_call
 
@@ -109,7 +112,8 @@ def _copy_of(nbytes: int, device: str) -> Callable[[], Any]:
 
 
 def measure(n: int, *, device: str = "cpu", steps: tuple[str, ...] = STEPS, repeats: int = 5) -> dict[str, Any]:
-    """Every step on ``n`` elements; on CPU with one thread (the previous count is restored)."""
+    """A row per step on ``n`` elements (see :func:`_row`; the random roundings also get
+    ``vs_nearest``); on CPU with one thread (the caller's thread count is restored)."""
     import torch
 
     threads = torch.get_num_threads()

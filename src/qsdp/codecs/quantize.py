@@ -160,7 +160,9 @@ def _group_chunks(n: int, group_size: int, device: torch.device) -> list[tuple[i
     return [(g0, min(groups, g0 + step)) for g0 in range(0, groups, step)]
 
 
-def _round_(v: torch.Tensor, rounding: str, seed: int, first_group: int, shifts: torch.Tensor | None) -> torch.Tensor:
+def _round_(
+    v: torch.Tensor, rounding: str, seed: int, first_group: int, shifts: torch.Tensor | None
+) -> torch.Tensor:
     """Round the contiguous fp32 grid coordinates ``v`` (``[groups, group_size]``, the groups
     from ``first_group`` on) in place; ``shifts``: these groups' random shifts (``shift`` only)."""
     if rounding == "nearest":
@@ -234,7 +236,9 @@ def quantize(
     return QTensor(codes, scales, zeros, x.shape, x.dtype, bits, group_size, symmetric)
 
 
-def _scales_(g: torch.Tensor, bits: int, symmetric: bool, scales: torch.Tensor, zeros: torch.Tensor | None) -> None:
+def _scales_(
+    g: torch.Tensor, bits: int, symmetric: bool, scales: torch.Tensor, zeros: torch.Tensor | None
+) -> None:
     """The fp32 ``[groups, group_size]`` chunk ``g``'s scales (and zero points), written into
     ``scales`` (``zeros``).
 
