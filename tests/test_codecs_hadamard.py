@@ -84,6 +84,17 @@ def test_trailing_partial_block_is_left_unchanged(block):
     assert not torch.allclose(y[: 3 * block], x[: 3 * block])
 
 
+@pytest.mark.parametrize("block", [2, 32, 1 << 16])
+def test_a_long_tensor_is_transformed_block_by_block(block):
+    """Blocks are independent: a tensor far longer than the transform's working pieces (with a
+    partial tail) gives, bit for bit, what its block-aligned halves give on their own."""
+    x = torch.randn(3 * (1 << 16) + 5, generator=torch.Generator().manual_seed(4))
+    cut = (x.numel() // 2) // block * block
+    for f in (hadamard, inverse_hadamard):
+        halves = torch.cat([f(x[:cut], block=block), f(x[cut:], block=block)])
+        assert torch.equal(f(x, block=block), halves)
+
+
 def test_tensor_shorter_than_a_block_is_left_unchanged():
     x = torch.randn(31)
     assert torch.equal(hadamard(x, block=32), x)

@@ -608,3 +608,47 @@ def test_property_quantize_is_deterministic_given_the_seed(
     kw = dict(bits=bits, group_size=group_size, symmetric=symmetric, rounding=rounding, seed=seed)
     a, b = quantize(x, **kw), quantize(x.clone(), **kw)
     assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+
+
+# ------------------------------------------------------------------------------ long tensors
+
+
+def plain_codes(x: torch.Tensor, *, bits, group_size, symmetric, rounding, seed) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantizer's definition written out on the whole tensor at once (no chunks): unpacked
+    codes of the ``x.numel()`` elements and the scales."""
+    n = x.numel()
+    g = torch.cat([x, x[-1:].expand((-n) % group_size)]).view(-1, group_size)
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scales = g.abs().amax(dim=1) / torch.tensor(float(qmax))
+        v, lo, hi, offset = g / torch.where(scales > 0, scales, 1.0)[:, None], -qmax, qmax, qmax + 1
+    else:
+        zeros = g.amin(dim=1) + 0.0
+        scales = (g.amax(dim=1) + 0.0 - zeros) / torch.tensor(float(2**bits - 1))
+        v, lo, hi, offset = (g - zeros[:, None]) / torch.where(scales > 0, scales, 1.0)[:, None], 0, 2**bits - 1, 0
+    if rounding == "nearest":
+        r = torch.round(v)
+    elif rounding == "stochastic":
+        r = torch.floor(v + rng.uniform(seed, v.numel(), stream=rng.STREAM_ELEMENT).view_as(v))
+    else:
+        r = torch.floor(v + rng.uniform(seed, v.shape[0], stream=rng.STREAM_GROUP)[:, None])
+    return (r.clamp(lo, hi) + offset).reshape(-1)[:n].to(torch.uint8), scales
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("symmetric", (True, False), ids=("sym", "minmax"))
+@pytest.mark.parametrize("n, group_size", [(300_003, 128), (300_000, 100_000), (300_001, 3)], ids=str)
+def test_long_tensors_are_quantized_as_one_piece(rounding, symmetric, n, group_size):
+    """The reference works through the tensor in cache-sized pieces; the result is the
+    quantizer's definition applied to the whole tensor (pieces of many groups, groups larger than
+    a piece, a partial last group)."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(21)) * 3
+    kw = dict(bits=4, group_size=group_size, symmetric=symmetric, rounding=rounding, seed=8)
+    q = quantize(x, **kw)
+    codes, scales = plain_codes(x, **kw)
+    assert torch.equal(codes_of(q), codes) and torch.equal(q.scales, scales)
+    if symmetric:
+        expected = (codes.float() - 8) * element_scales(q)
+    else:
+        expected = codes.float() * element_scales(q) + element_zeros(q)
+    assert torch.equal(dequantize(q), expected)

@@ -54,6 +54,7 @@ BENCHMARKS = {
     "simulate": "qsdp.bench.simulate",
     "cluster": "qsdp.bench.cluster",
     "kernels": "qsdp.bench.kernels",
+    "codecs": "qsdp.bench.codecs",
     "convergence": "qsdp.bench.convergence",
     "soak": "qsdp.bench.soak",
 }

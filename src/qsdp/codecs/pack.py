@@ -49,5 +49,5 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         return packed[:numel]
     mask = (1 << bits) - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(1) >> shifts) & mask
-    return codes.reshape(-1)[:numel]
+    codes = packed.unsqueeze(1) >> shifts
+    return codes.bitwise_and_(mask).view(-1)[:numel]

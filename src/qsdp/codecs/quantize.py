@@ -33,9 +33,6 @@ from .pack import SUPPORTED_BITS, pack_codes, packed_nbytes, unpack_codes
 ROUNDINGS = ("nearest", "stochastic", "shift")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPE = torch.float32
-# Streams of the counter-based generator, so that per-element and per-group draws never coincide.
-_STREAM_ELEMENT = 1
-_STREAM_GROUP = 2
 
 
 def check_scheme(*, bits: int, group_size: int, rounding: str) -> None:
@@ -139,6 +136,12 @@ def count_nonfinite(x: torch.Tensor) -> int:
     return int((~torch.isfinite(x)).sum().item())
 
 
+# Elements a CPU chunk of the reference holds: its fp32 working copy (512 KiB) stays in a 1 MiB
+# L2, so each of the chunk's passes costs a fraction of a nanosecond per element, while the
+# chunk is still large enough that the per-operation overhead of torch does not dominate.
+_CHUNK = 1 << 17
+
+
 def _grouped(flat: torch.Tensor, group_size: int) -> torch.Tensor:
     """``[n_groups, group_size]`` view of ``flat``; a partial last group is filled with copies of
     its last element, which changes neither its min, max nor absmax."""
@@ -149,16 +152,33 @@ def _grouped(flat: torch.Tensor, group_size: int) -> torch.Tensor:
     return flat.view(-1, group_size)
 
 
-def _round(v: torch.Tensor, rounding: str, seed: int | None) -> torch.Tensor:
+def _group_chunks(n: int, group_size: int, device: torch.device) -> list[tuple[int, int]]:
+    """``(first group, end group)`` of consecutive whole groups covering ``n`` elements: about
+    :data:`_CHUNK` elements each on CPU, everything at once on other devices."""
+    groups = -(-n // group_size)
+    step = max(1, _CHUNK // group_size) if device.type == "cpu" else max(groups, 1)
+    return [(g0, min(groups, g0 + step)) for g0 in range(0, groups, step)]
+
+
+def _round_(
+    v: torch.Tensor, rounding: str, seed: int, first_group: int, shifts: torch.Tensor | None
+) -> torch.Tensor:
+    """Round the contiguous fp32 grid coordinates ``v`` (``[groups, group_size]``, the groups
+    from ``first_group`` on) in place; ``shifts``: these groups' random shifts (``shift`` only)."""
     if rounding == "nearest":
-        return torch.round(v)
-    if seed is None:
-        seed = rng.fresh_seed()
+        return v.round_()
     if rounding == "stochastic":
-        u = rng.uniform(seed, v.numel(), stream=_STREAM_ELEMENT, device=v.device).view_as(v)
+        rng.add_uniform_(v, seed, offset=first_group * v.shape[1], stream=rng.STREAM_ELEMENT)
     else:  # shift: one offset per group
-        u = rng.uniform(seed, v.shape[0], stream=_STREAM_GROUP, device=v.device).unsqueeze(1)
-    return torch.floor(v + u)
+        v.add_(shifts.unsqueeze(1))
+    return v.floor_()
+
+
+def _all_finite(scales: torch.Tensor, zeros: torch.Tensor | None) -> bool:
+    ok = torch.isfinite(scales).all()
+    if zeros is not None:
+        ok &= torch.isfinite(zeros).all()
+    return bool(ok)
 
 
 def quantize(
@@ -189,10 +209,6 @@ def quantize(
         raise ValueError(f"dtype={x.dtype} is not supported; allowed: float32, bfloat16, float16")
     flat = x.detach().reshape(-1)
     n = flat.numel()
-    if check_finite and n:
-        bad = count_nonfinite(flat)
-        if bad:
-            raise ValueError(f"quantize: input has {bad} non-finite values (NaN or Inf) out of {n}")
     if n == 0:
         empty = torch.empty(0, dtype=SCALE_DTYPE, device=x.device)
         return QTensor(
@@ -202,41 +218,73 @@ def quantize(
     if rounding != "nearest" and seed is None:
         seed = rng.fresh_seed()
     kw = dict(bits=bits, group_size=group_size, symmetric=symmetric, rounding=rounding, seed=seed)
+    codes = None
     if use_triton(flat):
         from . import triton_kernels
 
         if triton_kernels.supports(bits=bits, group_size=group_size):
             codes, scales, zeros = triton_kernels.quantize_flat(flat, **kw)
-            return QTensor(codes, scales, zeros, x.shape, x.dtype, bits, group_size, symmetric)
-    codes, scales, zeros = quantize_reference(flat, **kw)
+    if codes is None:
+        codes, scales, zeros = quantize_reference(flat, **kw)
+    # A non-finite input always gives a non-finite scale or zero point, so the (small) scales
+    # are checked rather than every element; the elements are counted only for the message
+    # (a finite input whose range overflows fp32 also gives an infinite scale, and passes).
+    if check_finite and not _all_finite(scales, zeros):
+        bad = count_nonfinite(flat)
+        if bad:
+            raise ValueError(f"quantize: input has {bad} non-finite values (NaN or Inf) out of {n}")
     return QTensor(codes, scales, zeros, x.shape, x.dtype, bits, group_size, symmetric)
+
+
+def _scales_(
+    g: torch.Tensor, bits: int, symmetric: bool, scales: torch.Tensor, zeros: torch.Tensor | None
+) -> None:
+    """The fp32 ``[groups, group_size]`` chunk ``g``'s scales (and zero points), written into
+    ``scales`` (``zeros``).
+
+    Exactness notes (the fused kernels reproduce this bit for bit, on every device): the divisor
+    is a tensor on the data's device, because CUDA turns a division by a Python scalar into a
+    multiplication by its reciprocal; ``+ 0.0`` makes a zero minimum or maximum +0.0, since which
+    signed zero amin/amax return depends on the reduction order."""
+    if symmetric:
+        amax = g.abs().amax(dim=1)
+        torch.div(amax, amax.new_full((), 2 ** (bits - 1) - 1), out=scales)
+    else:
+        torch.add(g.amin(dim=1), 0.0, out=zeros)
+        torch.div(g.amax(dim=1) + 0.0 - zeros, zeros.new_full((), 2**bits - 1), out=scales)
 
 
 def quantize_reference(
     flat: torch.Tensor, *, bits: int, group_size: int, symmetric: bool, rounding: str, seed: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The torch reference of :func:`quantize` (the oracle of the fused kernels) on a flat,
-    non-empty, finite-or-not tensor, without checks or dispatch: ``(codes, scales, zeros)``."""
-    n = flat.numel()
-    g = _grouped(flat.float(), group_size)
-    # Exactness notes (the fused kernels reproduce this function bit for bit, on every device):
-    # the divisor of the scales is a tensor on the data's device, because CUDA turns a division
-    # by a Python scalar into a multiplication by its reciprocal; ``+ 0.0`` makes a zero minimum
-    # or maximum +0.0, since which signed zero amin/amax return depends on the reduction order.
-    if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        amax = g.abs().amax(dim=1)
-        scales = amax / amax.new_full((), qmax)
-        zeros = None
-        v = g / torch.where(scales > 0, scales, 1.0).unsqueeze(1)
-        q = _round(v, rounding, seed).clamp_(-qmax, qmax) + 2 ** (bits - 1)
-    else:
-        levels = 2**bits - 1
-        zeros = g.amin(dim=1) + 0.0
-        scales = (g.amax(dim=1) + 0.0 - zeros) / zeros.new_full((), levels)
-        v = (g - zeros.unsqueeze(1)) / torch.where(scales > 0, scales, 1.0).unsqueeze(1)
-        q = _round(v, rounding, seed).clamp_(0, levels)
-    return pack_codes(q.reshape(-1)[:n].to(torch.uint8), bits), scales, zeros
+    non-empty, finite-or-not tensor, without checks or dispatch: ``(codes, scales, zeros)``.
+
+    On CPU it runs over cache-sized chunks of whole groups: no full-size float temporary, only
+    the unpacked uint8 codes (one byte per element) before packing."""
+    if rounding != "nearest" and seed is None:
+        seed = rng.fresh_seed()
+    n, dev = flat.numel(), flat.device
+    groups = -(-n // group_size)
+    scales = torch.empty(groups, dtype=SCALE_DTYPE, device=dev)
+    zeros = None if symmetric else torch.empty(groups, dtype=SCALE_DTYPE, device=dev)
+    codes = torch.empty(groups, group_size, dtype=torch.uint8, device=dev)
+    qmax = 2 ** (bits - 1) - 1
+    # Drawn once for all groups: per chunk, the generator's fixed cost would dominate.
+    shifts = rng.uniform(seed, groups, stream=rng.STREAM_GROUP, device=dev) if rounding == "shift" else None
+    for g0, g1 in _group_chunks(n, group_size, dev):
+        sh = None if shifts is None else shifts[g0:g1]
+        g = _grouped(flat[g0 * group_size : g1 * group_size].float(), group_size)
+        s = scales[g0:g1]
+        _scales_(g, bits, symmetric, s, None if symmetric else zeros[g0:g1])
+        safe = torch.where(s > 0, s, 1.0).unsqueeze(1)
+        if symmetric:
+            v = _round_(torch.div(g, safe), rounding, seed, g0, sh).clamp_(-qmax, qmax).add_(qmax + 1)
+        else:
+            v = torch.div(g - zeros[g0:g1].unsqueeze(1), safe)
+            v = _round_(v, rounding, seed, g0, sh).clamp_(0, 2**bits - 1)
+        codes[g0:g1].copy_(v)
+    return pack_codes(codes.view(-1)[:n], bits), scales, zeros
 
 
 def dequantize(q: QTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -253,12 +301,18 @@ def dequantize(q: QTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tenso
 
 
 def dequantize_reference(q: QTensor) -> torch.Tensor:
-    """The torch reference of :func:`dequantize` (non-empty ``q``): flat float32 values."""
-    n = q.numel
-    codes = unpack_codes(q.codes, q.bits, n).to(torch.float32)
-    g = _grouped(codes, q.group_size)
-    if q.symmetric:
-        vals = (g - 2 ** (q.bits - 1)) * q.scales.unsqueeze(1)
-    else:
-        vals = g * q.scales.unsqueeze(1) + q.zeros.unsqueeze(1)
-    return vals.reshape(-1)[:n]
+    """The torch reference of :func:`dequantize` (non-empty ``q``): flat float32 values, computed
+    in place over cache-sized chunks of whole groups (the output is the only float tensor)."""
+    n, gs = q.numel, q.group_size
+    codes = unpack_codes(q.codes, q.bits, n)
+    vals = torch.empty(q.n_groups, gs, dtype=torch.float32, device=codes.device)
+    flat = vals.view(-1)
+    flat[n:].zero_()  # the padding of a partial last group: never returned, but finite
+    for g0, g1 in _group_chunks(n, gs, codes.device):
+        flat[g0 * gs : min(g1 * gs, n)].copy_(codes[g0 * gs : g1 * gs])
+        g, s = vals[g0:g1], q.scales[g0:g1].unsqueeze(1)
+        if q.symmetric:
+            g.sub_(2 ** (q.bits - 1)).mul_(s)
+        else:
+            g.mul_(s).add_(q.zeros[g0:g1].unsqueeze(1))
+    return flat[:n]

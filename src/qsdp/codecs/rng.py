@@ -1,54 +1,66 @@
-"""Counter-based random numbers: a pure function of (seed, index).
+"""Counter-based random numbers: a pure function of (seed, stream, index).
 
 Stochastic rounding must give the same bits on every rank, in the forward and the backward
 gather of one step, and in a GPU kernel that reproduces the CPU reference exactly. A global
 generator that advances cannot promise any of that; a hash of the element's index can.
 
-The hash works on 32-bit words held in int64 tensors (so every product fits without overflow)
-and is written with operations a Triton kernel has too: multiply, xor, shift, mask.
+The hash of index ``i`` under the 32-bit key ``k = seed_key(seed, stream)`` is
+``mix(mix(i * 0x9E3779B1 + k) ^ k)`` with ``mix`` the lowbias32 finalizer, all in wrapping
+uint32 arithmetic; its top 24 bits are the uniform number. Keys and seeds are folded on the host
+with plain Python integers. The tensors do the same arithmetic in int32 (products wrap modulo
+2**32 exactly as uint32 ones; a logical right shift is an arithmetic one plus a mask), in place,
+over chunks small enough to stay in the CPU's cache: each of the hash's ~20 passes then costs
+about a tenth of a nanosecond per element, and no full-size integer tensor is ever allocated.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B1
+_M1 = 0x7FEB352D
+_M2 = 0x846CA68B
+# Streams of the generator, so that per-element and per-group draws never coincide (used by the
+# torch reference and the Triton kernels alike).
+STREAM_ELEMENT = 1
+STREAM_GROUP = 2
+# Elements per CPU chunk: three int32/fp32 buffers of 256 KiB stay in L2.
+_CHUNK = 1 << 16
+_INV24 = 1.0 / (1 << 24)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche finalizer (lowbias32 constants) on int64 tensors holding uint32 values."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    x = x ^ (x >> 16)
-    return x
+def _s32(v: int) -> int:
+    """The int32 whose bits are ``v mod 2**32`` (what an int32 tensor op must be given)."""
+    v &= _MASK32
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def _mix32_int(x: int) -> int:
+    """lowbias32 on a Python int in [0, 2**32)."""
+    x ^= x >> 16
+    x = (x * _M1) & _MASK32
+    x ^= x >> 15
+    x = (x * _M2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def hash32(index: int, key: int) -> int:
+    """The 32-bit hash of one index under one key, in Python integers (the specification that
+    the tensor code and the kernels reproduce)."""
+    x = _mix32_int((index * _GOLDEN + key) & _MASK32)
+    return _mix32_int(x ^ key)
 
 
 def seed_key(seed: int, stream: int = 0) -> int:
     """Fold an arbitrary Python int seed and a stream number into one 32-bit key."""
-    s = torch.tensor([(seed & _MASK32) ^ ((stream * 0x9E3779B9) & _MASK32)], dtype=torch.int64)
+    s = (seed & _MASK32) ^ ((stream * 0x9E3779B9) & _MASK32)
     # The high word goes in after a round of mixing: xor-ing both words together first made
     # seeds ``a + (b << 32)`` and ``b + (a << 32)`` (e.g. 1 and 2**32) collide. Unchanged for
     # seeds in [0, 2**32).
-    return int(_mix32(_mix32(s) ^ ((seed >> 32) & _MASK32))[0])
-
-
-def uniform(
-    seed: int, n: int, *, offset: int = 0, stream: int = 0, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """``n`` floats in [0, 1) (float32, multiples of 2**-24), element ``i`` a function of
-    ``(seed, stream, offset + i)`` alone."""
-    key = seed_key(seed, stream)
-    idx = torch.arange(offset, offset + n, dtype=torch.int64, device=device) & _MASK32
-    x = _mix32((idx * 0x9E3779B1 + key) & _MASK32)
-    x = _mix32(x ^ key)
-    return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
-
-
-def fresh_seed() -> int:
-    """A seed drawn from torch's global generator, for callers that did not pass one."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+    return _mix32_int(_mix32_int(s) ^ ((seed >> 32) & _MASK32))
 
 
 def derive_seed(*parts: int) -> int:
@@ -58,3 +70,94 @@ def derive_seed(*parts: int) -> int:
     for p in parts:
         key = seed_key(int(p) ^ key, stream=len(str(p)))
     return key
+
+
+def fresh_seed() -> int:
+    """A seed drawn from torch's global generator, for callers that did not pass one."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def _xorshift_(x: torch.Tensor, shift: int, tmp: torch.Tensor) -> None:
+    """``x ^= x >> shift`` with a logical shift of the int32 bits (``tmp``: scratch of x's size)."""
+    torch.bitwise_right_shift(x, shift, out=tmp)
+    tmp.bitwise_and_((1 << (32 - shift)) - 1)
+    x.bitwise_xor_(tmp)
+
+
+def _mix32_head_(x: torch.Tensor, tmp: torch.Tensor) -> None:
+    """lowbias32 in place, all but its closing ``x ^= x >> 16``."""
+    _xorshift_(x, 16, tmp)
+    x.mul_(_s32(_M1))
+    _xorshift_(x, 15, tmp)
+    x.mul_(_s32(_M2))
+
+
+def _mix32_tail_(x: torch.Tensor, tmp: torch.Tensor) -> None:
+    """lowbias32 in place, all but its opening ``x ^= x >> 16``."""
+    x.mul_(_s32(_M1))
+    _xorshift_(x, 15, tmp)
+    x.mul_(_s32(_M2))
+    _xorshift_(x, 16, tmp)
+
+
+def _golden_ramp(n: int, device: torch.device) -> torch.Tensor:
+    """``i * 0x9E3779B1 mod 2**32`` for ``i < n``, as int32 (the per-index term of the hash)."""
+    return torch.arange(n, dtype=torch.int32, device=device).mul_(_s32(_GOLDEN))
+
+
+_cpu_ramp = functools.lru_cache(maxsize=1)(lambda: _golden_ramp(_CHUNK, torch.device("cpu")))
+
+
+def _uniform_bits(
+    start: int, key: int, ramp: torch.Tensor, x: torch.Tensor, tmp: torch.Tensor
+) -> torch.Tensor:
+    """The hash's top 24 bits for indices ``start + j`` (``j < x.numel()``; ``ramp`` the matching
+    slice of :func:`_golden_ramp`), written into the int32 buffer ``x`` (returned) as values in
+    [0, 2**24); ``tmp`` is scratch of the same size."""
+    torch.add(ramp, _s32(start * _GOLDEN + key), out=x)
+    # mix(mix(a) ^ key) with the first mix's closing xorshift and the second's opening one
+    # cancelled: y ^ (y >> 16) ^ key, shifted and xor-ed again, is y ^ key ^ (key >> 16)
+    # (a 32-bit word shifted right by 32 is 0). Same bits, six passes fewer.
+    _mix32_head_(x, tmp)
+    x.bitwise_xor_(_s32(key ^ (key >> 16)))
+    _mix32_tail_(x, tmp)
+    x.bitwise_right_shift_(8)
+    return x.bitwise_and_(0xFFFFFF)
+
+
+def _chunks(n: int, device: torch.device) -> list[tuple]:
+    """(begin, end, ramp, int32 buffer, int32 scratch, fp32 buffer) over ``[0, n)``: cache-sized
+    chunks on CPU, the whole range at once elsewhere (a GPU gains nothing from chunking)."""
+    cpu = device.type == "cpu"
+    size = min(n, _CHUNK) if cpu else n
+    ramp = _cpu_ramp() if cpu else _golden_ramp(n, device)
+    x = torch.empty(size, dtype=torch.int32, device=device)
+    tmp, f = torch.empty_like(x), torch.empty(size, dtype=torch.float32, device=device)
+    bounds = [(b, min(n, b + size)) for b in range(0, n, max(size, 1))]
+    return [(b, e, ramp[: e - b], x[: e - b], tmp[: e - b], f[: e - b]) for b, e in bounds]
+
+
+def add_uniform_(v: torch.Tensor, seed: int, *, offset: int = 0, stream: int = 0) -> torch.Tensor:
+    """``v += uniform(seed, v.numel(), offset=offset, stream=stream)`` in place, for a contiguous
+    float32 ``v`` of any shape, without a full-size temporary; returns ``v``."""
+    if v.dtype != torch.float32 or not v.is_contiguous():
+        raise ValueError(f"add_uniform_ needs a contiguous float32 tensor, got {v.dtype}")
+    key = seed_key(seed, stream)
+    flat = v.view(-1)
+    for b, e, ramp, x, tmp, f in _chunks(flat.numel(), v.device):
+        f.copy_(_uniform_bits(offset + b, key, ramp, x, tmp))
+        # The product with 2**-24 is exact, so this is ``v + u`` rounded once, FMA or not.
+        flat[b:e].add_(f, alpha=_INV24)
+    return v
+
+
+def uniform(
+    seed: int, n: int, *, offset: int = 0, stream: int = 0, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """``n`` floats in [0, 1) (float32, multiples of 2**-24), element ``i`` a function of
+    ``(seed, stream, offset + i)`` alone: the top 24 bits of :func:`hash32` times 2**-24."""
+    key = seed_key(seed, stream)
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    for b, e, ramp, x, tmp, _ in _chunks(n, out.device):
+        out[b:e].copy_(_uniform_bits(offset + b, key, ramp, x, tmp)).mul_(_INV24)
+    return out

@@ -50,9 +50,6 @@ from .pack import SUPPORTED_BITS, packed_nbytes
 MAX_TILE = 4096
 # Elements per program for small groups (GPP = TILE // BG groups per program).
 TILE = 4096
-# The streams of qsdp.codecs.quantize (per-element and per-group random numbers).
-_STREAM_ELEMENT = 1
-_STREAM_GROUP = 2
 _ROUNDING = {"nearest": 0, "stochastic": 1, "shift": 2}
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Passed to every launch: no FMA contraction (the reference rounds every product).
@@ -468,7 +465,7 @@ def _rounding_key(seed: int | None, rounding: str) -> int:
     """The host-side hash key of the rounding's random stream (the reference's ``seed_key``)."""
     if rounding == "nearest":
         return 0
-    return rng.seed_key(seed, _STREAM_GROUP if rounding == "shift" else _STREAM_ELEMENT)
+    return rng.seed_key(seed, rng.STREAM_GROUP if rounding == "shift" else rng.STREAM_ELEMENT)
 
 
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:

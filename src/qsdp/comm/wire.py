@@ -91,14 +91,13 @@ class RowCodec:
             xp, bits=self.bits, group_size=self.group_size, symmetric=self.symmetric,
             rounding=self.rounding, seed=seed, check_finite=False,
         )
-        parts = [q.scales.view(rows, -1).view(torch.uint8)]
-        if q.zeros is not None:
-            parts.append(q.zeros.view(rows, -1).view(torch.uint8))
-        parts.append(q.codes.view(rows, -1))
-        out = torch.cat(parts, dim=1)
-        width = self.row_nbytes(length)
-        if out.shape[1] < width:
-            out = torch.cat([out, out.new_zeros(rows, width - out.shape[1])], dim=1)
+        out = self._alloc(rows, lp, x.device)
+        col = 0
+        for part in (q.scales, q.zeros, q.codes):
+            if part is not None:
+                part = part.view(rows, -1).view(torch.uint8)
+                out[:, col : col + part.shape[1]] = part
+                col += part.shape[1]
         return out
 
     def decode(self, buf: torch.Tensor, length: int, *, keep_padding: bool = False) -> torch.Tensor:
@@ -140,7 +139,8 @@ class RowCodec:
         """``encode(x.float() - base.float())`` (the weight difference), in one pass on CUDA."""
         if self._fused(x) and base.shape == x.shape and x.dtype in _OUT_DTYPES and base.dtype in _OUT_DTYPES:
             return self._encode_fused(x, base, seed=seed, transformed=False)
-        return self.encode(x.float() - base.float(), seed=seed)
+        # copy=True: the difference is taken in place and must never alias the caller's x.
+        return self.encode(x.to(torch.float32, copy=True).sub_(base), seed=seed)
 
     def decode_into(self, buf: torch.Tensor, length: int, out: torch.Tensor, *, add: bool = False) -> torch.Tensor:
         """``out[:] = decode(buf, length)`` cast to ``out.dtype``, or with ``add``,
@@ -150,8 +150,8 @@ class RowCodec:
             self._decode_fused(buf, self.padded_len(length), out, add=add)
             return out
         values = self.decode(buf, length)
-        if add:
-            values = out.float() + values
+        if add:  # out + values in fp32; in place unless values may be a view of buf (exact codec)
+            values = out.float() + values if self.exact else values.add_(out)
         out.copy_(values)
         return out
 

@@ -1,0 +1,85 @@
+"""What the reference codec steps allocate: no full-size int64 tensor anywhere on the encode and
+decode paths, and no full-size float temporary inside ``quantize``.
+
+Every tensor an aten operation returns is observed through a ``TorchDispatchMode`` (the
+operations run unchanged); a storage not seen before is an allocation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from qsdp.codecs import dequantize, quantize
+from qsdp.comm.wire import RowCodec
+
+N = 1 << 20  # elements: several CPU chunks
+SMALL = N  # bytes: an eighth of a full-size int64 tensor, a quarter of a float32 one
+
+
+class Allocations(TorchDispatchMode):
+    """Records ``(op, dtype, bytes)`` of every new storage an operation returns."""
+
+    def __init__(self, *known: torch.Tensor):
+        super().__init__()
+        self.seen = {t.untyped_storage().data_ptr() for t in known}
+        self.new: list[tuple[str, torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                self.seen.add(t.untyped_storage().data_ptr())
+                self.new.append((str(func), t.dtype, t.untyped_storage().nbytes()))
+        return out
+
+    def largest(self, *dtypes: torch.dtype) -> int:
+        return max((b for _, d, b in self.new if d in dtypes), default=0)
+
+
+def data(*shape: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic", "shift"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "minmax"])
+def test_quantize_allocates_no_full_size_integer_or_float_temporary(rounding, symmetric):
+    x = data(N)
+    with Allocations(x) as seen:
+        quantize(x, bits=4, group_size=128, symmetric=symmetric, rounding=rounding, seed=1)
+    assert seen.largest(torch.int64, torch.int32) < SMALL, seen.new
+    assert seen.largest(torch.float32, torch.float64) < SMALL, seen.new
+    assert seen.largest(torch.uint8) == N  # the unpacked codes, one byte each, are the largest buffer
+
+
+def test_dequantize_allocates_only_its_output_at_full_size():
+    q = quantize(data(N), bits=4, group_size=128, symmetric=True, rounding="stochastic", seed=1)
+    with Allocations(q.codes, q.scales) as seen:
+        out = dequantize(q)
+    assert seen.largest(torch.int64, torch.int32) < SMALL, seen.new
+    full_floats = [b for _, d, b in seen.new if d == torch.float32 and b >= N]
+    assert full_floats == [out.untyped_storage().nbytes()], seen.new
+
+
+CODEC = RowCodec(bits=4, group_size=128, symmetric=True, rounding="stochastic", hadamard_block=32)
+HOP1 = RowCodec(bits=8, group_size=128, symmetric=True, rounding="stochastic", hadamard_block=32)
+
+
+@pytest.mark.parametrize("step", ["encode", "encode_difference", "decode_sum", "decode_sum_encode", "decode_into"])
+def test_row_codec_steps_allocate_no_full_size_int64(step):
+    rows, length = 8, N // 8
+    x = data(rows, length)
+    base = data(rows, length, dtype=torch.bfloat16)
+    buf = HOP1.encode(x, seed=2)
+    calls = {
+        "encode": lambda: CODEC.encode(x, seed=1),
+        "encode_difference": lambda: CODEC.encode_difference(x.bfloat16(), base, seed=1),
+        "decode_sum": lambda: HOP1.decode_sum(buf, length, finish=True),
+        "decode_sum_encode": lambda: HOP1.decode_sum_encode(buf, length, sources=4, codec=CODEC, seed=3),
+        "decode_into": lambda: HOP1.decode_into(buf, length, base, add=True),
+    }
+    with Allocations(x, base, buf) as seen:
+        calls[step]()
+    assert seen.new and seen.largest(torch.int64) < SMALL, seen.new

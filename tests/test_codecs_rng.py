@@ -1,0 +1,130 @@
+"""The counter-based generator behind stochastic and shift rounding.
+
+What it must be: a pure function of (seed, stream, index) that the tensor code computes exactly
+as the Python-integer specification (:func:`qsdp.codecs.rng.hash32`) across chunk boundaries and
+the 32-bit wrap of the index; and, statistically, uniform with no dependence between neighbouring
+indices, neighbouring seeds or streams. The statistical checks are two-sided chi-square tests
+(too regular fails as well as too uneven) at five standard deviations; each is shown to reject a
+flawed sequence, so they can fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qsdp.codecs import rng
+
+N = 1 << 20
+
+
+def chi_square_z(counts: torch.Tensor) -> float:
+    """Standard score of Pearson's chi-square statistic of ``counts`` against equal expected
+    counts (Wilson-Hilferty: (X/k)^(1/3) is close to normal with k degrees of freedom)."""
+    counts = counts.double().reshape(-1)
+    expected = counts.sum() / counts.numel()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    k = counts.numel() - 1
+    return ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+
+
+def histogram_z(u: torch.Tensor, bins: int = 256) -> float:
+    return chi_square_z(torch.histc(u, bins=bins, min=0, max=1))
+
+
+def pairs_z(a: torch.Tensor, b: torch.Tensor, bins: int = 16) -> float:
+    """Chi-square score of the 2-D histogram of the pairs ``(a[i], b[i])``: uniform over the
+    unit square when a and b are independent uniforms."""
+    cell = (a * bins).long() * bins + (b * bins).long()
+    return chi_square_z(torch.bincount(cell, minlength=bins * bins))
+
+
+def correlation(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.corrcoef(torch.stack([a.double(), b.double()]))[0, 1])
+
+
+def looks_independent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return abs(pairs_z(a, b)) < 5 and abs(correlation(a, b)) < 5 / math.sqrt(a.numel())
+
+
+def weyl(n: int) -> torch.Tensor:
+    """A flawed generator: ``frac(i * golden ratio)``, perfectly even and perfectly predictable."""
+    i = torch.arange(n, dtype=torch.int64)
+    return (((i * 0x9E3779B1) & 0xFFFFFFFF) >> 8).float() / 2**24
+
+
+# ----------------------------------------------------------------------------- the specification
+
+
+@pytest.mark.parametrize("offset", [0, 65_530, 2**32 - 70_000, 5 * 2**32 + 3], ids=str)
+def test_uniform_is_the_top_24_bits_of_the_integer_hash(offset):
+    n = 140_000  # crosses CPU chunk boundaries
+    u = rng.uniform(77, n, offset=offset, stream=3)
+    key = rng.seed_key(77, 3)
+    for i in [0, 1, 65_535, 65_536, 65_537, 131_072, n - 1]:
+        assert u[i].item() == (rng.hash32(offset + i, key) >> 8) / 2**24
+
+
+def test_add_uniform_adds_exactly_the_uniform_numbers():
+    v = torch.randn(3, 70_001, generator=torch.Generator().manual_seed(0))
+    w = rng.add_uniform_(v.clone(), 9, offset=12, stream=1)
+    assert torch.equal(w, v + rng.uniform(9, v.numel(), offset=12, stream=1).view_as(v))
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(8, dtype=torch.float64), torch.zeros(4, 4).t()], ids=["fp64", "strided"])
+def test_add_uniform_rejects_what_it_cannot_update_in_place(bad):
+    with pytest.raises(ValueError, match="contiguous float32"):
+        rng.add_uniform_(bad, 1)
+
+
+def test_seeds_are_plain_python_integers_of_32_bits():
+    for value in (rng.seed_key(2**40 + 5, 2), rng.derive_seed(1, 2, 3, -4)):
+        assert type(value) is int and 0 <= value < 2**32
+
+
+def test_seed_key_separates_the_high_and_low_words():
+    assert rng.seed_key(1) != rng.seed_key(2**32)
+    assert rng.seed_key(1 + (2 << 32)) != rng.seed_key(2 + (1 << 32))
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_the_checks_reject_a_flawed_sequence():
+    u = weyl(N)
+    assert abs(histogram_z(u)) >= 5  # too even to be random
+    assert not looks_independent(u[:-1], u[1:])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2024, 2**31 - 1])
+def test_histogram_is_uniform(seed):
+    assert abs(histogram_z(rng.uniform(seed, N, stream=rng.STREAM_ELEMENT))) < 5
+
+
+@pytest.mark.parametrize("lag", [1, 2, 16])
+def test_neighbouring_indices_are_independent(lag):
+    u = rng.uniform(5, N + lag, stream=rng.STREAM_ELEMENT)
+    assert looks_independent(u[:-lag], u[lag:])
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**32 - 1, 2**32])
+def test_neighbouring_seeds_are_independent(seed):
+    assert looks_independent(rng.uniform(seed, N), rng.uniform(seed + 1, N))
+
+
+@pytest.mark.parametrize("streams", [(0, 1), (rng.STREAM_ELEMENT, rng.STREAM_GROUP), (2, 3)], ids=str)
+def test_neighbouring_streams_are_independent(streams):
+    a, b = (rng.uniform(11, N, stream=s) for s in streams)
+    assert looks_independent(a, b)
+
+
+def test_derived_seeds_of_neighbouring_steps_are_independent():
+    """The seeds of consecutive steps (or ranks) of one collective: every bit set about half the
+    time, and their first draws uniform."""
+    seeds = torch.tensor([rng.derive_seed(1234, 3, step, 0) for step in range(4096)], dtype=torch.int64)
+    bits = (seeds.unsqueeze(1) >> torch.arange(32)) & 1
+    assert ((bits.sum(0).double() - 2048).abs() < 5 * math.sqrt(1024)).all()
+    first = torch.cat([rng.uniform(int(s), 1) for s in seeds])
+    assert abs(histogram_z(first, bins=16)) < 5
