@@ -51,6 +51,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..comm.all_gather import weight_codec
+from ..comm.difference import replica_layout
 from ..comm.reduce_scatter import grad_codec
 from ..comm.reduce_scatter import real_elements, pipeline_slices_bounds
 from ..config import QuantConfig, resolve_config
@@ -122,7 +123,8 @@ def step_collectives(
     ``zero3``: weights are gathered before forward and again before backward (FSDP2's
     ``reshard_after_forward=True``); otherwise once per step (ZeRO-2 / Megatron's distributed
     optimizer). ``gathers`` overrides the count per group. A weight-difference gather whose shard
-    did not change (the second gather of a step) sends only a control flag. ``param_bytes``: the
+    did not change (the second gather of a step) sends no difference (node replicas still fill
+    the output inside the node); the difference gathers agree once per step. ``param_bytes``: the
     all-gather dtype's size; ``grad_bytes``: the reduce dtype's size.
     """
     cfg = resolve_config(config)
@@ -151,9 +153,17 @@ def step_collectives(
                            quantize=n, dequantize=world * n, hp_bytes=param_bytes)
         if w.mode == "direct":
             out += [quant] * calls
-        else:  # difference: one gather carries the change, every gather agrees on a flag
+        elif replica_layout(w.replica, d, m) == "full":  # difference: one gather carries the change
             out += [quant] if calls else []
-            out += [Collective("control", "allreduce", 8, 0, intra, inter)] * calls  # 2 int32 flags
+        elif replica_layout(w.replica, d, m) == "exact":
+            out += [plain_gather(n) for _ in range(calls)]
+        else:  # node replicas: the change between nodes, every gather fills the output in the node
+            out += [Collective("weights", "a2a_inter", codec.row_nbytes(n), n, 0, d - 1,
+                               quantize=n, dequantize=d * n, hp_bytes=param_bytes)] if calls else []
+            out += [Collective("weights", "a2a_intra", d * n * param_bytes, d * n, m - 1, 0,
+                               hp_bytes=param_bytes)] * calls
+    if w.mode == "difference":  # one agreement per step: 2 int32 flags per group
+        out.append(Collective("control", "allreduce", 8 * len(shard_sizes), 0, intra, inter))
 
     # Gradient reduce-scatters (qsdp.comm.reduce_scatter), one per group per step.
     raw = _DTYPES[grad_bytes]

@@ -35,9 +35,10 @@ from .topology import Topology
 from .versions import ChangeTracker
 
 
-def replica_layout(config: QuantConfig, topology: Topology) -> str:
-    """``full``, ``node`` or ``exact``: where the replicas of ``config`` live on ``topology``."""
-    choice, d, m = config.weights.replica, topology.nodes, topology.ranks_per_node
+def replica_layout(choice: str, nodes: int, ranks_per_node: int) -> str:
+    """``full``, ``node`` or ``exact``: where replicas of the ``weights.replica`` ``choice``
+    live with ``nodes`` x ``ranks_per_node`` ranks."""
+    d, m = nodes, ranks_per_node
     if choice == "full" or m == 1:
         return "full"
     if choice == "auto":
@@ -52,7 +53,7 @@ class DifferenceAllGather(_Base):
                  tracker: ChangeTracker | None = None) -> None:
         super().__init__(config, topology, comm_id, tracker)
         self.codec = weight_codec(config.weights)
-        self.layout = replica_layout(config, topology)
+        self.layout = replica_layout(config.weights.replica, topology.nodes, topology.ranks_per_node)
         self.version = 0
         self.gathers = 0
         self.exact_resends = 0
