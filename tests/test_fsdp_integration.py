@@ -193,3 +193,18 @@ def _no_fsdp(rank, world):
 
 def test_a_model_without_fully_shard_is_refused():
     assert "fully_shard" in run_world(_no_fsdp, 1)[0]
+
+
+def _one_rank_world(rank, world):
+    import warnings
+
+    model = fm.build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qsdp.quantize_comms(model, "sdp4bit")
+    return [str(w.message) for w in caught]
+
+
+def test_a_one_rank_group_warns_that_fsdp2_calls_no_custom_collective():
+    messages = run_world(_one_rank_world, 1)[0]
+    assert any("one rank" in m and "nothing is quantized or metered" in m for m in messages)

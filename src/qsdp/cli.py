@@ -464,6 +464,7 @@ BENCHMARKS = {
     "kernels": "qsdp.bench.kernels",
     "convergence": "qsdp.bench.convergence",
     "soak": "qsdp.bench.soak",
+    "memory": "qsdp.bench.memory",
 }
 
 

@@ -105,6 +105,23 @@ def _gathers_per_group(gathers: int | Sequence[int] | None, n_groups: int, zero3
     return list(gathers)
 
 
+def _difference_gathers(layout: str, quant: "Collective", plain: "Collective", calls: int,
+                        d: int, m: int) -> list["Collective"]:
+    """A group's weight-difference gathers in one step: one carries the change, the others only
+    fill the output from the replica (see :mod:`qsdp.comm.difference`)."""
+    if layout == "full":
+        return [quant] if calls else []
+    if layout == "exact":
+        return [plain] * calls
+    # node replicas: the change among the D holders of my rows, then every gather fills the
+    # output with the node's rows, exactly
+    n, pb = quant.elements, plain.hp_bytes
+    between = dataclasses.replace(quant, algo="a2a_inter", intra_peers=0, inter_peers=d - 1, dequantize=d * n)
+    inside = dataclasses.replace(plain, algo="a2a_intra", row_bytes=d * n * pb, elements=d * n,
+                                 intra_peers=m - 1, inter_peers=0)
+    return ([between] if calls else []) + [inside] * calls
+
+
 def step_collectives(
     config: str | QuantConfig,
     shard_sizes: Sequence[int],
@@ -153,15 +170,8 @@ def step_collectives(
                            quantize=n, dequantize=world * n, hp_bytes=param_bytes)
         if w.mode == "direct":
             out += [quant] * calls
-        elif replica_layout(w.replica, d, m) == "full":  # difference: one gather carries the change
-            out += [quant] if calls else []
-        elif replica_layout(w.replica, d, m) == "exact":
-            out += [plain_gather(n) for _ in range(calls)]
-        else:  # node replicas: the change between nodes, every gather fills the output in the node
-            out += [Collective("weights", "a2a_inter", codec.row_nbytes(n), n, 0, d - 1,
-                               quantize=n, dequantize=d * n, hp_bytes=param_bytes)] if calls else []
-            out += [Collective("weights", "a2a_intra", d * n * param_bytes, d * n, m - 1, 0,
-                               hp_bytes=param_bytes)] * calls
+        else:
+            out += _difference_gathers(replica_layout(w.replica, d, m), quant, plain_gather(n), calls, d, m)
     if w.mode == "difference":  # one agreement per step: 2 int32 flags per group
         out.append(Collective("control", "allreduce", 8 * len(shard_sizes), 0, intra, inter))
 
