@@ -208,3 +208,8 @@ def _one_rank_world(rank, world):
 def test_a_one_rank_group_warns_that_fsdp2_calls_no_custom_collective():
     messages = run_world(_one_rank_world, 1)[0]
     assert any("one rank" in m and "nothing is quantized or metered" in m for m in messages)
+
+
+def test_an_unknown_replica_layout_is_refused_naming_the_field():
+    with pytest.raises(qsdp.ConfigError, match=r"weights.replica='rack' is not supported; allowed: auto, node, full"):
+        qsdp.resolve_config("sdp4bit", {"weights.replica": "rack"})
