@@ -106,13 +106,17 @@ def test_step_bytes_equals_the_byte_meter_of_a_real_2x2_training_step(metered, p
 
 def test_step_bytes_bits_per_element_at_scale():
     s = 1 << 20
-    b = sim.step_bytes("sdp4bit", [s], nodes=4, ranks_per_node=8, zero3=False)
+    full = qsdp.resolve_config("sdp4bit", {"weights.replica": "full"})
+    b = sim.step_bytes(full, [s], nodes=4, ranks_per_node=8, zero3=False)
     assert b["weights"]["inter"] == pytest.approx(24 * s * (4 + 32 / 2048) / 8)  # 24 inter peers
+    node = sim.step_bytes("sdp4bit", [s], nodes=4, ranks_per_node=8, zero3=False)  # node replicas
+    assert node["weights"]["inter"] == pytest.approx(3 * s * (4 + 32 / 2048) / 8)  # 3 holders of my rows
+    assert node["weights"]["intra"] == 7 * 4 * s * 2  # the node's rows, bf16, to 7 local peers
     assert b["grads"]["intra"] == pytest.approx(7 * 4 * s * 8.25 / 8)  # D rows to each local peer
     assert b["grads"]["inter"] == pytest.approx(3 * s * 4.25 / 8)
     # ZeRO-3: direct gathers twice, weight differences once.
     z = sim.step_bytes("zeropp", [s], nodes=4, ranks_per_node=8, zero3=True)
-    d = sim.step_bytes("sdp4bit", [s], nodes=4, ranks_per_node=8, zero3=True)
+    d = sim.step_bytes(full, [s], nodes=4, ranks_per_node=8, zero3=True)
     assert z["weights"]["inter"] == 2 * d["weights"]["inter"]
     f = sim.step_bytes("fsdp", [s], nodes=4, ranks_per_node=8, zero3=False)
     assert f["weights"]["inter"] == 24 * s * 2 and f["grads"]["inter"] == 24 * s * 4

@@ -15,10 +15,13 @@ def test_volume_reports_meter_figures_for_fsdp_and_sdp4bit():
     result = measure(("fsdp", "sdp4bit"), steps=1)
     fsdp, sdp = result["presets"]["fsdp"], result["presets"]["sdp4bit"]
     assert fsdp["weights_bits_per_elt"] == 32.0 and fsdp["grads_inter_bits_per_elt"] == 32.0
-    assert 4.0 < sdp["weights_bits_per_elt"] < 4.3  # 4 + 32/2048 plus group padding of small shards
+    # node replicas on 2 x 2: 4 + 32/2048 bits (plus group padding of small shards) between
+    # nodes, the node's rows in fp32 inside
+    assert 4.0 < sdp["weights_inter_bits_per_elt"] < 4.3
+    assert sdp["weights_intra_bits_per_elt"] == 32.0
     assert 8.25 <= sdp["grads_intra_bits_per_elt"] < 8.4
     assert 4.25 <= sdp["grads_inter_bits_per_elt"] < 4.4
-    assert sdp["reduction_vs_fsdp"] > 6
+    assert sdp["grads_inter_reduction_vs_fsdp"] > 6
     assert "sdp4bit" in format_table(result)
 
 

@@ -10,6 +10,7 @@ import torch
 import qsdp
 from qsdp.comm import DifferenceAllGather, QuantizedAllGather, build_topology
 from qsdp.comm.collectives import all_gather_flat
+from qsdp.comm.versions import ChangeTracker
 from distributed import run_world
 
 pytestmark = pytest.mark.timeout(120)
@@ -80,10 +81,13 @@ def test_direct_gather_error_within_bound_for_each_scheme(bits, symmetric, round
 
 def _gather_twice(rank, world):
     cfg = _config("direct", bits=4, rounding="stochastic")
-    comm = QuantizedAllGather(cfg, build_topology(), 0)
+    tracker = ChangeTracker()  # told of optimizer steps, as quantize_comms' hooks do
+    comm = QuantizedAllGather(cfg, build_topology(), 0, tracker)
     a = _gather(comm, _shard(rank, 40), world)
     b = _gather(comm, _shard(rank, 40), world)  # the backward gather of the same step
-    c = _gather(comm, _shard(rank, 40, step=1), world)  # after an optimizer step
+    tracker.before_optimizer_step()
+    tracker.after_optimizer_step()
+    c = _gather(comm, _shard(rank, 40, step=1), world)
     d = _gather(comm, _shard(rank, 40, step=1), world)
     return torch.equal(a, b), torch.equal(c, d), torch.equal(a, c)
 
@@ -151,7 +155,7 @@ def _difference_run(rank, world, steps, dtype):
                 g = torch.Generator().manual_seed(step * 31 + r)
                 weights[r] = weights[r] - 0.01 * torch.randn(n, generator=g)
         exact = torch.cat(weights).to(dtype)
-        prev = None if wd.replica is None else wd.replica.float().clone()
+        prev = None if wd.replica is None else wd.replica.float().view(-1).clone()
         out = _gather(wd, weights[rank].to(dtype), world)
         replicas.append(wd.replica.clone())
         if prev is not None:
@@ -186,22 +190,25 @@ def test_difference_error_is_bounded_by_the_last_difference_and_far_below_direct
 def _unchanged_sends_nothing(rank, world):
     from qsdp.comm.meter import METER
 
-    wd = DifferenceAllGather(_config("difference"), build_topology(), 0)
+    tracker = ChangeTracker()
+    wd = DifferenceAllGather(_config("difference"), build_topology(), 0, tracker)
     _gather(wd, _shard(rank, 64), world)
-    _gather(wd, _shard(rank, 64, step=1), world)
+    tracker.after_optimizer_step()
+    updated = _gather(wd, _shard(rank, 64, step=1), world)  # a 4-bit difference
     METER.snapshot(reset=True)
-    out = _gather(wd, _shard(rank, 64, step=1), world)  # same shard again: the backward gather
+    again = _gather(wd, _shard(rank, 64, step=1), world)  # no step since: the backward gather
     stats = METER.snapshot(reset=True)
     wd.reset()
     exact = _gather(wd, _shard(rank, 64, step=2), world)  # after reset: exact values
-    return stats["weights"]["total"]["bytes"], torch.equal(out, wd.replica) or True, exact
+    return stats["weights"]["total"]["bytes"], torch.equal(again, updated), exact
 
 
 def test_unchanged_shards_send_no_weight_bytes_and_reset_resends_exact_values():
     results = run_world(_unchanged_sends_nothing, 2)
     exact = torch.cat([_shard(r, 64, step=2) for r in range(2)])
-    for weight_bytes, _, after_reset in results:
+    for weight_bytes, same_as_forward, after_reset in results:
         assert weight_bytes == 0
+        assert same_as_forward
         assert torch.equal(after_reset, exact)
 
 
@@ -231,3 +238,53 @@ def test_direct_gather_meter_counts_packed_bytes():
     for stats in run_world(run, 4, local_world_size=2):
         assert stats["intra"]["bits_per_element"] == pytest.approx(4.25)
         assert stats["inter"]["bytes"] == 2 * stats["intra"]["bytes"]  # 2 peers in the other node, 1 in mine
+
+
+def _node_and_full(rank, world, steps):
+    """The same updates through full and node replicas (2 nodes x 2); per step the outputs of
+    both, and the meter of the last node-replica gather."""
+    from qsdp.comm.meter import METER
+
+    topo = build_topology()
+    comms = {}
+    for layout in ("full", "node"):
+        cfg = dataclasses.replace(_config("difference", bits=4, group_size=32), weights=qsdp.WeightComm(
+            "difference", bits=4, group_size=32, symmetric=True, rounding="stochastic", replica=layout))
+        tracker = ChangeTracker()
+        comms[layout] = (DifferenceAllGather(cfg, topo, 0, tracker), tracker)
+    outs = {"full": [], "node": []}
+    for step in range(steps):
+        for layout, (comm, tracker) in comms.items():
+            if step:
+                tracker.after_optimizer_step()
+            METER.snapshot(reset=True)
+            outs[layout].append(_gather(comm, _shard(rank, 96, step=step), world).clone())
+    node = comms["node"][0]
+    return outs, METER.snapshot(reset=True)["weights"], node.rows, tuple(node.replica.shape)
+
+
+def test_node_replicas_give_bit_identical_weights_to_full_replicas_with_a_quarter_of_the_rows():
+    results = run_world(_node_and_full, 4, 6, local_world_size=2)
+    for rank, (outs, meter, rows, shape) in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(outs["full"], outs["node"]))
+        assert not torch.equal(outs["node"][0], outs["node"][-1])  # the weights did move
+        assert rows == [rank % 2, 2 + rank % 2] and shape == (2, 96)  # rows (d', j): full / M
+        # 4 bits + one fp32 scale per 32 between nodes; the rows in fp32 inside the node
+        assert meter["inter"]["bits_per_element"] == pytest.approx(4 + 32 / 32)
+        assert meter["intra"]["bits_per_element"] == 32.0
+
+
+def _node_replica_on_one_node(rank, world):
+    from qsdp.comm.meter import METER
+
+    cfg = qsdp.QuantConfig(weights=qsdp.WeightComm("difference", bits=4, group_size=16, replica="node"))
+    comm = DifferenceAllGather(cfg, build_topology(), 0, ChangeTracker())
+    METER.snapshot(reset=True)
+    out = _gather(comm, _shard(rank, 40), world)
+    return torch.equal(out, torch.cat([_shard(r, 40) for r in range(world)])), comm.replica, METER.snapshot()
+
+
+def test_node_replicas_on_a_single_node_gather_exactly_and_keep_nothing():
+    for exact, replica, meter in run_world(_node_replica_on_one_node, 2):
+        assert exact and replica is None
+        assert meter["weights"]["intra"]["bits_per_element"] == 32.0

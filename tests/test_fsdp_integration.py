@@ -68,25 +68,48 @@ def _replicas_identical(rank, world):
 
 def test_weight_difference_replicas_are_identical_on_every_rank_inside_fsdp():
     results = run_world(_replicas_identical, 4, local_world_size=2)
-    for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    for rank, other in enumerate(results):  # node replicas: local rank j of every node holds the same rows
+        assert all(torch.equal(a, b) for a, b in zip(results[rank % 2], other))
 
 
-def _meter_after_warmup(rank, world):
+def _losses_with_replica(rank, world, replica):
+    model = fm.build(reshard_after_forward=True)
+    qsdp.quantize_comms(model, "sdp4bit", overrides={"weights.replica": replica})
+    losses = fm.train(model, 6, rank)
+    return losses, [p.full_tensor() for p in model.parameters()]
+
+
+def test_node_replicas_train_bit_identically_to_full_replicas():
+    full = run_world(_losses_with_replica, 4, "full", local_world_size=2)
+    node = run_world(_losses_with_replica, 4, "node", local_world_size=2)
+    for (lf, pf), (ln, pn) in zip(full, node):
+        assert lf == ln
+        assert all(torch.equal(a, b) for a, b in zip(pf, pn))
+
+
+def _meter_after_warmup(rank, world, replica):
     model = fm.build(width=128, depth=2)
-    qsdp.quantize_comms(model, "sdp4bit")
+    handle = qsdp.quantize_comms(model, "sdp4bit", overrides={"weights.replica": replica})
     fm.train(model, 1, rank)  # the first gather sends exact values to establish the replicas
     qsdp.comm_stats(reset=True)
     fm.train(model, 2, rank)
-    return qsdp.comm_stats()
+    return qsdp.comm_stats(), [ag.replica.numel() for ag in handle.all_gathers]
 
 
 def test_sdp4bit_meter_reports_four_bit_weights_and_8_4_bit_gradients():
-    for stats in run_world(_meter_after_warmup, 4, local_world_size=2):
+    for stats, _ in run_world(_meter_after_warmup, 4, "full", local_world_size=2):
         # padding of the last 2048-group of each shard is the only excess over 4 + 32/2048
         assert 4.0 < stats["weights"]["total"]["bits_per_element"] <= 4.02 * 1.12
         assert 8.0 < stats["grads"]["intra"]["bits_per_element"] <= 8.25 * 1.01
         assert 4.0 < stats["grads"]["inter"]["bits_per_element"] <= 4.25 * 1.01
+
+
+def test_node_replicas_send_four_bit_weights_between_nodes_and_fp32_inside():
+    full = run_world(_meter_after_warmup, 4, "full", local_world_size=2)
+    for (stats, sizes), (_, full_sizes) in zip(run_world(_meter_after_warmup, 4, "node", local_world_size=2), full):
+        assert 4.0 < stats["weights"]["inter"]["bits_per_element"] <= 4.02 * 1.12
+        assert stats["weights"]["intra"]["bits_per_element"] == 32.0  # the parameter dtype
+        assert [2 * n for n in sizes] == full_sizes  # M = 2: half of the full replica
 
 
 def _tiny_layer(rank, world, preset):
@@ -170,3 +193,23 @@ def _no_fsdp(rank, world):
 
 def test_a_model_without_fully_shard_is_refused():
     assert "fully_shard" in run_world(_no_fsdp, 1)[0]
+
+
+def _one_rank_world(rank, world):
+    import warnings
+
+    model = fm.build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qsdp.quantize_comms(model, "sdp4bit")
+    return [str(w.message) for w in caught]
+
+
+def test_a_one_rank_group_warns_that_fsdp2_calls_no_custom_collective():
+    messages = run_world(_one_rank_world, 1)[0]
+    assert any("one rank" in m and "nothing is quantized or metered" in m for m in messages)
+
+
+def test_an_unknown_replica_layout_is_refused_naming_the_field():
+    with pytest.raises(qsdp.ConfigError, match=r"weights.replica='rack' is not supported; allowed: auto, node, full"):
+        qsdp.resolve_config("sdp4bit", {"weights.replica": "rack"})

@@ -54,8 +54,8 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(preset):
         assert all(torch.equal(a, b) for a, b in zip(p0, p1))  # weights unchanged
         assert all(torch.equal(a[k], b[k]) for a, b in zip(s0, s1) for k in a)  # optimizer state unchanged
         assert finite
-    for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0][3], other[3]))  # replicas identical
+    for rank, other in enumerate(results):  # 2 nodes x 2: local rank j of each node holds the same rows
+        assert all(torch.equal(a, b) for a, b in zip(results[rank % 2][3], other[3]))
 
 
 def _first_loss_after(rank, world, action):
@@ -123,6 +123,28 @@ def test_an_edit_of_one_weight_re_establishes_only_its_group():
         assert resends == [0, 1, 0]  # root, blocks.0 (edited), blocks.1
 
 
+def _one_rank_edits_alone(rank, world):
+    model = fm.build()
+    handle = qsdp.quantize_comms(model, "sdp4bit")
+    fm.train(model, 3, rank)
+    if rank == 1:  # the other ranks' parameters are untouched: only rank 1 can see the change
+        with torch.no_grad():
+            for p in model.blocks[0].parameters():
+                p.mul_(0.5)
+    edited = model.blocks[0].fc1.weight.full_tensor().clone()
+    seen = []
+    hook = model.blocks[0].fc1.register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone()))
+    fm.train(model, 1, rank)  # training goes on, every rank on the same path
+    hook.remove()
+    return torch.equal(seen[0], edited), [ag.exact_resends for ag in handle.all_gathers]
+
+
+def test_an_edit_on_one_rank_alone_re_establishes_the_group_on_every_rank():
+    for exact, resends in run_world(_one_rank_edits_alone, 2):
+        assert resends == [0, 1, 0]  # root, blocks.0 (edited on rank 1 only), blocks.1
+        assert exact  # the gathered weights are the edited ones, exactly
+
+
 def _no_spurious_resends(rank, world):
     model = fm.build()
     handle = qsdp.quantize_comms(model, "sdp4bit")
@@ -139,7 +161,7 @@ def _corrupt_replica(rank, world):
     handle = qsdp.quantize_comms(model, "sdp4bit", overrides={"verify_replicas_every": 1})
     fm.train(model, 2, rank)
     if rank == 1:
-        handle.all_gathers[1].replica[5] += 1.0
+        handle.all_gathers[1].replica.view(-1)[5] += 1.0
     try:
         fm.train(model, 1, rank)
     except RuntimeError as e:
@@ -147,8 +169,11 @@ def _corrupt_replica(rank, world):
     return ""
 
 
-def test_diverged_replicas_are_an_error_naming_the_group_and_step():
-    for msg in run_world(_corrupt_replica, 2):
+@pytest.mark.parametrize("world", [2, 4], ids=["full-replica", "node-replica-2x2"])
+def test_diverged_replicas_are_an_error_naming_the_group_and_step(world):
+    for rank, msg in enumerate(run_world(_corrupt_replica, world, local_world_size=2)):
+        if world == 4 and rank % 2 == 0:
+            continue  # node replicas: only the holders of rank 1's rows (local rank 1) compare them
         assert "replicas diverged" in msg and "group 1 (blocks.0)" in msg and "at gather" in msg
 
 

@@ -57,6 +57,7 @@ BENCHMARKS = {
     "codecs": "qsdp.bench.codecs",
     "convergence": "qsdp.bench.convergence",
     "soak": "qsdp.bench.soak",
+    "memory": "qsdp.bench.memory",
 }
 
 

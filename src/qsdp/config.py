@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping
 from .codecs import ROUNDINGS, SUPPORTED_BITS
 
 WEIGHT_MODES = ("plain", "direct", "difference")
+REPLICAS = ("auto", "node", "full")
 GRAD_MODES = ("plain", "one_level", "two_level")
 
 
@@ -30,6 +31,12 @@ class WeightComm:
         shard: QSDP, ZeRO++ qwZ, SDP4Bit's qW ablation) or ``difference`` (SDP4Bit qWD: the
         quantized change against a persistent replica held by every rank).
     bits, group_size, symmetric, rounding: the quantizer (see :func:`qsdp.codecs.quantize`).
+    replica: where the ``difference`` mode keeps its replicas. ``full``: every rank holds the
+        whole unsharded group (SDP4Bit's design). ``node``: with D nodes x M ranks, each rank
+        holds the D rows of the ranks sharing its local rank (full/M); differences travel in
+        ``bits`` between nodes and the rows in the parameter dtype inside a node (on one node,
+        D = 1, the group is gathered exactly). ``auto``: ``node`` when D > 1 and M > 1, else
+        ``full``.
     """
 
     mode: Literal["plain", "direct", "difference"] = "plain"
@@ -37,6 +44,7 @@ class WeightComm:
     group_size: int = 2048
     symmetric: bool = True
     rounding: str = "stochastic"
+    replica: Literal["auto", "node", "full"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,8 @@ def validate(cfg: QuantConfig) -> None:
         raise ConfigError(f"weights.mode={w.mode!r} is not supported; allowed: {', '.join(WEIGHT_MODES)}")
     if w.mode != "plain":
         _check_quantizer("weights", {"bits": w.bits}, w.group_size, w.rounding)
+    if w.replica not in REPLICAS:
+        raise ConfigError(f"weights.replica={w.replica!r} is not supported; allowed: {', '.join(REPLICAS)}")
     if g.mode not in GRAD_MODES:
         raise ConfigError(f"grads.mode={g.mode!r} is not supported; allowed: {', '.join(GRAD_MODES)}")
     if g.mode != "plain":

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.distributed.fsdp import FSDPModule
 
 from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
 from .comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
 from .comm.topology import Topology, build_topology
-from .comm.versions import managed_parameters
+from .comm.versions import ChangeTracker, managed_parameters
 from .config import ConfigError, QuantConfig, resolve_config
 
 _ALL_GATHERS = {"plain": PlainAllGather, "direct": QuantizedAllGather, "difference": DifferenceAllGather}
@@ -30,8 +31,9 @@ class QuantizedComms:
     modules: list[nn.Module] = field(default_factory=list)
     all_gathers: list[Any] = field(default_factory=list)
     reduce_scatters: list[Any] = field(default_factory=list)
+    tracker: ChangeTracker = field(default_factory=ChangeTracker)
 
-    _hook: Any = None
+    _hooks: list[Any] = field(default_factory=list)
 
     def nonfinite_gradients(self) -> bool:
         """Collective: ``True`` on every rank if any rank reduced a NaN/Inf gradient since the
@@ -40,37 +42,41 @@ class QuantizedComms:
         replicas then stay unchanged and identical on all ranks)."""
         import torch
 
-        local = any([rs.take_nonfinite() for rs in self.reduce_scatters])  # take (reset) every flag
         device = next((p.device for m in self.modules for p in m.parameters()), torch.device("cpu"))
-        flag = torch.tensor([int(local)], dtype=torch.int32, device=device)
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        for rs in self.reduce_scatters:  # take (reset) every group's flag, combined on the device
+            bad = rs.take_nonfinite_flag()
+            if bad is not None:
+                flag |= bad.to(device=device, dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.group)
-        return bool(flag.item())
+        return bool(flag.item())  # the one host sync of the check
 
     def close(self) -> None:
-        """Remove the optimizer hook this handle registered."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-
-    def _after_optimizer_step(self, *_: Any) -> None:
-        for ag in self.all_gathers:
-            if isinstance(ag, DifferenceAllGather):
-                ag.note_optimizer_step()
+        """Remove the optimizer hooks this handle registered."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     def reset_replicas(self) -> None:
-        """Make the next gather of every weight-difference comm send exact values (after the
-        parameters were changed outside the optimizer step, e.g. by ``load_state_dict``)."""
+        """Collective by convention (every rank calls it): make the next gather of every
+        weight-difference comm send exact values, e.g. right after the parameters were changed
+        outside the optimizer (such a change is otherwise picked up after the next step)."""
         for ag in self.all_gathers:
             ag.reset()
+        for w in self.tracker.watches:
+            w.rebase()
 
     def state_dict(self) -> dict[str, Any]:
-        """The comms' state (weight-difference replicas, rounding counters) for a checkpoint."""
+        """The comms' counters (small, per rank) for a checkpoint; the weight-difference
+        replicas are saved through DCP by :mod:`qsdp.train.checkpoint`
+        (``DifferenceAllGather.replica_rows``)."""
         return {
             "all_gather": {str(i): ag.state_dict() for i, ag in enumerate(self.all_gathers)},
             "reduce_scatter": {str(i): rs.state_dict() for i, rs in enumerate(self.reduce_scatters)},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Call after the parameters were loaded: their counters become the reference."""
         for i, ag in enumerate(self.all_gathers):
             ag.load_state_dict(state["all_gather"].get(str(i), {}))
         for i, rs in enumerate(self.reduce_scatters):
@@ -139,12 +145,14 @@ def quantize_comms(
         )
     check_same_config(cfg, group)
     topology = build_topology(group, cfg.local_world_size)
+    if topology.world_size == 1:
+        warnings.warn("qsdp: the FSDP group has one rank; FSDP2 calls no custom collective on it, "
+                      "so nothing is quantized or metered", stacklevel=2)
     handle = QuantizedComms(cfg, topology)
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
     for i, m in enumerate(fsdp_modules):
-        ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i)
-        if isinstance(ag, DifferenceAllGather):
-            ag.track(managed_parameters(m, fsdp_modules), f"group {i} ({names[id(m)]})")
+        ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i, handle.tracker)
+        ag.track(managed_parameters(m, fsdp_modules), f"group {i} ({names[id(m)]})")
         rs_cls = PlainReduceScatter if cfg.grads.mode == "plain" else QuantizedReduceScatter
         rs = rs_cls(cfg, topology, i)
         m.set_custom_all_gather(ag)
@@ -152,8 +160,11 @@ def quantize_comms(
         handle.modules.append(m)
         handle.all_gathers.append(ag)
         handle.reduce_scatters.append(rs)
-    if cfg.weights.mode == "difference":
+    if cfg.weights.mode != "plain":
         # Parameter changes made by any optimizer's step are the expected ones; any other
         # in-place change (load_state_dict, a user's edit) makes the replicas stale.
-        handle._hook = register_optimizer_step_post_hook(handle._after_optimizer_step)
+        handle._hooks = [
+            register_optimizer_step_pre_hook(lambda *_: handle.tracker.before_optimizer_step()),
+            register_optimizer_step_post_hook(lambda *_: handle.tracker.after_optimizer_step()),
+        ]
     return handle

@@ -51,6 +51,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..comm.all_gather import weight_codec
+from ..comm.difference import replica_layout
 from ..comm.reduce_scatter import grad_codec
 from ..comm.reduce_scatter import real_elements, pipeline_slices_bounds
 from ..config import QuantConfig, resolve_config
@@ -104,6 +105,23 @@ def _gathers_per_group(gathers: int | Sequence[int] | None, n_groups: int, zero3
     return list(gathers)
 
 
+def _difference_gathers(layout: str, quant: "Collective", plain: "Collective", calls: int,
+                        d: int, m: int) -> list["Collective"]:
+    """A group's weight-difference gathers in one step: one carries the change, the others only
+    fill the output from the replica (see :mod:`qsdp.comm.difference`)."""
+    if layout == "full":
+        return [quant] if calls else []
+    if layout == "exact":
+        return [plain] * calls
+    # node replicas: the change among the D holders of my rows, then every gather fills the
+    # output with the node's rows, exactly
+    n, pb = quant.elements, plain.hp_bytes
+    between = dataclasses.replace(quant, algo="a2a_inter", intra_peers=0, inter_peers=d - 1, dequantize=d * n)
+    inside = dataclasses.replace(plain, algo="a2a_intra", row_bytes=d * n * pb, elements=d * n,
+                                 intra_peers=m - 1, inter_peers=0)
+    return ([between] if calls else []) + [inside] * calls
+
+
 def step_collectives(
     config: str | QuantConfig,
     shard_sizes: Sequence[int],
@@ -122,7 +140,8 @@ def step_collectives(
     ``zero3``: weights are gathered before forward and again before backward (FSDP2's
     ``reshard_after_forward=True``); otherwise once per step (ZeRO-2 / Megatron's distributed
     optimizer). ``gathers`` overrides the count per group. A weight-difference gather whose shard
-    did not change (the second gather of a step) sends only a control flag. ``param_bytes``: the
+    did not change (the second gather of a step) sends no difference (node replicas still fill
+    the output inside the node); the difference gathers agree once per step. ``param_bytes``: the
     all-gather dtype's size; ``grad_bytes``: the reduce dtype's size.
     """
     cfg = resolve_config(config)
@@ -151,9 +170,10 @@ def step_collectives(
                            quantize=n, dequantize=world * n, hp_bytes=param_bytes)
         if w.mode == "direct":
             out += [quant] * calls
-        else:  # difference: one gather carries the change, every gather agrees on a flag
-            out += [quant] if calls else []
-            out += [Collective("control", "allreduce", 8, 0, intra, inter)] * calls  # 2 int32 flags
+        else:
+            out += _difference_gathers(replica_layout(w.replica, d, m), quant, plain_gather(n), calls, d, m)
+    if w.mode == "difference":  # one agreement per step: 2 int32 flags per group
+        out.append(Collective("control", "allreduce", 8 * len(shard_sizes), 0, intra, inter))
 
     # Gradient reduce-scatters (qsdp.comm.reduce_scatter), one per group per step.
     raw = _DTYPES[grad_bytes]

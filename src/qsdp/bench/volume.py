@@ -31,9 +31,12 @@ def measure(presets=BENCH_PRESETS, steps: int = 3, nproc: int = 4, ranks_per_nod
         st = res["stats"]
         out["presets"][p] = {
             "weights_bits_per_elt": st["weights"]["total"]["bits_per_element"],
+            "weights_intra_bits_per_elt": st["weights"]["intra"]["bits_per_element"],
+            "weights_inter_bits_per_elt": st["weights"]["inter"]["bits_per_element"],
             "grads_intra_bits_per_elt": st["grads"]["intra"]["bits_per_element"],
             "grads_inter_bits_per_elt": st["grads"]["inter"]["bits_per_element"],
             "weights_bytes_per_step": st["weights"]["total"]["bytes"] / steps,
+            "weights_inter_bytes_per_step": st["weights"]["inter"]["bytes"] / steps,
             "grads_intra_bytes_per_step": st["grads"]["intra"]["bytes"] / steps,
             "grads_inter_bytes_per_step": st["grads"]["inter"]["bytes"] / steps,
             "control_bytes_per_step": st["control"]["total"]["bytes"] / steps,
@@ -47,15 +50,20 @@ def measure(presets=BENCH_PRESETS, steps: int = 3, nproc: int = 4, ranks_per_nod
             btotal = base["weights_bytes_per_step"] + base["grads_intra_bytes_per_step"] + base["grads_inter_bytes_per_step"]
             r["reduction_vs_fsdp"] = btotal / total if total else float("inf")
             r["grads_inter_reduction_vs_fsdp"] = base["grads_inter_bytes_per_step"] / inter if inter else float("inf")
+            between = r["weights_inter_bytes_per_step"] + inter
+            base_between = base["weights_inter_bytes_per_step"] + base["grads_inter_bytes_per_step"]
+            r["inter_reduction_vs_fsdp"] = base_between / between if between else float("inf")
     return out
 
 
 def format_table(result: dict[str, Any]) -> str:
-    rows = [("preset", "weights b/elt", "grads intra b/elt", "grads inter b/elt", "bytes/step", "reduction")]
+    rows = [("preset", "weights intra/inter b/elt", "grads intra/inter b/elt", "bytes/step", "reduction",
+             "inter-node reduction")]
     for p, r in result["presets"].items():
-        rows.append((p, f"{r['weights_bits_per_elt']:.3f}", f"{r['grads_intra_bits_per_elt']:.3f}",
-                     f"{r['grads_inter_bits_per_elt']:.3f}", f"{r['total_bytes_per_step'] / 1e6:.2f} MB",
-                     f"{r.get('reduction_vs_fsdp', float('nan')):.2f}x"))
+        rows.append((p, f"{r['weights_intra_bits_per_elt']:.3f} / {r['weights_inter_bits_per_elt']:.3f}",
+                     f"{r['grads_intra_bits_per_elt']:.3f} / {r['grads_inter_bits_per_elt']:.3f}",
+                     f"{r['total_bytes_per_step'] / 1e6:.2f} MB", f"{r.get('reduction_vs_fsdp', float('nan')):.2f}x",
+                     f"{r.get('inter_reduction_vs_fsdp', float('nan')):.2f}x"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
     head = (f"{result['nodes']} nodes x {result['ranks_per_node']} ranks, model {result['model']}, "

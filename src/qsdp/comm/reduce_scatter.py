@@ -53,8 +53,14 @@ class _Base:
 
     def take_nonfinite(self) -> bool:
         """Whether a non-finite value was reduced since the last call (local to this rank)."""
-        flag, self._nonfinite = self._nonfinite, None
+        flag = self.take_nonfinite_flag()
         return bool(flag.item()) if flag is not None else False
+
+    def take_nonfinite_flag(self) -> torch.Tensor | None:
+        """:meth:`take_nonfinite` without the host sync: a bool tensor on the device, or
+        ``None`` when nothing was reduced since the last call."""
+        flag, self._nonfinite = self._nonfinite, None
+        return flag
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)

@@ -1,17 +1,30 @@
-"""Which parameter shards were modified in place, and when.
+"""Which parameter shards changed, and how, known on the host without looking at the data.
 
 Every in-place change of a tensor (an optimizer step, ``load_state_dict``'s ``copy_``, a user's
-``weight.mul_(0)``) bumps its version counter. The weight-difference gather compares the
-counters of its FSDP group's shards at each gather with those recorded after the last optimizer
-step: a difference means the parameters changed outside the optimizer, so the replicas are
-re-established with exact values instead of a 4-bit difference of a possibly large jump.
-The counter is ``Tensor._version``, torch's own bookkeeping for autograd; it is read here only.
+``weight.mul_(0)``) bumps its version counter (``Tensor._version``, torch's own bookkeeping for
+autograd, only read here). A :class:`ChangeTracker` is shared by the weight all-gathers of one
+model; the optimizer-step hooks registered by :func:`qsdp.quantize_comms` tell it when a step
+starts and ends. From the counters it knows, per FSDP group and without a device sync:
+
+* whether the group's shard changed since the ranks last agreed (an optimizer step updated it),
+* whether it changed *outside* the optimizer (a load or an edit), so that the weight-difference
+  replicas must be re-established with exact values instead of a 4-bit difference of a jump.
+
+Ranks must take the same path in a weight-difference gather, and one rank may be edited alone, so
+the flags of all groups are OR-ed across ranks in one all-reduce, lazily at the first gather after
+an optimizer step (or a load): at most one tiny collective and one host sync per optimizer step.
+A change made outside the optimizer with no step after it is picked up at the first gather after
+the next step (until then every rank gathers the previous weights); :meth:`ChangeTracker.request`
+(called by ``QuantizedComms.reset_replicas``) makes it immediate.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from .meter import METER
 
 
 def versions(params: list[torch.Tensor]) -> tuple[int, ...]:
@@ -26,3 +39,108 @@ def managed_parameters(module: nn.Module, fsdp_modules: list[nn.Module]) -> list
     nested = [m for m in fsdp_modules if m is not module and any(m is x for x in module.modules())]
     owned_elsewhere = {id(p) for m in nested for p in m.parameters()}
     return [p for p in module.parameters() if id(p) not in owned_elsewhere]
+
+
+class GroupWatch:
+    """One FSDP group's sharded parameters and what their counters said at the reference points.
+
+    A watch without parameters (a comm used on its own, outside ``quantize_comms``) counts every
+    optimizer step reported to its tracker as a change.
+    """
+
+    def __init__(self, params: list[torch.Tensor] | None = None) -> None:
+        self.params: list[torch.Tensor] = list(params or [])
+        self.rebase()
+
+    def rebase(self, changed: bool = False) -> None:
+        """The current parameters are the reference (after a load restored parameters and comm
+        state together); ``changed``: a change is pending even so (saved before its gather)."""
+        now = versions(self.params)
+        self.at_agreement = now  # when the ranks last agreed
+        self.stepped_at = now  # right after the last optimizer step
+        self.outside = False  # changed outside the optimizer since the last agreement (sticky)
+        self.forced = changed
+
+    def before_step(self) -> None:
+        # An edit made since the last step would otherwise be taken for the optimizer's.
+        if versions(self.params) != self.stepped_at:
+            self.outside = True
+
+    def after_step(self) -> None:
+        self.stepped_at = versions(self.params)
+
+    def pending(self, stepped: bool) -> tuple[bool, bool]:
+        """(changed, changed outside the optimizer) since the last agreement, this rank only."""
+        now = versions(self.params)
+        changed = self.forced or now != self.at_agreement or (stepped and not self.params)
+        return changed, self.outside or now != self.stepped_at
+
+    def agreed(self) -> None:
+        self.at_agreement = versions(self.params)
+        self.outside = self.forced = False
+
+
+class ChangeTracker:
+    """The change bookkeeping of every weight all-gather of one model (see the module doc).
+
+    ``assume_changed``: no optimizer steps are reported (a comm used on its own): every gather
+    is taken as a new version of every shard, with no agreement.
+    """
+
+    def __init__(self, assume_changed: bool = False) -> None:
+        self.assume_changed = assume_changed
+        self.watches: list[GroupWatch] = []
+        self.steps = 0  # optimizer steps seen: equal on every rank
+        self._due = False
+        self._stepped = False
+        self._flags: list[tuple[bool, bool]] = []
+
+    def add(self, params: list[torch.Tensor] | None = None) -> int:
+        """Watch one more group; returns its index."""
+        self.watches.append(GroupWatch(params))
+        self._flags.append((False, False))
+        return len(self.watches) - 1
+
+    def before_optimizer_step(self) -> None:
+        for w in self.watches:
+            w.before_step()
+
+    def after_optimizer_step(self) -> None:
+        self.steps += 1
+        self._due = self._stepped = True
+        for w in self.watches:
+            w.after_step()
+
+    def request(self) -> None:
+        """Agree again at the next gather (every rank calls it at the same point)."""
+        self._due = True
+
+    def take(
+        self, index: int, group: dist.ProcessGroup, device: torch.device, peers: tuple[int, int]
+    ) -> tuple[bool, bool]:
+        """Collective when an agreement is due (every rank reaches it at the same gather):
+        (changed, changed outside the optimizer) of group ``index`` on any rank since its last
+        take. The flags are then cleared for that group. ``peers``: (intra, inter) for the meter."""
+        if self.assume_changed:
+            return True, False
+        if self._due:
+            self._agree(group, device, peers)
+        flags, self._flags[index] = self._flags[index], (False, False)
+        return flags
+
+    def _agree(self, group: dist.ProcessGroup, device: torch.device, peers: tuple[int, int]) -> None:
+        local = [w.pending(self._stepped) for w in self.watches]
+        flat = torch.tensor([int(f) for pair in local for f in pair], dtype=torch.int32, device=device)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        METER.record_peers("control", flat.numel() * flat.element_size(), 0, *peers)
+        agreed = flat.tolist()  # the one host sync per optimizer step
+        for i, w in enumerate(self.watches):
+            changed, stale = self._flags[i]
+            self._flags[i] = (changed or bool(agreed[2 * i]), stale or bool(agreed[2 * i + 1]))
+            w.agreed()
+        self._due = self._stepped = False
+
+    def pending_change(self, index: int) -> bool:
+        """Whether group ``index`` has a change its next gather has not sent yet (for a
+        checkpoint taken between an optimizer step and the next gather)."""
+        return self._flags[index][0] or self.watches[index].pending(self._stepped)[0]

@@ -9,9 +9,13 @@ Layout under the run directory::
 
 A checkpoint holds, through DCP, the sharded model and optimizer state (from
 ``torch.distributed.checkpoint.state_dict.get_state_dict``, so it can be loaded by any FSDP2
-layout of the same model) and, per rank, that rank's qsdp comm state (weight-difference replicas,
-rounding counters) and RNG state; ``trainer.json`` holds the step and what the run was
-(model, config, world size, cumulative bytes on the wire), readable without torch.
+layout of the same model), the weight-difference replicas as one tensor per row of each group's
+gathered buffer (``qsdp_replicas.ag{group}_w{world}_row{row}``: a row held by several ranks is
+written once, and a rank loads the rows its layout holds, whatever the ranks per node were) and,
+per rank, a small blob of that rank's comm counters and RNG state; ``trainer.json`` holds the
+step and what the run was (model, config, world size, cumulative bytes on the wire), readable
+without torch. Loaded into another world size, the comm state does not apply: the replicas are
+re-established with exact values at the first gather.
 
 A save writes into ``step_XXXXXXXX.tmp``, waits until every rank has finished, renames the
 directory and only then replaces ``latest`` (temp file + ``os.replace``). A save interrupted at
@@ -105,12 +109,44 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _rank_blob(handle: Any) -> bytes:
-    """This rank's comm state and RNG state, serialized. Comm state is per rank: some of it
-    (the last shard a weight-difference gather saw) differs between ranks."""
+    """This rank's comm counters and RNG state, serialized (a few KB)."""
     buf = io.BytesIO()
-    torch.save({"comms": handle.state_dict(), "rng": _rng_state()}, buf)
+    torch.save({"comms": handle.state_dict(), "rng": _rng_state(), "world_size": dist.get_world_size()}, buf)
     return buf.getvalue()
 
+
+def _replica_key(group: int, world: int, row: int) -> str:
+    return f"ag{group}_w{world}_row{row}"
+
+
+def _replica_state(handle: Any) -> dict[str, torch.Tensor]:
+    """Every weight-difference replica row this rank holds, keyed by group and row."""
+    world = dist.get_world_size()
+    return {
+        _replica_key(i, world, row): values
+        for i, ag in enumerate(handle.all_gathers) if hasattr(ag, "replica_rows")
+        for row, values in ag.replica_rows().items()
+    }
+
+
+def _load_replicas(path: Path, stored: dict[str, Any], handle: Any, device: torch.device) -> None:
+    """Load the rows this rank's replicas hold where the checkpoint has every one of them on
+    every rank (one all-reduce agrees on it); other groups re-establish theirs exactly."""
+    world = dist.get_world_size()
+    groups = [(i, ag) for i, ag in enumerate(handle.all_gathers) if hasattr(ag, "load_replica_rows")]
+    keys = {i: {row: _replica_key(i, world, row) for row in ag.rows} for i, ag in groups}
+    found = [bool(keys[i]) and all(f"qsdp_replicas.{k}" in stored for k in keys[i].values()) for i, _ in groups]
+    everywhere = torch.tensor([int(f) for f in found] or [0], dtype=torch.int32)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    wanted: dict[str, torch.Tensor] = {}
+    for (i, _), ok in zip(groups, everywhere.tolist()):
+        for k in keys[i].values() if ok else ():
+            md = stored[f"qsdp_replicas.{k}"]
+            wanted[k] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+    if wanted:
+        dcp.load({"qsdp_replicas": wanted}, checkpoint_id=str(path))
+    for (i, ag), ok in zip(groups, everywhere.tolist()):
+        ag.load_replica_rows({row: wanted[k] for row, k in keys[i].items()} if ok else None)
 
 
 
@@ -140,7 +176,8 @@ def save_checkpoint(
                 shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "rank_state": {str(rank): _rank_blob(handle)}}
+    state = {"model": model_sd, "optim": optim_sd, "qsdp_replicas": _replica_state(handle),
+             "rank_state": {str(rank): _rank_blob(handle)}}
     dcp.save(state, checkpoint_id=str(tmp))
     if rank == 0:
         with open(tmp / META_FILE, "w", encoding="utf-8") as f:
@@ -195,16 +232,21 @@ def load_checkpoint(
     meta = read_meta(path)
     rank = dist.get_rank()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "rank_state": {str(rank): b""}}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     try:
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        if f"rank_state.{rank}" in stored:  # absent where the checkpoint had fewer ranks
+            state["rank_state"] = {str(rank): b""}
         dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        blob = state.get("rank_state", {}).get(str(rank))
+        rank_state = torch.load(io.BytesIO(blob), map_location=device, weights_only=False) if blob else {}
+        if rank_state.get("world_size") == dist.get_world_size():
+            handle.load_state_dict(rank_state["comms"])  # after the parameters: see its doc
+            _set_rng_state(rank_state["rng"])
+        else:  # another world size: the counters do not apply, the replicas start exact
+            handle.reset_replicas()
+        _load_replicas(path, stored, handle, device)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
         raise CheckpointError(f"cannot load checkpoint {path}: {_short(e)}") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    blob = state["rank_state"][str(rank)]
-    if not isinstance(blob, bytes) or not blob:
-        raise CheckpointError(f"checkpoint {path} has no comm state for rank {rank}")
-    rank_state = torch.load(io.BytesIO(blob), map_location=device, weights_only=False)
-    handle.load_state_dict(rank_state["comms"])
-    _set_rng_state(rank_state["rng"])
     return meta

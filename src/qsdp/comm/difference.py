@@ -1,0 +1,168 @@
+"""SDP4Bit's qWD: the all-gather of quantized weight *differences*, with full or node replicas.
+
+FSDP2's gathered buffer is ``[world, n]``: row ``r`` is rank ``r``'s shard. A replica holds rows
+of it as they were last gathered (parameter dtype). A gather sends ``quantize(shard -
+replica[own row])``; every holder of a row adds the same dequantized difference to it, so the
+copies of a row stay bit-identical and the quantization error does not accumulate (the next
+difference is taken against the replica, which already contains it).
+
+* ``full`` replica: every rank holds all ``world`` rows; one all-gather of the differences.
+* ``node`` replica (D nodes x M ranks): rank (d, j) holds the D rows ``(d', j)``: full/M of the
+  group. The differences travel among the D ranks with local rank ``j`` (between nodes, in
+  ``bits``); then the node's ranks all-gather their updated rows exactly, in the parameter dtype,
+  to fill the output. Each row gets the same arithmetic as in the full design, so the weights
+  (and the losses) are bit-identical to it for the same seed.
+* ``exact`` (``node`` on one node): the node gathers the group in the parameter dtype.
+
+The first gather (and one after :meth:`reset` or a change outside the optimizer) sends exact
+values; a gather with no change since the last one (the backward gather of a step) sends no
+difference (the node replica still fills the output inside the node).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..codecs.rng import derive_seed
+from ..config import QuantConfig
+from .all_gather import _Base, weight_codec
+from .collectives import all_gather_flat
+from .meter import METER
+from .topology import Topology
+from .versions import ChangeTracker
+
+
+def replica_layout(choice: str, nodes: int, ranks_per_node: int) -> str:
+    """``full``, ``node`` or ``exact``: where replicas of the ``weights.replica`` ``choice``
+    live with ``nodes`` x ``ranks_per_node`` ranks."""
+    d, m = nodes, ranks_per_node
+    if choice == "full" or m == 1:
+        return "full"
+    if choice == "auto":
+        return "node" if d > 1 else "full"
+    return "node" if d > 1 else "exact"
+
+
+class DifferenceAllGather(_Base):
+    """The weight-difference all-gather of one FSDP group (see the module doc)."""
+
+    def __init__(self, config: QuantConfig, topology: Topology, comm_id: int,
+                 tracker: ChangeTracker | None = None) -> None:
+        super().__init__(config, topology, comm_id, tracker)
+        self.codec = weight_codec(config.weights)
+        self.layout = replica_layout(config.weights.replica, topology.nodes, topology.ranks_per_node)
+        self.version = 0
+        self.gathers = 0
+        self.exact_resends = 0
+        self.replica: torch.Tensor | None = None  # [len(rows), n], the parameter dtype
+
+    @property
+    def rows(self) -> list[int]:
+        """The rows of the gathered ``[world, n]`` buffer this rank's replica holds, in order."""
+        t = self.topology
+        if self.layout == "node":
+            return [d * t.ranks_per_node + t.local_rank for d in range(t.nodes)]
+        return [] if self.layout == "exact" else list(range(t.world_size))
+
+    def _holders(self, group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, tuple[int, int]]:
+        """The group holding this rank's rows, and its peers (intra, inter) for the meter."""
+        if self.layout == "node":
+            return self.topology.inter_group, (0, self.topology.nodes - 1)
+        return group, self.topology.peers()
+
+    def reset(self) -> None:
+        """Forget the replica: the next gather re-establishes it with exact values."""
+        self.replica = None
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        self._check_group(group)
+        n = input_tensor.numel()
+        if self.layout == "exact" or n < max(1, self.config.min_shard_numel):
+            self._plain(output_tensor, input_tensor, group)
+            return None
+        self.gathers += 1
+        changed, stale = self.tracker.take(self.index, group, input_tensor.device, self.topology.peers())
+        r = self.replica
+        fresh = r is None or tuple(r.shape) != (len(self.rows), n) or r.dtype != output_tensor.dtype
+        if fresh or stale:
+            self.exact_resends += int(not fresh)
+            self._plain(output_tensor, input_tensor, group)
+            self.replica = output_tensor.detach().view(-1, n)[self.rows]  # indexing copies
+            return None
+        if changed:
+            self._update(input_tensor.detach().view(1, n), group)
+        self._fill(output_tensor, n)
+        return None
+
+    def _update(self, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Send this rank's quantized difference; add every holder's to the replica rows."""
+        self.version += 1
+        n = shard.shape[1]
+        own = self.topology.node if self.layout == "node" else self.topology.rank
+        seed = derive_seed(self.config.seed, self.comm_id, self.version, self.topology.rank, 2)
+        # quantize(shard - replica[own row]) in one pass on CUDA
+        send = self.codec.encode_difference(shard, self.replica[own].view(1, n), seed=seed)
+        holders, peers = self._holders(group)
+        gathered = self._gather_bytes(send, n, holders, peers)
+        # replica += dequantize(every holder's difference), in the replica's dtype
+        self.codec.decode_into(gathered, n, self.replica, add=True)
+        every = self.config.verify_replicas_every
+        if every and self.version % every == 0:
+            self._verify(group)
+
+    def _fill(self, output: torch.Tensor, n: int) -> None:
+        """The output from the replica; node replicas: every local rank's rows, exactly."""
+        if self.layout == "full":
+            output.copy_(self.replica.view(-1))
+            return
+        t = self.topology
+        mine = self.replica.view(-1)
+        # One temporary of the group's size: rows arrive local-rank-major, the output is rank-major.
+        buf = torch.empty(t.ranks_per_node, t.nodes, n, dtype=mine.dtype, device=mine.device)
+        all_gather_flat(buf.view(-1), mine, t.intra_group)
+        METER.record_peers("weights", mine.numel() * mine.element_size(), mine.numel(), t.ranks_per_node - 1, 0)
+        output.view(t.nodes, t.ranks_per_node, n).copy_(buf.transpose(0, 1))
+
+    def _verify(self, group: dist.ProcessGroup) -> None:
+        """Compare an exact integer checksum of the replica among the ranks holding its rows."""
+        bits = self.replica.view(torch.int16 if self.replica.element_size() == 2 else torch.int32).view(-1)
+        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device) % 65521
+        mine = torch.stack([(bits.to(torch.int64) * weights).sum(), bits.to(torch.int64).sum()])
+        holders, (intra, inter) = self._holders(group)
+        ranks = dist.get_process_group_ranks(holders)
+        everyone = torch.empty(len(ranks) * 2, dtype=torch.int64, device=mine.device)
+        all_gather_flat(everyone, mine, holders)
+        everyone = everyone.view(-1, 2)
+        METER.record_peers("control", mine.numel() * 8, 0, intra, inter)
+        if not bool((everyone == everyone[0]).all()):
+            bad = [ranks[i] for i in range(len(ranks)) if not torch.equal(everyone[i], everyone[0])]
+            raise RuntimeError(
+                f"weight-difference replicas diverged: {self.name} at gather {self.gathers}: "
+                f"ranks {bad} differ from rank {ranks[0]}"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters only; the replica rows are saved by :meth:`replica_rows` (through DCP)."""
+        return {"version": self.version, "changed": self.tracker.pending_change(self.index)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Loading restores parameters and replicas together: the parameters' counters are the
+        # reference from here on, and a change saved before its gather is still to be sent.
+        self.version = int(state.get("version", 0))
+        self.tracker.watches[self.index].rebase(changed=bool(state.get("changed", False)))
+        self.tracker.request()
+
+    def replica_rows(self) -> dict[int, torch.Tensor]:
+        """``{row of the gathered buffer: its replica values}`` held by this rank (empty before
+        the first gather)."""
+        if self.replica is None:
+            return {}
+        return {row: self.replica[k] for k, row in enumerate(self.rows)}
+
+    def load_replica_rows(self, rows: dict[int, torch.Tensor] | None) -> None:
+        """Restore the replica from ``{row: values}`` holding every row of :attr:`rows`;
+        ``None``: re-establish it with exact values at the next gather."""
+        self.replica = None if rows is None else torch.stack([rows[r] for r in self.rows])
