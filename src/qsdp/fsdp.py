@@ -158,7 +158,7 @@ def quantize_comms(
         if replicate_group is None:
             rs = rs_cls(cfg, topology, i)
         else:
-            rs = _hsdp.hsdp_reduce_scatter(rs_cls, cfg, topology, i, replicate_group)
+            rs = _hsdp.hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, replicate_group)
         m.set_custom_all_gather(ag)
         m.set_custom_reduce_scatter(rs)
         handle.modules.append(m)

@@ -139,14 +139,19 @@ def broadcast_replicas(module: nn.Module, replicate_group: dist.ProcessGroup) ->
 
 
 def hsdp_reduce_scatter(
-    rs_cls: type, config: QuantConfig, topology: Topology, comm_id: int, replicate_group: dist.ProcessGroup
+    module: nn.Module, rs_cls: type, config: QuantConfig, topology: Topology, comm_id: int,
+    replicate_group: dist.ProcessGroup,
 ) -> HsdpReduceScatter:
     """FSDP2's reduce-scatter comm for one FSDP module under HSDP: ``rs_cls`` inside the node,
-    then the all-reduce across the replicas."""
+    then the all-reduce across the replicas. With one rank per shard group FSDP2 never calls a
+    reduce-scatter, so the all-reduce is set as the module's all-reduce hook instead."""
     # Each node rounds its intra-node sums with its own randomness, so that the replicas'
     # rounding errors are independent when they are summed.
     node_config = dataclasses.replace(config, seed=derive_seed(config.seed, replicate_group.rank()))
-    return HsdpReduceScatter(rs_cls(node_config, topology, comm_id), ReplicaAllReduce(config, replicate_group, comm_id))
+    rs = HsdpReduceScatter(rs_cls(node_config, topology, comm_id), ReplicaAllReduce(config, replicate_group, comm_id))
+    if topology.world_size == 1:
+        module.set_all_reduce_hook(rs.hook)
+    return rs
 
 
 def prepare(module: nn.Module, config: QuantConfig, group: dist.ProcessGroup | None,

@@ -131,13 +131,21 @@ class HsdpReduceScatter:
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         shard_divisor = _divisor(op, group.size())
         self.inner(output_tensor, input_tensor, group, dist.ReduceOp.SUM)
-        total = self.all_reduce(output_tensor.float())
-        divisor = shard_divisor * self.all_reduce.replicas
-        output_tensor.copy_(total / divisor if divisor != 1 else total)
-        # No host sync here: the flag stays a tensor until take_nonfinite.
-        bad = ~torch.isfinite(output_tensor).all()
-        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+        self._across_replicas(output_tensor, shard_divisor)
         return None
+
+    def hook(self, output: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook, for a shard group of one rank: FSDP2 then skips the
+        reduce-scatter and hands over the local gradient shard, undivided."""
+        self._across_replicas(output, 1)
+
+    def _across_replicas(self, output: torch.Tensor, shard_divisor: int) -> None:
+        total = self.all_reduce(output.float())
+        divisor = shard_divisor * self.all_reduce.replicas
+        output.copy_(total / divisor if divisor != 1 else total)
+        # No host sync here: the flag stays a tensor until take_nonfinite.
+        bad = ~torch.isfinite(output).all()
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
 
     def take_nonfinite(self) -> bool:
         """Whether a non-finite value was reduced since the last call. The all-reduce carries a
