@@ -256,3 +256,51 @@ def test_bad_hsdp_setups_raise_a_clear_error_before_any_data_moves(case, words):
         assert message is not None and words in message
         assert "replicate_group=groups.replicate_group" in message  # the recipe
         assert moved == 0
+
+
+# ------------------------------------------------------------------ non-finite gradients
+
+
+def _nan_on_one_node(rank, world, preset, bad_step):
+    model, _, handle = _quantized_hsdp(preset)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    skipped = []
+    for step in range(4):
+        x, y = fm.batch(step, rank)
+        if step == bad_step and rank == 3:  # one rank of the second node
+            x[0, 0] = float("nan")
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if handle.nonfinite_gradients():
+            skipped.append(step)
+        else:
+            opt.step()
+        opt.zero_grad()
+    return skipped, _local_shards(model)
+
+
+@pytest.mark.parametrize("preset", ["fsdp", "hsdp4"])
+def test_a_nan_gradient_on_one_node_skips_the_step_on_every_node(preset):
+    results = run_world(_nan_on_one_node, 4, preset, 2, local_world_size=PER_NODE)
+    assert [skipped for skipped, _ in results] == [[2]] * 4
+    for a, b in ((0, 2), (1, 3)):  # the replicas of each slot stay equal and finite
+        assert all(torch.equal(x, y) and torch.isfinite(x).all() for x, y in zip(results[a][1], results[b][1]))
+
+
+def _accumulate(rank, world, steps, micro):
+    model, _, handle = _quantized_hsdp("hsdp4")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        for k in range(micro):
+            model.set_requires_gradient_sync(k == micro - 1)
+            x, y = fm.batch(step * micro + k, rank)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [rs.all_reduce.calls for rs in handle.reduce_scatters], _local_shards(model)
+
+
+def test_gradient_accumulation_runs_one_all_reduce_per_step_on_the_last_micro_batch():
+    results = run_world(_accumulate, 4, 3, 2, local_world_size=PER_NODE)
+    assert all(calls == [3, 3, 3] for calls, _ in results)
+    for a, b in ((0, 2), (1, 3)):
+        assert all(torch.equal(x, y) for x, y in zip(results[a][1], results[b][1]))
