@@ -470,7 +470,7 @@ BENCHMARKS = {
 def _cmd_bench(ns: argparse.Namespace) -> int:
     import importlib
 
-    module = importlib.import_module(BENCHMARKS[ns.bench])
+    module = importlib.import_module(BENCHMARKS.get(ns.bench, "qsdp.advise"))
     try:
         rc = module.main(ns.bench_args)
     except SystemExit as e:  # its own argparse: --help, usage errors
@@ -504,6 +504,11 @@ def _parser() -> _Parser:
     pl.add_argument("dirs", nargs="+", metavar="DIR", help="run directories (or a directory of runs)")
     pl.add_argument("--out", default=None, help="where the PNGs go (default: the runs' parent directory)")
     pl.set_defaults(func=_cmd_plot)
+
+    a = sub.add_parser("advise", help="does quantization pay for this job: predicted steps, a recommendation",
+                       add_help=False, prefix_chars="\0")  # every argument goes to qsdp.advise
+    a.add_argument("advise_args", nargs=argparse.REMAINDER)
+    a.set_defaults(func=lambda ns: _cmd_bench(argparse.Namespace(bench="advise", bench_args=ns.advise_args)))
 
     b = sub.add_parser("bench", help="benchmarks", description="Benchmarks of qsdp.")
     b.add_argument("bench", choices=sorted(BENCHMARKS), help="which benchmark")
