@@ -84,8 +84,10 @@ class ReplicaAllReduce:
     def _quantized(self, x: torch.Tensor, codec: RowCodec) -> torch.Tensor:
         d, n = self.replicas, x.numel()
         length = chunk_len(n, d, codec)
-        rows = torch.zeros(d * length, dtype=torch.float32, device=x.device)
+        rows = torch.empty(d * length, dtype=torch.float32, device=x.device)
         rows[:n] = x
+        # Pad by repeating the last element, which widens no quantization group's range.
+        rows[n:] = x[-1]
         rows = rows.view(d, length)
         send = codec.encode(rows, seed=self._seed(1))
         recv = torch.empty_like(send)
@@ -142,7 +144,9 @@ class HsdpReduceScatter:
     def _across_replicas(self, output: torch.Tensor, shard_divisor: int) -> None:
         total = self.all_reduce(output.float())
         divisor = shard_divisor * self.all_reduce.replicas
-        output.copy_(total / divisor if divisor != 1 else total)
+        if divisor != 1:
+            total.div_(divisor)  # in fp32, before any cast to the reduce dtype
+        output.copy_(total)
         # No host sync here: the flag stays a tensor until take_nonfinite.
         bad = ~torch.isfinite(output).all()
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
