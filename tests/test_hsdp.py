@@ -17,14 +17,17 @@ pytestmark = pytest.mark.timeout(240)
 NODES, PER_NODE = 2, 2
 
 
-def _hsdp_model(seed: int = 0, width: int = 32, depth: int = 2):
-    """TinyNet sharded with 1-D FSDP2 on this node's ranks; returns the model and the groups."""
+def _hsdp_model(seed: int = 0, width: int = 32, depth: int = 2, native: bool = False, mp=None):
+    """TinyNet sharded with 1-D FSDP2 on this node's ranks (``native``: FSDP2's own HSDP on the
+    2-D mesh); returns the model and the groups."""
     groups = qsdp.hsdp_groups(nodes=NODES, device_type="cpu")
     torch.manual_seed(seed)
     model = fm.TinyNet(width, depth)
+    mesh = groups.mesh if native else groups.shard_mesh
+    kw = {"mp_policy": mp} if mp is not None else {}
     for b in model.blocks:
-        fully_shard(b, mesh=groups.shard_mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=groups.shard_mesh, reshard_after_forward=True)
+        fully_shard(b, mesh=mesh, reshard_after_forward=True, **kw)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, **kw)
     return model, groups
 
 
@@ -126,15 +129,33 @@ def test_quantized_all_reduce_is_unbiased(overrides):
 
 def _train_losses(rank, world, preset, steps):
     if preset is None:  # FSDP2's own HSDP on the 2-D mesh
-        groups = qsdp.hsdp_groups(nodes=NODES, device_type="cpu")
-        torch.manual_seed(0)
-        model = fm.TinyNet()
-        for b in model.blocks:
-            fully_shard(b, mesh=groups.mesh, reshard_after_forward=True)
-        fully_shard(model, mesh=groups.mesh, reshard_after_forward=True)
+        model, _ = _hsdp_model(native=True)
     else:
         model, _, _ = _quantized_hsdp(preset)
     return fm.train(model, steps, rank)
+
+
+def _gradients(rank, world, preset, reduce_dtype):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    model, groups = _hsdp_model(native=preset is None, mp=mp)
+    if preset is not None:
+        qsdp.quantize_comms(model, preset, group=groups.shard_group, replicate_group=groups.replicate_group)
+    x, y = fm.batch(0, rank)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.to_local().float().clone() for p in model.parameters()]
+
+
+# Adam does not see the scale of the gradients: compare the averaged gradients themselves.
+# fp32 reduces with ReduceOp.AVG; fp16 makes FSDP2 pre-divide and sum (its overflow guard).
+@pytest.mark.parametrize("reduce_dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
+def test_gradients_are_averaged_over_every_rank_as_native_hsdp_does(reduce_dtype, tol):
+    native = run_world(_gradients, 4, None, reduce_dtype, local_world_size=PER_NODE)
+    ours = run_world(_gradients, 4, "fsdp", reduce_dtype, local_world_size=PER_NODE)
+    for a, b in zip(native, ours):
+        for ga, gb in zip(a, b):
+            assert torch.allclose(ga, gb, rtol=tol, atol=tol * ga.abs().max().item())
 
 
 @pytest.fixture(scope="module")
