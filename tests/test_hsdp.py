@@ -59,7 +59,7 @@ def groups_seed(rank: int, world: int) -> int:
 # One rank per node: FSDP2 skips the reduce-scatter, the all-reduce runs as its hook.
 @pytest.mark.parametrize("preset,per_node", [("hsdp4", 2), ("sdp4bit", 2), ("qsdp", 2), ("hsdp4", 1)])
 def test_replicas_stay_bit_identical_across_nodes_after_many_steps(preset, per_node):
-    results = run_world(_replicas_after_training, NODES * per_node, preset, 30, local_world_size=per_node)
+    results = run_world(_replicas_after_training, NODES * per_node, preset, 20, local_world_size=per_node)
     by_slot: dict[int, list] = {}
     for replica, slot, shards, losses in results:
         by_slot.setdefault(slot, []).append(shards)
@@ -173,7 +173,9 @@ def test_the_exact_route_matches_native_hsdp(native_losses):
 # Only the all-reduce quantized: close. zeropp also gathers 4-bit weights (qW, nearest rounding),
 # which SDP4Bit measured at +12% loss: the looser bound of the repo's other preset tests.
 @pytest.mark.parametrize("preset,rel,slack", [
-    ("hsdp4", 0.25, 0.02), ("hsdp8", 0.25, 0.02), ("sdp4bit", 0.25, 0.02), ("zeropp", 0.5, 0.05),
+    ("hsdp4", 0.25, 0.02), ("sdp4bit", 0.25, 0.02),
+    pytest.param("hsdp8", 0.25, 0.02, marks=pytest.mark.slow),
+    pytest.param("zeropp", 0.5, 0.05, marks=pytest.mark.slow),
 ])
 def test_quantized_hsdp_trains_close_to_native_hsdp(preset, rel, slack, native_losses):
     got = run_world(_train_losses, 4, preset, 40, local_world_size=PER_NODE)
