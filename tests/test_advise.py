@@ -22,8 +22,8 @@ def test_parameter_counts_are_read_with_suffixes(text, n):
 
 def test_a_shape_has_about_the_asked_parameters():
     for n in (125e6, 1.3e9, 7e9, 70e9):
-        s = adv.gpt_shape(int(n))
-        assert abs(12 * s["n_layer"] * s["n_embd"] ** 2 / n - 1) < 0.2
+        r = adv.advise(int(n), 2, 8)
+        assert abs(r["params"] / n - 1) < 0.15
 
 
 def test_a_slow_link_recommends_a_quantized_setup():
@@ -54,6 +54,16 @@ def test_the_command_prints_json_with_the_recommendation(capsys):
     assert out["meta"]["command"].startswith("qsdp advise --params 2.7B")
 
 
+def test_a_hugging_face_config_gives_the_shape(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                               "vocab_size": 32000}))
+    assert cli_main(["advise", "--config", str(cfg), "--nodes", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shape"] == {"n_layer": 32, "n_embd": 4096, "n_head": 32, "vocab_size": 32000}
+    assert 6.0e9 < out["params"] < 7.0e9
+
+
 def test_the_command_prints_a_table_naming_the_recommendation(capsys):
     assert cli_main(["advise", "--params", "1.3B", "--nodes", "16", "--gpu", "a100"]) == 0
     out = capsys.readouterr().out
@@ -64,6 +74,7 @@ def test_the_command_prints_a_table_naming_the_recommendation(capsys):
     (["--params", "lots", "--nodes", "2"], "--params='lots'"),
     (["--params", "1B"], "--nodes is required"),
     (["--params", "1B", "--nodes", "0"], "--nodes=0 must be positive"),
+    (["--nodes", "2"], "one of the arguments --params --config is required"),
 ])
 def test_bad_arguments_are_named(argv, words, capsys):
     assert cli_main(["advise", *argv]) == 2

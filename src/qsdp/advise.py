@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .bench import simulate as sim
-from .train.model import GPTConfig
+from .train.model import GPTConfig, n_params
 
 FLAT_PRESETS = ("fsdp", "qsdp", "zeropp", "sdp4bit")
 HSDP_PRESETS = ("fsdp", "hsdp8", "hsdp4", "sdp4bit")
@@ -49,11 +49,39 @@ def parse_params(text: str) -> int:
 
 
 def gpt_shape(params: int) -> dict[str, int]:
-    """A GPT shape of about ``params`` parameters: ``12 * n_layer * n_embd**2``, the width a
-    multiple of 128 and 128 per head."""
+    """A GPT shape of about ``params`` parameters (embeddings included): the depth of the
+    nearest GPT-3 size, the width (a multiple of 128, 128 per head) whose count is closest."""
     n_layer = min(_DEPTHS, key=lambda d: abs(math.log(d[0] / params)))[1]
-    n_embd = max(128, round(math.sqrt(params / (12 * n_layer)) / 128) * 128)
-    return {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_embd // 128}
+    guess = max(1, round(math.sqrt(params / (12 * n_layer)) / 128))
+
+    def count(units: int) -> int:
+        return n_params(GPTConfig(vocab_size=sim.GPT2_VOCAB, block_size=sim.SEQ_LEN, n_layer=n_layer,
+                                  n_embd=128 * units, n_head=units))
+
+    units = min(range(max(1, guess - 3), guess + 4), key=lambda u: abs(count(u) - params))
+    return {"n_layer": n_layer, "n_embd": 128 * units, "n_head": units}
+
+
+def shape_from_config(path: str) -> dict[str, int]:
+    """The GPT shape of a model config JSON: nanoGPT names (``n_layer``, ``n_embd``, ``n_head``)
+    or Hugging Face ones (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``), and
+    ``vocab_size``. A non-GPT block (a gated MLP, grouped attention) is priced as a GPT block of
+    the same width."""
+    with open(path) as f:
+        cfg = json.load(f)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+
+    def pick(*names: str) -> int:
+        for n in names:
+            if isinstance(cfg.get(n), int) and cfg[n] > 0:
+                return cfg[n]
+        raise ValueError(f"{path}: no positive integer {' or '.join(names)}")
+
+    return {"n_layer": pick("n_layer", "num_hidden_layers", "num_layers"),
+            "n_embd": pick("n_embd", "hidden_size", "d_model"),
+            "n_head": pick("n_head", "num_attention_heads"),
+            "vocab_size": cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else sim.GPT2_VOCAB}
 
 
 @dataclass(frozen=True)
@@ -63,23 +91,27 @@ class ShapeSetup(sim.Setup):
     n_layer: int = 24
     n_embd: int = 2048
     n_head: int = 16
+    vocab_size: int = sim.GPT2_VOCAB
 
     def gpt(self) -> GPTConfig:
-        return GPTConfig(vocab_size=sim.GPT2_VOCAB, block_size=self.seq_len, n_layer=self.n_layer,
+        return GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=self.n_layer,
                          n_embd=self.n_embd, n_head=self.n_head)
 
 
-def advise(params: int, nodes: int, ranks_per_node: int, gpu: str = "h800", *,
-           inter_gbps: float | None = None, kernels: Mapping[str, float] | None = None,
-           seq_len: int = sim.SEQ_LEN, micro_batch: int = 1, overlap: float = 0.0,
-           margin: float = 0.05) -> dict[str, Any]:
-    """The predictions and the recommendation as a JSON-ready dict (times in ms)."""
+def advise(params: int | None, nodes: int, ranks_per_node: int, gpu: str = "h800", *,
+           shape: Mapping[str, int] | None = None, inter_gbps: float | None = None,
+           kernels: Mapping[str, float] | None = None, seq_len: int = sim.SEQ_LEN, micro_batch: int = 1,
+           overlap: float = 0.0, margin: float = 0.05) -> dict[str, Any]:
+    """The predictions and the recommendation as a JSON-ready dict (times in ms), for a model
+    of ``params`` parameters (a GPT shape is chosen) or of the given ``shape``."""
     if nodes < 1 or ranks_per_node < 1:
         raise ValueError(f"nodes={nodes} and ranks_per_node={ranks_per_node} must be positive")
     hw = dataclasses.replace(sim.HARDWARE[gpu], gpus_per_node=ranks_per_node,
                              **({"inter_gbps": inter_gbps} if inter_gbps else {}))
-    setup = ShapeSetup(f"{params / 1e9:.3g}B", gpu, nodes * ranks_per_node, 1, 1, seq_len=seq_len,
-                       micro_batch=micro_batch, layout="layer", zero3=True, **gpt_shape(params))
+    shape = dict(shape) if shape is not None else gpt_shape(int(params or 0))
+    setup = ShapeSetup("custom", gpu, nodes * ranks_per_node, 1, 1, seq_len=seq_len,
+                       micro_batch=micro_batch, layout="layer", zero3=True, **shape)
+    params = n_params(setup.gpt())
     rows = []
     for p in FLAT_PRESETS:
         r = sim.simulate_step(setup, p, hw, overlap=overlap, kernels=kernels)
@@ -88,7 +120,7 @@ def advise(params: int, nodes: int, ranks_per_node: int, gpu: str = "h800", *,
         for p in HSDP_PRESETS:
             r = sim.simulate_hsdp_step(setup, p, hw, overlap=overlap, kernels=kernels)
             rows.append(_row("hsdp", p, r, params / ranks_per_node))
-    return {"params": params, "shape": gpt_shape(params), "nodes": nodes, "ranks_per_node": ranks_per_node,
+    return {"params": params, "shape": shape, "nodes": nodes, "ranks_per_node": ranks_per_node,
             "gpu": gpu, "inter_gbps_per_gpu": hw.inter_gbps, "seq_len": seq_len, "micro_batch": micro_batch,
             "overlap": overlap, "rows": rows, "recommendation": _recommend(rows, margin)}
 
@@ -167,7 +199,9 @@ def format_text(result: Mapping[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qsdp advise", description=__doc__.splitlines()[0])
-    p.add_argument("--params", required=True, help="model parameters, e.g. 1.3B, 350M, 7e9")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--params", help="model parameters, e.g. 1.3B, 350M, 7e9 (a GPT shape is chosen)")
+    model.add_argument("--config", metavar="FILE", help="a model config JSON (nanoGPT or Hugging Face names)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: from the torchrun world with --measure)")
     p.add_argument("--ranks-per-node", type=int, default=None, help="GPUs per node (default: the GPU type's)")
     p.add_argument("--gpu", choices=sorted(sim.HARDWARE), default="h800", help="GPU type and its cluster")
@@ -186,7 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     try:
-        params = parse_params(args.params)
+        params = parse_params(args.params) if args.params else None
+        shape = shape_from_config(args.config) if args.config else None
         kernels = sim.load_kernels(args.kernels) if args.kernels else None
     except (OSError, ValueError) as e:
         p.error(str(e))
@@ -203,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nodes is None:
         p.error("--nodes is required (or --measure under torchrun)")
     per_node = args.ranks_per_node or sim.HARDWARE[args.gpu].gpus_per_node
-    result = advise(params, args.nodes, per_node, args.gpu, inter_gbps=measured or args.inter_gbps,
+    result = advise(params, args.nodes, per_node, args.gpu, shape=shape, inter_gbps=measured or args.inter_gbps,
                     kernels=kernels, seq_len=args.seq_len, micro_batch=args.micro_batch,
                     overlap=args.overlap, margin=args.margin)
     if measured is not None:
@@ -213,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "device": "analytic model" + (" + measured all-gather" if measured else "")}
     if speak:
         print(json.dumps(result) if args.json else format_text(result))
+    if args.measure:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0
 
 
