@@ -11,12 +11,14 @@ from .config import (
     PRESETS,
     ConfigError,
     GradComm,
+    HsdpComm,
     QuantConfig,
     WeightComm,
     preset_names,
     resolve_config,
 )
 from .fsdp import QuantizedComms, quantize_comms
+from .hsdp import HsdpGroups, hsdp_groups
 
 __version__ = "0.1.0"
 
@@ -24,4 +26,5 @@ __all__ = [
     "quantize_comms", "QuantizedComms", "comm_stats",
     "QuantConfig", "WeightComm", "GradComm", "ConfigError",
     "PRESETS", "preset_names", "resolve_config", "__version__",
+    "hsdp_groups", "HsdpGroups", "HsdpComm",
 ]

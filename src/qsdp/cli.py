@@ -59,6 +59,8 @@ BENCHMARKS = {
     "soak": "qsdp.bench.soak",
     "memory": "qsdp.bench.memory",
 }
+# `qsdp advise ARGS...` dispatches like a benchmark: its module parses its own arguments.
+_MODULES = {**BENCHMARKS, "advise": "qsdp.advise"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -236,7 +238,7 @@ def _cmd_plot(ns: argparse.Namespace) -> int:
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
     # Imported by name: only the benchmark asked for is loaded.
-    module = importlib.import_module(BENCHMARKS[ns.bench])
+    module = importlib.import_module(_MODULES[ns.bench])
     try:
         rc = module.main(ns.bench_args)
     except SystemExit as e:  # its own argparse: --help, usage errors
@@ -267,6 +269,11 @@ def _parser() -> _Parser:
     pl.add_argument("dirs", nargs="+", metavar="DIR", help="run directories (or a directory of runs)")
     pl.add_argument("--out", default=None, help="where the PNGs go (default: the runs' parent directory)")
     pl.set_defaults(func=_cmd_plot)
+
+    a = sub.add_parser("advise", help="does quantization pay for this job: predicted steps, a recommendation",
+                       add_help=False, prefix_chars="\0")  # every argument goes to qsdp.advise
+    a.add_argument("advise_args", nargs=argparse.REMAINDER)
+    a.set_defaults(func=lambda ns: _cmd_bench(argparse.Namespace(bench="advise", bench_args=ns.advise_args)))
 
     b = sub.add_parser("bench", help="benchmarks", description="Benchmarks of qsdp.")
     b.add_argument("bench", choices=sorted(BENCHMARKS), help="which benchmark")

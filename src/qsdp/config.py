@@ -17,6 +17,7 @@ from .codecs import ROUNDINGS, SUPPORTED_BITS
 WEIGHT_MODES = ("plain", "direct", "difference")
 REPLICAS = ("auto", "node", "full")
 GRAD_MODES = ("plain", "one_level", "two_level")
+HSDP_MODES = ("plain", "quantized")
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,26 @@ class GradComm:
 
 
 @dataclass(frozen=True)
+class HsdpComm:
+    """How the gradient all-reduce across replicas travels when ``quantize_comms`` is given a
+    ``replicate_group`` (HSDP: FSDP2 shards inside the node, the nodes hold replicas).
+
+    mode: ``plain`` (an fp32 all-reduce, what FSDP2's native HSDP sends in the reduce dtype) or
+        ``quantized`` (a reduce-scatter of quantized chunks over all-to-all, the owner sums in
+        fp32, an all-gather of the requantized sums: every replica applies the same values).
+    bits, group_size, symmetric, rounding, hadamard_block: the quantizer of both phases; the sums
+        are requantized in the Hadamard domain.
+    """
+
+    mode: Literal["plain", "quantized"] = "plain"
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    rounding: str = "stochastic"
+    hadamard_block: int = 0
+
+
+@dataclass(frozen=True)
 class QuantConfig:
     """The whole communication config of a run.
 
@@ -94,6 +115,7 @@ class QuantConfig:
     name: str = "custom"
     weights: WeightComm = field(default_factory=WeightComm)
     grads: GradComm = field(default_factory=GradComm)
+    hsdp: HsdpComm = field(default_factory=HsdpComm)
     min_shard_numel: int = 0
     local_world_size: int | None = None
     seed: int = 0
@@ -109,6 +131,7 @@ PRESETS: dict[str, QuantConfig] = {
         name="qsdp",
         weights=WeightComm("direct", bits=8, group_size=1024, symmetric=False, rounding="shift"),
         grads=GradComm("one_level", bits=8, group_size=1024, symmetric=False, rounding="stochastic"),
+        hsdp=HsdpComm("quantized", bits=8, group_size=1024, symmetric=False),
     ),
     "sdp4bit": QuantConfig(
         name="sdp4bit",
@@ -117,6 +140,7 @@ PRESETS: dict[str, QuantConfig] = {
             "two_level", bits_intra=8, bits_inter=4, group_size=128, symmetric=True,
             rounding="stochastic", hadamard_block=32, pipeline_slices=8,
         ),
+        hsdp=HsdpComm("quantized", bits=4, group_size=128, hadamard_block=32),
     ),
     "zeropp": QuantConfig(
         name="zeropp",
@@ -125,6 +149,7 @@ PRESETS: dict[str, QuantConfig] = {
             "two_level", bits_intra=4, bits_inter=4, group_size=128, symmetric=True,
             rounding="stochastic", hadamard_block=0, pipeline_slices=1,
         ),
+        hsdp=HsdpComm("quantized", bits=4, group_size=128),
     ),
 }
 
@@ -136,6 +161,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "tlq4": ("fsdp", {"grads": {**dataclasses.asdict(PRESETS["sdp4bit"].grads), "hadamard_block": 0}}),
     "tlq-hs": ("fsdp", {"grads": dataclasses.asdict(PRESETS["sdp4bit"].grads)}),
     "qsdp-w4g4": ("qsdp", {"weights.bits": 4, "grads.bits": 4}),
+    # HSDP with only the inter-node gradient all-reduce quantized (weights and the intra-node
+    # reduce-scatter stay exact on the node's fast links).
+    "hsdp4": ("fsdp", {"hsdp": dataclasses.asdict(PRESETS["sdp4bit"].hsdp)}),
+    "hsdp8": ("fsdp", {"hsdp": {"mode": "quantized", "bits": 8, "group_size": 128, "hadamard_block": 32}}),
 }
 
 
@@ -147,7 +176,7 @@ def preset_names() -> list[str]:
 def _apply_overrides(cfg: QuantConfig, overrides: Mapping[str, Any]) -> QuantConfig:
     """Overrides are ``{"weights.bits": 4}`` (dotted) or ``{"weights": {"bits": 4}}``."""
     top: dict[str, Any] = {}
-    sub: dict[str, dict[str, Any]] = {"weights": {}, "grads": {}}
+    sub: dict[str, dict[str, Any]] = {"weights": {}, "grads": {}, "hsdp": {}}
     for key, value in overrides.items():
         head, _, rest = key.partition(".")
         if head in sub and rest:
@@ -234,6 +263,7 @@ def validate(cfg: QuantConfig) -> None:
             raise ConfigError(f"grads.pipeline_min_slice={g.pipeline_min_slice!r} must be a positive integer")
         if not isinstance(g.quantize, bool):
             raise ConfigError(f"grads.quantize={g.quantize!r} must be a bool")
+    _validate_hsdp(cfg.hsdp)
     for name, v in (("weights.symmetric", w.symmetric), ("grads.symmetric", g.symmetric)):
         if not isinstance(v, bool):
             raise ConfigError(f"{name}={v!r} must be a bool")
@@ -248,3 +278,18 @@ def validate(cfg: QuantConfig) -> None:
         raise ConfigError(f"seed={cfg.seed!r} must be an integer")
     if not isinstance(cfg.name, str) or not cfg.name:
         raise ConfigError(f"name={cfg.name!r} must be a non-empty string")
+
+
+def _validate_hsdp(h: HsdpComm) -> None:
+    if h.mode not in HSDP_MODES:
+        raise ConfigError(f"hsdp.mode={h.mode!r} is not supported; allowed: {', '.join(HSDP_MODES)}")
+    if h.mode == "plain":
+        return
+    _check_quantizer("hsdp", {"bits": h.bits}, h.group_size, h.rounding)
+    hb = h.hadamard_block
+    if not is_int(hb) or hb < 0 or (hb and (hb < 2 or hb & (hb - 1))):
+        raise ConfigError(f"hsdp.hadamard_block={hb!r} must be 0 (off) or a power of two >= 2")
+    if hb and math.lcm(hb, h.group_size) > 1 << 20:
+        raise ConfigError(f"hsdp.hadamard_block={hb} and group_size={h.group_size} align only every {math.lcm(hb, h.group_size)} elements")
+    if not isinstance(h.symmetric, bool):
+        raise ConfigError(f"hsdp.symmetric={h.symmetric!r} must be a bool")

@@ -12,6 +12,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.distributed.fsdp import FSDPModule
 
+from . import hsdp as _hsdp
 from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
 from .comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
 from .comm.topology import Topology, build_topology
@@ -120,6 +121,7 @@ def quantize_comms(
     *,
     overrides: dict[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
+    replicate_group: dist.ProcessGroup | None = None,
 ) -> QuantizedComms:
     """Quantize the weight all-gathers and gradient reduce-scatters of every FSDP2 module under
     ``module`` (call after ``fully_shard``, before the first forward).
@@ -130,6 +132,9 @@ def quantize_comms(
             :func:`qsdp.preset_names`) or a :class:`QuantConfig`.
         overrides: field overrides, e.g. ``{"weights.bits": 8}``.
         group: the FSDP shard process group (default: the world).
+        replicate_group: HSDP: the ranks (one per node) holding the same shard as this rank;
+            the gradient all-reduce across them travels as ``config.hsdp`` says, and their
+            initial weights are made identical (see :mod:`qsdp.hsdp`). Needs ``group``.
 
     The config is validated first and then compared across ranks with one collective; both
     raise :class:`qsdp.ConfigError` naming the problem before any data moves.
@@ -143,9 +148,13 @@ def quantize_comms(
             f"no FSDP2 module under {type(module).__name__}: call torch.distributed.fsdp.fully_shard "
             "on its blocks and on the root first"
         )
-    check_same_config(cfg, group)
-    topology = build_topology(group, cfg.local_world_size)
-    if topology.world_size == 1:
+    _hsdp.reject_native_hsdp(module)
+    if replicate_group is None:
+        check_same_config(cfg, group)
+        topology = build_topology(group, cfg.local_world_size)
+    else:
+        topology = _hsdp.prepare(module, cfg, group, replicate_group)
+    if topology.world_size == 1 and replicate_group is None:
         warnings.warn("qsdp: the FSDP group has one rank; FSDP2 calls no custom collective on it, "
                       "so nothing is quantized or metered", stacklevel=2)
     handle = QuantizedComms(cfg, topology)
@@ -154,7 +163,10 @@ def quantize_comms(
         ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i, handle.tracker)
         ag.track(managed_parameters(m, fsdp_modules), f"group {i} ({names[id(m)]})")
         rs_cls = PlainReduceScatter if cfg.grads.mode == "plain" else QuantizedReduceScatter
-        rs = rs_cls(cfg, topology, i)
+        if replicate_group is None:
+            rs = rs_cls(cfg, topology, i)
+        else:
+            rs = _hsdp.hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, replicate_group)
         m.set_custom_all_gather(ag)
         m.set_custom_reduce_scatter(rs)
         handle.modules.append(m)

@@ -232,6 +232,78 @@ def step_bytes(
 
 
 # --------------------------------------------------------------------------------------------
+# HSDP: FSDP2 shards inside the node, the nodes hold replicas (qsdp.comm.hsdp).
+# --------------------------------------------------------------------------------------------
+
+HSDP_PRESETS = ("fsdp", "hsdp4", "sdp4bit")
+
+
+def hsdp_collectives(
+    config: str | QuantConfig,
+    shard_sizes: Sequence[int],
+    nodes: int,
+    ranks_per_node: int,
+    *,
+    zero3: bool = True,
+    param_bytes: int = 2,
+    grad_bytes: int = 4,
+) -> list[Collective]:
+    """Every collective one rank runs in one steady-state HSDP step: the config's gathers and
+    reduce-scatters over the ``ranks_per_node`` ranks of the node (``shard_sizes``: per-rank
+    shards of that group), then the all-reduce across the ``nodes`` replicas as ``config.hsdp``
+    says: ``plain`` is a reduce-scatter and an all-gather of fp32 chunks (FSDP2's native HSDP,
+    as a ring), ``quantized`` the two all-to-all phases of :class:`qsdp.comm.hsdp.ReplicaAllReduce`."""
+    from ..comm.hsdp import chunk_len, hsdp_codec
+
+    cfg = resolve_config(config)
+    out = step_collectives(cfg, shard_sizes, 1, ranks_per_node, zero3=zero3,
+                           param_bytes=param_bytes, grad_bytes=grad_bytes)
+    d = nodes
+    if d == 1:
+        return out
+    for s in shard_sizes:
+        if cfg.hsdp.mode == "plain" or s < max(1, cfg.min_shard_numel):
+            chunk = -(-s // d)
+            out += [Collective("grads", "a2a_inter", chunk * 4, chunk, 0, d - 1)] * 2
+            continue
+        codec = hsdp_codec(cfg.hsdp)
+        length = chunk_len(s, d, codec)
+        row = codec.row_nbytes(length)
+        out.append(Collective("grads", "a2a_inter", row, length, 0, d - 1, quantize=d * length,
+                              dequantize=d * length, hadamard=bool(codec.hadamard_block)))
+        out.append(Collective("grads", "a2a_inter", row, length, 0, d - 1, quantize=length,
+                              dequantize=d * length))
+    return out
+
+
+def simulate_hsdp_step(setup: "Setup", preset: str | QuantConfig, hw: "Hardware", *, overlap: float = 0.0,
+                       kernels: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """Predicted HSDP step (seconds): each data-parallel group shards over its ranks in one
+    node (``M``) and replicates across its ``D`` nodes."""
+    nodes, m = setup.dp_topology(hw.gpus_per_node)
+    shards = shard_sizes(dataclasses.replace(setup, gpus=m * setup.tp * setup.pp))
+    colls = hsdp_collectives(preset, shards, nodes, m, zero3=setup.zero3)
+    # Rings run inside the node (one node of M ranks); the all-reduce's all-to-alls name their
+    # inter-node peers themselves.
+    ct = comm_time(colls, hw, 1, m, kernels)
+    comp = compute_time(setup, hw)
+    comm = ct["weights"] + ct["grads"] + ct["control"]
+    exposed = max(0.0, comm - overlap * comp)
+    return {"step_s": comp + exposed, "compute_s": comp, "comm_s": comm, "weights_s": ct["weights"],
+            "grads_s": ct["grads"], "kernels_s": ct["kernels"]}
+
+
+def _hsdp_rows(setup: "Setup", hw: "Hardware", overlap: float, kernels, flat_fsdp_s: float) -> dict[str, Any]:
+    """A case's HSDP entries: step ms per preset (``fsdp`` = FSDP2's native HSDP), and speedups
+    over native HSDP and over the flat (fully sharded) fsdp baseline."""
+    steps = {p: simulate_hsdp_step(setup, p, hw, overlap=overlap, kernels=kernels)["step_s"] for p in HSDP_PRESETS}
+    native = steps["fsdp"]
+    return {"hsdp_step_ms": {p: 1e3 * t for p, t in steps.items()},
+            "hsdp_speedup_over_native": {p: native / t for p, t in steps.items()},
+            "hsdp_speedup_over_fsdp": {p: flat_fsdp_s / t for p, t in steps.items()}}
+
+
+# --------------------------------------------------------------------------------------------
 # Hardware and time.
 # --------------------------------------------------------------------------------------------
 
@@ -517,6 +589,7 @@ def _case(setup: Setup, hw: Hardware, presets: Sequence[str], overlap: float, ke
         "bytes_per_step": {p: r["bytes"] for p, r in steps.items()},
         "speedup": {p: base / r["step_s"] for p, r in steps.items()},
         "predicted_speedup": base / steps["sdp4bit"]["step_s"],
+        **_hsdp_rows(setup, hw, overlap, kernels, base),
     }
 
 
@@ -560,7 +633,7 @@ def run(gpus_types: Sequence[str] = ("a100", "h800"), *, overrides: Mapping[str,
                 continue
             c = _case(Setup(scale_model, gpu, n, tp, pp, layout=layout, zero3=zero3), hw, presets, overlap, kernels)
             scale.append({k: c[k] for k in ("model", "gpus", "gpu", "nodes", "tp", "pp", "dp", "dp_nodes",
-                                             "dp_ranks_per_node", "step_ms", "speedup", "predicted_speedup")})
+                                             "dp_ranks_per_node", "step_ms", "speedup", "predicted_speedup", "hsdp_step_ms")})
     errs = [abs(c["rel_error"]) for c in cases if c["rel_error"] is not None]
     return {
         "cases": cases,
@@ -647,6 +720,7 @@ def format_table(result: dict[str, Any]) -> str:
                          f"{s['step_ms']['fsdp']:.1f}", f"{s['step_ms']['sdp4bit']:.1f}",
                          f"{s['predicted_speedup']:.2f}x"))
         lines += _fmt_table(rows)
+    lines += _format_hsdp(result)
     t4 = result.get("table4")
     if t4:
         lines.append("")
@@ -658,6 +732,22 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in result["assumptions"]]
     return "\n".join(lines)
+
+
+def _format_hsdp(result: dict[str, Any]) -> list[str]:
+    rows = [("model", "gpu", "GPUs", "DP (DxM)", "fsdp ms", *[f"HSDP {p} ms" for p in HSDP_PRESETS],
+             *[f"{p} x native" for p in HSDP_PRESETS[1:]])]
+    for c in [*result["cases"], *result["scale"]]:
+        if "hsdp_step_ms" not in c:
+            continue
+        h = c["hsdp_step_ms"]
+        rows.append((c["model"], c["gpu"], str(c["gpus"]), f"{c['dp']} ({c['dp_nodes']}x{c['dp_ranks_per_node']})",
+                     f"{c['step_ms']['fsdp']:.1f}", *[f"{h[p]:.1f}" for p in HSDP_PRESETS],
+                     *[f"{h['fsdp'] / h[p]:.2f}" for p in HSDP_PRESETS[1:]]))
+    if len(rows) == 1:
+        return []
+    return ["", "HSDP (shard inside the node, replicate across nodes; HSDP fsdp = FSDP2's native "
+            "HSDP, fp32 all-reduce): predicted step", *_fmt_table(rows)]
 
 
 _HW_FLAGS = {

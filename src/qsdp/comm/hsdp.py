@@ -1,0 +1,169 @@
+"""HSDP: FSDP2 shards inside the node, the nodes hold replicas, and the gradient all-reduce
+across the replicas is quantized.
+
+FSDP2's native HSDP (``fully_shard(mesh=2-D mesh)``) runs its all-reduce after the custom
+reduce-scatter, where no public hook can replace it. With 1-D FSDP2 on the node's ranks (the
+shard group), the custom reduce-scatter sees every gradient, so :class:`HsdpReduceScatter` runs
+the intra-node reduce-scatter (the config's ``grads``, usually exact) and then
+:class:`ReplicaAllReduce` across the ``D`` replicas (the config's ``hsdp``):
+
+1. the shard's fp32 sum is cut into ``D`` chunks; each is (optionally) Hadamard-smoothed and
+   quantized; one all-to-all delivers chunk ``k`` of every replica to replica ``k``;
+2. replica ``k`` dequantizes and sums its ``D`` chunks in fp32 and requantizes the sum (still in
+   the Hadamard domain); one all-gather delivers every requantized sum to every replica;
+3. every replica, the owner included, decodes the same bytes: the replicas apply bit-identical
+   gradients and stay bit-identical.
+
+Both phases round stochastically, so the result is an unbiased estimate of the exact sum. The
+averaging over all ``M * D`` ranks happens once, on the fp32 sum, at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..codecs.rng import derive_seed
+from ..config import HsdpComm, QuantConfig
+from .collectives import all_gather_flat
+from .meter import METER
+from .reduce_scatter import _divisor, real_elements
+from .wire import RowCodec
+
+
+def hsdp_codec(h: HsdpComm) -> RowCodec:
+    """The codec of both phases of the quantized all-reduce (``mode == "quantized"``)."""
+    return RowCodec(bits=h.bits, group_size=h.group_size, symmetric=h.symmetric,
+                    rounding=h.rounding, hadamard_block=h.hadamard_block)
+
+
+def chunk_len(numel: int, replicas: int, codec: RowCodec) -> int:
+    """Elements of one replica's chunk: ``numel / replicas`` rounded up to whole codec units, so
+    that every chunk's groups and Hadamard blocks stay inside it."""
+    return codec.padded_len(-(-numel // replicas)) if numel else 0
+
+
+class ReplicaAllReduce:
+    """The sum of an fp32 vector over the replicate group, quantized as ``config.hsdp`` says.
+
+    ``replicate_group``: the ``D`` ranks (one per node) that hold the same shard. Every call
+    advances a counter that, with the seed, the comm id and the replica's rank, picks the
+    stochastic rounding, so calls and replicas round independently and reproducibly.
+    """
+
+    def __init__(self, config: QuantConfig, replicate_group: dist.ProcessGroup, comm_id: int) -> None:
+        self.config = config
+        self.group = replicate_group
+        self.replicas = replicate_group.size()
+        self.rank = replicate_group.rank()
+        self.comm_id = comm_id
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: float32 ``[n]``, this replica's value. Returns float32 ``[n]``: the sum over the
+        replicas, the same bits on every replica."""
+        if self.replicas == 1:
+            return x
+        self.calls += 1
+        n = x.numel()
+        if self.config.hsdp.mode == "plain" or n < max(1, self.config.min_shard_numel):
+            return self._plain(x)
+        return self._quantized(x, hsdp_codec(self.config.hsdp))
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
+        total = x.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        # Metered as the direct algorithm the quantized path runs: a chunk to every peer, twice.
+        d, n = self.replicas, x.numel()
+        chunk = -(-n // d)
+        METER.record("grads", "inter", 2 * (d - 1) * chunk * x.element_size(), 2 * (d - 1) * chunk)
+        return total
+
+    def _quantized(self, x: torch.Tensor, codec: RowCodec) -> torch.Tensor:
+        d, n = self.replicas, x.numel()
+        length = chunk_len(n, d, codec)
+        rows = torch.empty(d * length, dtype=torch.float32, device=x.device)
+        rows[:n] = x
+        # Pad by repeating the last element, which widens no quantization group's range.
+        rows[n:] = x[-1]
+        rows = rows.view(d, length)
+        send = codec.encode(rows, seed=self._seed(1))
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        own = real_elements(self.rank * length, (self.rank + 1) * length, n)
+        others = sum(real_elements(k * length, (k + 1) * length, n) for k in range(d)) - own
+        METER.record("grads", "inter", (d - 1) * send.shape[1], others)
+        mine = codec.decode_sum_encode(recv, length, sources=d, codec=codec, seed=self._seed(2))
+        gathered = torch.empty(d, mine.shape[1], dtype=torch.uint8, device=x.device)
+        all_gather_flat(gathered.view(-1), mine.view(-1), self.group)
+        METER.record("grads", "inter", (d - 1) * mine.shape[1], (d - 1) * own)
+        total = codec.finish(codec.decode(gathered, length, keep_padding=True), length)
+        return total.reshape(-1)[:n]
+
+    def _seed(self, phase: int) -> int:
+        return derive_seed(self.config.seed, self.comm_id, self.calls, self.rank, 7, phase)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = int(state.get("calls", 0))
+
+
+class HsdpReduceScatter:
+    """FSDP2's custom reduce-scatter for HSDP: ``inner`` (a reduce-scatter over the shard group)
+    sums inside the node, :class:`ReplicaAllReduce` sums across the replicas, and the result is
+    divided once by every rank that contributed when FSDP2 asks for an average.
+
+    FSDP2 sees only the ``M``-rank shard group: it passes ``ReduceOp.AVG`` (fp32/bf16 reduce
+    dtypes) meaning "divide by ``M``", or ``SUM`` when it divides by ``M`` itself afterwards
+    (fp16). Either way the division by the ``D`` replicas is done here.
+    """
+
+    def __init__(self, inner: Any, all_reduce: ReplicaAllReduce) -> None:
+        self.inner = inner
+        self.all_reduce = all_reduce
+        self._nonfinite: torch.Tensor | None = None
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        shard_divisor = _divisor(op, group.size())
+        self.inner(output_tensor, input_tensor, group, dist.ReduceOp.SUM)
+        self._across_replicas(output_tensor, shard_divisor)
+        return None
+
+    def hook(self, output: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook, for a shard group of one rank: FSDP2 then skips the
+        reduce-scatter and hands over the local gradient shard, undivided."""
+        self._across_replicas(output, 1)
+
+    def _across_replicas(self, output: torch.Tensor, shard_divisor: int) -> None:
+        total = self.all_reduce(output.float())
+        divisor = shard_divisor * self.all_reduce.replicas
+        if divisor != 1:
+            total.div_(divisor)  # in fp32, before any cast to the reduce dtype
+        output.copy_(total)
+        # No host sync here: the flag stays a tensor until take_nonfinite.
+        bad = ~torch.isfinite(output).all()
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+
+    def take_nonfinite(self) -> bool:
+        """Whether a non-finite value was reduced since the last call. The all-reduce carries a
+        non-finite value of any replica into every replica's result, so they all agree."""
+        self.inner.take_nonfinite()  # reset; the replicated result is the one that counts
+        flag, self._nonfinite = self._nonfinite, None
+        return bool(flag.item()) if flag is not None else False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "all_reduce": self.all_reduce.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state.get("inner", {}))
+        self.all_reduce.load_state_dict(state.get("all_reduce", {}))
+
+    def reset(self) -> None:
+        self.inner.reset()

@@ -1,0 +1,165 @@
+"""Setting up quantized HSDP: the two process groups, the checks of their layout, and the
+replicas' initial weights.
+
+The recipe (``D`` nodes x ``M`` ranks, torchrun numbering)::
+
+    groups = qsdp.hsdp_groups(nodes=D)                  # a (replicate, shard) DeviceMesh
+    for block in model.blocks:
+        fully_shard(block, mesh=groups.shard_mesh)      # 1-D FSDP2 inside the node
+    fully_shard(model, mesh=groups.shard_mesh)
+    qsdp.quantize_comms(model, "sdp4bit", group=groups.shard_group,
+                        replicate_group=groups.replicate_group)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .codecs.rng import derive_seed
+from .comm.hsdp import HsdpReduceScatter, ReplicaAllReduce
+from .comm.topology import Topology, build_topology
+from .config import ConfigError, QuantConfig
+
+RECIPE = (
+    "shard inside the node with 1-D FSDP2 and name the replicas: groups = qsdp.hsdp_groups(nodes=D); "
+    "fully_shard(block, mesh=groups.shard_mesh) for every block and the root; "
+    "qsdp.quantize_comms(model, preset, group=groups.shard_group, replicate_group=groups.replicate_group)"
+)
+
+
+@dataclass(frozen=True)
+class HsdpGroups:
+    """The 2-D ``(replicate, shard)`` mesh of an HSDP run and its two 1-D parts.
+
+    ``shard_mesh`` (the ``M`` ranks of this node) is what ``fully_shard(mesh=...)`` takes;
+    ``shard_group`` and ``replicate_group`` (the ``D`` ranks with this local rank) are what
+    :func:`qsdp.quantize_comms` takes as ``group`` and ``replicate_group``.
+    """
+
+    mesh: Any
+    shard_mesh: Any
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup
+
+
+def hsdp_groups(nodes: int, ranks_per_node: int | None = None, device_type: str | None = None) -> HsdpGroups:
+    """Build the HSDP groups of the whole world for ``nodes`` x ``ranks_per_node`` ranks
+    (default: world size / nodes), ranks numbered node-major as torchrun does. Collective: every
+    rank calls it. ``device_type``: ``cuda`` when CUDA is available, else ``cpu``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if nodes < 1 or world % nodes:
+        raise ConfigError(f"nodes={nodes} must divide the world size {world}")
+    m = ranks_per_node or world // nodes
+    if nodes * m != world:
+        raise ConfigError(f"nodes={nodes} x ranks_per_node={m} != world size {world}")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    mesh = init_device_mesh(device_type, (nodes, m), mesh_dim_names=("replicate", "shard"))
+    return HsdpGroups(mesh, mesh["shard"], mesh["shard"].get_group(), mesh["replicate"].get_group())
+
+
+def reject_native_hsdp(module: nn.Module) -> None:
+    """Raise naming the recipe if ``module`` was sharded on FSDP2's native 2-D HSDP mesh (its
+    parameters replicated on the first mesh dimension): that all-reduce runs after every hook
+    qsdp can set, so it cannot be quantized."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor) and p.device_mesh.ndim >= 2 and isinstance(p.placements[0], Replicate):
+            raise ConfigError(
+                f"{name} was sharded with fully_shard(mesh=<2-D mesh>) (FSDP2's native HSDP), whose "
+                "inter-node all-reduce qsdp cannot replace; instead " + RECIPE
+            )
+
+
+def check_layout(group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup) -> None:
+    """Local checks of the two groups, before any collective: the shard group was named, and
+    the two groups meet in this rank only."""
+    if group is None:
+        raise ConfigError("replicate_group needs group= the shard group (the ranks FSDP2 shards over); " + RECIPE)
+    me = dist.get_rank()
+    shard = dist.get_process_group_ranks(group)
+    replicas = dist.get_process_group_ranks(replicate_group)
+    common = sorted(set(shard) & set(replicas))
+    if common != [me]:
+        raise ConfigError(
+            f"the replicate group {replicas} and the shard group {shard} must share exactly this rank "
+            f"({me}), but share {common}; " + RECIPE
+        )
+
+
+def check_same_layout(config: QuantConfig, group: dist.ProcessGroup, replicate_group: dist.ProcessGroup) -> None:
+    """One collective over the world: every rank's config and groups. Raises the same
+    :class:`ConfigError` on every rank if the configs differ or if the ranks of a replicate
+    group do not hold the same slot of equally sized shard groups."""
+    mine = {"config": config.to_dict(), "shard": dist.get_process_group_ranks(group),
+            "replicate": dist.get_process_group_ranks(replicate_group)}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, json.dumps(mine, sort_keys=True))
+    layouts = {r: json.loads(x) for r, x in enumerate(everyone)}
+    for r, lay in layouts.items():
+        if lay["config"] != mine["config"]:
+            raise ConfigError(f"qsdp config differs across ranks: rank {dist.get_rank()} vs rank {r}")
+        slot, size = lay["shard"].index(r), len(lay["shard"])
+        for q in lay["replicate"]:
+            other = layouts[q]
+            if other["replicate"] != lay["replicate"] or len(other["shard"]) != size or other["shard"].index(q) != slot:
+                raise ConfigError(
+                    f"inconsistent HSDP groups: rank {r} (shard group {lay['shard']}, replicate group "
+                    f"{lay['replicate']}) and rank {q} (shard group {other['shard']}, replicate group "
+                    f"{other['replicate']}) must have the same shard group size and position and the "
+                    "same replicate group; " + RECIPE
+                )
+
+
+@torch.no_grad()
+def broadcast_replicas(module: nn.Module, replicate_group: dist.ProcessGroup) -> bool:
+    """Copy the first replica's parameter shards to every replica (the replicas then start from
+    bit-identical weights, whatever each node's initialization). Returns ``False`` and does
+    nothing if a parameter is still on the meta device: call it again once they are materialized."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(module.parameters())
+    if any(p.is_meta for p in params):
+        return False
+    src = dist.get_process_group_ranks(replicate_group)[0]
+    for p in params:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if local.numel():
+            dist.broadcast(local, src=src, group=replicate_group)
+    return True
+
+
+def hsdp_reduce_scatter(
+    module: nn.Module, rs_cls: type, config: QuantConfig, topology: Topology, comm_id: int,
+    replicate_group: dist.ProcessGroup,
+) -> HsdpReduceScatter:
+    """FSDP2's reduce-scatter comm for one FSDP module under HSDP: ``rs_cls`` inside the node,
+    then the all-reduce across the replicas. With one rank per shard group FSDP2 never calls a
+    reduce-scatter, so the all-reduce is set as the module's all-reduce hook instead."""
+    # Each node rounds its intra-node sums with its own randomness, so that the replicas'
+    # rounding errors are independent when they are summed.
+    node_config = dataclasses.replace(config, seed=derive_seed(config.seed, replicate_group.rank()))
+    rs = HsdpReduceScatter(rs_cls(node_config, topology, comm_id), ReplicaAllReduce(config, replicate_group, comm_id))
+    if topology.world_size == 1:
+        module.set_all_reduce_hook(rs.hook)
+    return rs
+
+
+def prepare(module: nn.Module, config: QuantConfig, group: dist.ProcessGroup | None,
+            replicate_group: dist.ProcessGroup) -> Topology:
+    """Check the two groups (locally, then across the world), make the replicas' weights
+    identical, and return the topology of the shard group."""
+    check_layout(group, replicate_group)
+    check_same_layout(config, group, replicate_group)
+    broadcast_replicas(module, replicate_group)
+    # The shard group is one node: every exchange inside it stays on the fast links.
+    return build_topology(group, config.local_world_size or group.size())
