@@ -34,13 +34,9 @@ SPEC_NAME = "llama3_qsdp"
 def attach_qsdp(model: nn.Module, fsdp_group: dist.ProcessGroup, preset: str = PRESET) -> qsdp.QuantizedComms:
     """Quantize the comms of every FSDP2 module under ``model``, sharded over ``fsdp_group``.
     Safe on a meta-device model: no parameter is read or replaced."""
-    handle = qsdp.quantize_comms(model, preset, group=fsdp_group)
-    # torchtitan divides the loss by the global token count and sets FSDP2's gradient divide
-    # factor to 1, which FSDP2 would hand a custom reduce-scatter as ReduceOp.PREMUL_SUM(1.0).
-    # With sum-only reductions FSDP2 passes SUM and applies the factor itself (here: none).
-    for module in handle.modules:
-        module.set_force_sum_reduction_for_comms(True)
-    return handle
+    # torchtitan sets FSDP2's gradient divide factor to 1 (it divides the loss by the global token
+    # count); quantize_comms sees the factor and makes FSDP2 pass SUM to the quantized reduce-scatter.
+    return qsdp.quantize_comms(model, preset, group=fsdp_group)
 
 
 def parallelize_llama_qsdp(model: nn.Module, parallel_dims, job_config) -> nn.Module:

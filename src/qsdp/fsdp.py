@@ -13,6 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.distributed.fsdp import FSDPModule
 
 from . import hsdp as _hsdp
+from ._fsdp2 import fsdp_state, has_custom_divide_factor
 from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
 from .comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
 from .comm.topology import Topology, build_topology
@@ -24,7 +25,7 @@ _ALL_GATHERS = {"plain": PlainAllGather, "direct": QuantizedAllGather, "differen
 
 @dataclass
 class QuantizedComms:
-    """What :func:`quantize_comms` attached: the config, the topology and, per FSDP module (in
+    """What :func:`quantize_comms` attached: the config, the topology and, per FSDP parameter group (one ``fully_shard`` call, in
     ``module.modules()`` order), its all-gather and reduce-scatter objects."""
 
     config: QuantConfig
@@ -115,6 +116,16 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
     return out
 
 
+def _shard_groups(fsdp_modules: list[nn.Module]) -> list[list[nn.Module]]:
+    """``fsdp_modules`` grouped by ``fully_shard`` call, in order of first appearance: the
+    modules of ``fully_shard([norm, output])`` share one parameter group, one all-gather and one
+    reduce-scatter, so they get one comm that watches all of their parameters."""
+    groups: dict[int, list[nn.Module]] = {}
+    for m in fsdp_modules:
+        groups.setdefault(id(fsdp_state(m)), []).append(m)
+    return list(groups.values())
+
+
 def quantize_comms(
     module: nn.Module,
     config: str | QuantConfig = "sdp4bit",
@@ -159,14 +170,20 @@ def quantize_comms(
                       "so nothing is quantized or metered", stacklevel=2)
     handle = QuantizedComms(cfg, topology)
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
-    for i, m in enumerate(fsdp_modules):
+    for i, members in enumerate(_shard_groups(fsdp_modules)):
+        m = members[0]
+        label = ", ".join(names[id(x)] for x in members)
         ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i, handle.tracker)
-        ag.track(managed_parameters(m, fsdp_modules), f"group {i} ({names[id(m)]})")
+        ag.track([p for x in members for p in managed_parameters(x, fsdp_modules)], f"group {i} ({label})")
         rs_cls = PlainReduceScatter if cfg.grads.mode == "plain" else QuantizedReduceScatter
         if replicate_group is None:
             rs = rs_cls(cfg, topology, i)
         else:
             rs = _hsdp.hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, replicate_group)
+        if has_custom_divide_factor(m):
+            # FSDP2 would pass PREMUL_SUM(1/factor), whose factor a custom comm cannot read;
+            # with SUM it applies the factor itself, before and after the reduce-scatter.
+            m.set_force_sum_reduction_for_comms(True)
         m.set_custom_all_gather(ag)
         m.set_custom_reduce_scatter(rs)
         handle.modules.append(m)

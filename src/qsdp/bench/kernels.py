@@ -90,107 +90,143 @@ def _unwire(buf, codec, length):
                    codec.bits, codec.group_size, codec.symmetric)
 
 
+def _build_quantize(n: int, length: int, randn: Callable[..., Any]) -> Workload:
+    import torch
+    from ..codecs import quantize
+    from ..codecs.quantize import quantize_reference
+
+    x = randn(n, dtype=torch.bfloat16)
+    kw = dict(bits=8, group_size=1024, symmetric=False, rounding="shift", seed=1)
+
+    def fused():
+        q = quantize(x, check_finite=False, **kw)
+        return q.codes, q.scales, q.zeros
+
+    def reference(x):
+        return quantize_reference(x, **kw)
+
+    return Workload("quantize", n, 2 * n + n + 8 * (n // 1024), fused, reference, (x,))
+
+
+def _build_hadamard_quantize(n: int, length: int, randn: Callable[..., Any]) -> Workload:
+    from ..codecs import hadamard
+    from ..codecs.quantize import quantize_reference
+    from ..comm.wire import RowCodec
+
+    codec = RowCodec(bits=8, group_size=128, symmetric=True, rounding="stochastic", hadamard_block=32)
+    x = randn(ROWS, length)
+
+    def reference(x):
+        codes, scales, zeros = quantize_reference(hadamard(x, block=32).reshape(-1), bits=8, group_size=128,
+                                                  symmetric=True, rounding="stochastic", seed=1)
+        return _wire(scales, zeros, codes, ROWS)
+
+    return Workload("hadamard_quantize", n, 4 * n + codec.row_nbytes(length) * ROWS,
+                    lambda: codec.encode(x, seed=1), reference, (x,))
+
+
+def _build_dequantize_accumulate(n: int, length: int, randn: Callable[..., Any]) -> Workload:
+    from ..codecs import inverse_hadamard
+    from ..codecs.quantize import dequantize_reference
+    from ..comm.wire import RowCodec, sum_rows
+
+    codec = RowCodec(bits=4, group_size=128, symmetric=True, rounding="stochastic", hadamard_block=32)
+    buf = codec.encode(randn(ROWS, length), seed=1)
+
+    def reference(buf):
+        vals = dequantize_reference(_unwire(buf, codec, length)).view(ROWS, length)
+        return inverse_hadamard(sum_rows(vals), block=32)
+
+    return Workload("dequantize_accumulate", n, buf.numel() + 4 * length,
+                    lambda: codec.decode_sum(buf, length, finish=True), reference, (buf,))
+
+
+def _build_dequantize_requantize(n: int, length: int, randn: Callable[..., Any]) -> Workload:
+    from ..codecs.quantize import dequantize_reference, quantize_reference
+    from ..comm.wire import RowCodec, sum_rows
+
+    hop1 = RowCodec(bits=8, group_size=128, symmetric=True, rounding="stochastic", hadamard_block=32)
+    hop2 = RowCodec(bits=4, group_size=128, symmetric=True, rounding="stochastic", hadamard_block=32)
+    buf = hop1.encode(randn(ROWS, length), seed=1)
+    sources, dests = 4, ROWS // 4
+
+    def reference(buf):
+        vals = dequantize_reference(_unwire(buf, hop1, length)).view(sources, dests, length)
+        codes, scales, zeros = quantize_reference(sum_rows(vals).reshape(-1), bits=4, group_size=128,
+                                                  symmetric=True, rounding="stochastic", seed=2)
+        return _wire(scales, zeros, codes, dests)
+
+    out_bytes = hop2.row_nbytes(length) * dests
+    return Workload("dequantize_requantize", n, buf.numel() + out_bytes,
+                    lambda: hop1.decode_sum_encode(buf, length, sources=sources, codec=hop2, seed=2),
+                    reference, (buf,))
+
+
+def _build_weight_difference_quantize(n: int, length: int, randn: Callable[..., Any]) -> Workload:
+    import torch
+    from ..codecs.quantize import quantize_reference
+    from ..comm.wire import RowCodec
+
+    codec = RowCodec(bits=4, group_size=2048, symmetric=True, rounding="stochastic")
+    replica = randn(n, dtype=torch.bfloat16)
+    shard = (replica.float() + 0.01 * randn(n)).bfloat16()
+
+    def reference(shard, replica):
+        codes, scales, zeros = quantize_reference(shard.float() - replica.float(), bits=4, group_size=2048,
+                                                  symmetric=True, rounding="stochastic", seed=3)
+        return _wire(scales, zeros, codes, 1)
+
+    return Workload("weight_difference_quantize", n, 2 * n + 2 * n + codec.row_nbytes(n),
+                    lambda: codec.encode_difference(shard.view(1, n), replica.view(1, n), seed=3),
+                    reference, (shard, replica))
+
+
+def _build_replica_update(n: int, length: int, randn: Callable[..., Any]) -> Workload:
+    import torch
+    from ..codecs.quantize import dequantize_reference
+    from ..comm.wire import RowCodec
+
+    codec = RowCodec(bits=4, group_size=2048, symmetric=True, rounding="stochastic")
+    start = randn(ROWS, length, dtype=torch.bfloat16)
+    replica = start.clone()
+    gathered = codec.encode(0.01 * randn(ROWS, length), seed=4)
+
+    def fused():
+        codec.decode_into(gathered, length, replica, add=True)
+        return replica
+
+    def reference(replica, gathered):
+        deltas = dequantize_reference(_unwire(gathered, codec, length)).view(ROWS, length)
+        replica.copy_((replica.float() + deltas).to(replica.dtype))
+        return replica
+
+    return Workload("replica_update", n, 2 * n + gathered.numel() + 2 * n, fused, reference, (replica, gathered),
+                    reset=lambda: replica.copy_(start))
+
+
+_BUILDERS: dict[str, Callable[..., Workload]] = {
+    "quantize": _build_quantize,
+    "hadamard_quantize": _build_hadamard_quantize,
+    "dequantize_accumulate": _build_dequantize_accumulate,
+    "dequantize_requantize": _build_dequantize_requantize,
+    "weight_difference_quantize": _build_weight_difference_quantize,
+    "replica_update": _build_replica_update,
+}
+
+
 def build(name: str, n: int, device: str = "cuda") -> Workload:
     """The inputs, the fused call (through the codec API, dispatched to Triton on CUDA) and the
     reference (pure torch, the same result) of one kernel on ``n`` elements."""
     import torch
 
-    from ..codecs import hadamard, inverse_hadamard, quantize
-    from ..codecs.quantize import dequantize_reference, quantize_reference
-    from ..comm.wire import RowCodec, sum_rows
-
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}")
     g = torch.Generator(device=device).manual_seed(0)
-    length = n // ROWS
 
     def randn(*shape, dtype=torch.float32):
         return torch.randn(*shape, generator=g, device=device).to(dtype)
 
-    if name == "quantize":
-        x = randn(n, dtype=torch.bfloat16)
-        kw = dict(bits=8, group_size=1024, symmetric=False, rounding="shift", seed=1)
-
-        def fused():
-            q = quantize(x, check_finite=False, **kw)
-            return q.codes, q.scales, q.zeros
-
-        def reference(x):
-            return quantize_reference(x, **kw)
-
-        return Workload(name, n, 2 * n + n + 8 * (n // 1024), fused, reference, (x,))
-
-    if name == "hadamard_quantize":
-        codec = RowCodec(bits=8, group_size=128, symmetric=True, rounding="stochastic", hadamard_block=32)
-        x = randn(ROWS, length)
-
-        def reference(x):
-            codes, scales, zeros = quantize_reference(hadamard(x, block=32).reshape(-1), bits=8, group_size=128,
-                                                      symmetric=True, rounding="stochastic", seed=1)
-            return _wire(scales, zeros, codes, ROWS)
-
-        return Workload(name, n, 4 * n + codec.row_nbytes(length) * ROWS,
-                        lambda: codec.encode(x, seed=1), reference, (x,))
-
-    if name == "dequantize_accumulate":
-        codec = RowCodec(bits=4, group_size=128, symmetric=True, rounding="stochastic", hadamard_block=32)
-        buf = codec.encode(randn(ROWS, length), seed=1)
-
-        def reference(buf):
-            vals = dequantize_reference(_unwire(buf, codec, length)).view(ROWS, length)
-            return inverse_hadamard(sum_rows(vals), block=32)
-
-        return Workload(name, n, buf.numel() + 4 * length,
-                        lambda: codec.decode_sum(buf, length, finish=True), reference, (buf,))
-
-    if name == "dequantize_requantize":
-        hop1 = RowCodec(bits=8, group_size=128, symmetric=True, rounding="stochastic", hadamard_block=32)
-        hop2 = RowCodec(bits=4, group_size=128, symmetric=True, rounding="stochastic", hadamard_block=32)
-        buf = hop1.encode(randn(ROWS, length), seed=1)
-        sources, dests = 4, ROWS // 4
-
-        def reference(buf):
-            vals = dequantize_reference(_unwire(buf, hop1, length)).view(sources, dests, length)
-            codes, scales, zeros = quantize_reference(sum_rows(vals).reshape(-1), bits=4, group_size=128,
-                                                      symmetric=True, rounding="stochastic", seed=2)
-            return _wire(scales, zeros, codes, dests)
-
-        out_bytes = hop2.row_nbytes(length) * dests
-        return Workload(name, n, buf.numel() + out_bytes,
-                        lambda: hop1.decode_sum_encode(buf, length, sources=sources, codec=hop2, seed=2),
-                        reference, (buf,))
-
-    if name == "weight_difference_quantize":
-        codec = RowCodec(bits=4, group_size=2048, symmetric=True, rounding="stochastic")
-        replica = randn(n, dtype=torch.bfloat16)
-        shard = (replica.float() + 0.01 * randn(n)).bfloat16()
-
-        def reference(shard, replica):
-            codes, scales, zeros = quantize_reference(shard.float() - replica.float(), bits=4, group_size=2048,
-                                                      symmetric=True, rounding="stochastic", seed=3)
-            return _wire(scales, zeros, codes, 1)
-
-        return Workload(name, n, 2 * n + 2 * n + codec.row_nbytes(n),
-                        lambda: codec.encode_difference(shard.view(1, n), replica.view(1, n), seed=3),
-                        reference, (shard, replica))
-
-    if name == "replica_update":
-        codec = RowCodec(bits=4, group_size=2048, symmetric=True, rounding="stochastic")
-        start = randn(ROWS, length, dtype=torch.bfloat16)
-        replica = start.clone()
-        gathered = codec.encode(0.01 * randn(ROWS, length), seed=4)
-
-        def fused():
-            codec.decode_into(gathered, length, replica, add=True)
-            return replica
-
-        def reference(replica, gathered):
-            deltas = dequantize_reference(_unwire(gathered, codec, length)).view(ROWS, length)
-            replica.copy_((replica.float() + deltas).to(replica.dtype))
-            return replica
-
-        return Workload(name, n, 2 * n + gathered.numel() + 2 * n, fused, reference, (replica, gathered),
-                        reset=lambda: replica.copy_(start))
-
-    raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}")
+    return _BUILDERS[name](n, n // ROWS, randn)
 
 
 def _results_equal(a, b) -> bool:

@@ -122,6 +122,46 @@ def _difference_gathers(layout: str, quant: "Collective", plain: "Collective", c
     return ([between] if calls else []) + [inside] * calls
 
 
+def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: int, grad_bytes: int) -> list[Collective]:
+    """The gradient reduce-scatters (qsdp.comm.reduce_scatter) of one step, one per group, on
+    ``d`` nodes x ``m`` ranks."""
+    world = m * d
+    intra, inter = m - 1, world - m  # Topology.peers()
+    g = cfg.grads
+    thresh = max(1, cfg.min_shard_numel)
+    out: list[Collective] = []
+    raw = _DTYPES[grad_bytes]
+    for gi, s in enumerate(shard_sizes):
+        if g.mode == "plain" or s < thresh:
+            out.append(Collective("grads", "ring", s * grad_bytes, s, intra, inter, hp_bytes=grad_bytes))
+            continue
+        if g.mode == "one_level" or d == 1 or m == 1:
+            bits = g.bits if g.mode == "one_level" else (g.bits_intra if d == 1 else g.bits_inter)
+            codec = grad_codec(g, bits, raw)
+            inter_only = g.mode != "one_level" and d > 1
+            out.append(Collective(
+                "grads", "a2a", codec.row_nbytes(s), s, 0 if inter_only else intra, inter,
+                quantize=world * codec.padded_len(s), dequantize=world * codec.padded_len(s),
+                hp_bytes=grad_bytes, hadamard=bool(codec.hadamard_block and not codec.exact),
+            ))
+            continue
+        hop1 = grad_codec(g, g.bits_intra, raw)
+        hop2 = grad_codec(g, g.bits_inter, torch.float32)
+        lp = hop1.padded_len(s)
+        for a, b in pipeline_slices_bounds(lp, hop1, g.pipeline_slices, g.pipeline_min_slice):
+            width = b - a
+            out.append(Collective(
+                "grads", "a2a_intra", d * hop1.row_nbytes(width), d * real_elements(a, b, s), m - 1, 0,
+                quantize=world * width, dequantize=world * width, hp_bytes=grad_bytes,
+                hadamard=bool(hop1.hadamard_block and not hop1.exact), pipeline=gi, hop=1,
+            ))
+            out.append(Collective(
+                "grads", "a2a_inter", hop2.row_nbytes(width), real_elements(a, b, s), 0, d - 1,
+                quantize=d * width, dequantize=d * width, hp_bytes=4, pipeline=gi, hop=2,
+            ))
+    return out
+
+
 def step_collectives(
     config: str | QuantConfig,
     shard_sizes: Sequence[int],
@@ -152,7 +192,7 @@ def step_collectives(
     m, d = ranks_per_node, nodes
     world = m * d
     intra, inter = m - 1, world - m  # Topology.peers()
-    w, g = cfg.weights, cfg.grads
+    w = cfg.weights
     thresh = max(1, cfg.min_shard_numel)
     out: list[Collective] = []
     per_group = _gathers_per_group(gathers, len(shard_sizes), zero3)
@@ -175,36 +215,7 @@ def step_collectives(
     if w.mode == "difference":  # one agreement per step: 2 int32 flags per group
         out.append(Collective("control", "allreduce", 8 * len(shard_sizes), 0, intra, inter))
 
-    # Gradient reduce-scatters (qsdp.comm.reduce_scatter), one per group per step.
-    raw = _DTYPES[grad_bytes]
-    for gi, s in enumerate(shard_sizes):
-        if g.mode == "plain" or s < thresh:
-            out.append(Collective("grads", "ring", s * grad_bytes, s, intra, inter, hp_bytes=grad_bytes))
-            continue
-        if g.mode == "one_level" or d == 1 or m == 1:
-            bits = g.bits if g.mode == "one_level" else (g.bits_intra if d == 1 else g.bits_inter)
-            codec = grad_codec(g, bits, raw)
-            inter_only = g.mode != "one_level" and d > 1
-            out.append(Collective(
-                "grads", "a2a", codec.row_nbytes(s), s, 0 if inter_only else intra, inter,
-                quantize=world * codec.padded_len(s), dequantize=world * codec.padded_len(s),
-                hp_bytes=grad_bytes, hadamard=bool(codec.hadamard_block and not codec.exact),
-            ))
-            continue
-        hop1 = grad_codec(g, g.bits_intra, raw)
-        hop2 = grad_codec(g, g.bits_inter, torch.float32)
-        lp = hop1.padded_len(s)
-        for a, b in pipeline_slices_bounds(lp, hop1, g.pipeline_slices, g.pipeline_min_slice):
-            width = b - a
-            out.append(Collective(
-                "grads", "a2a_intra", d * hop1.row_nbytes(width), d * real_elements(a, b, s), m - 1, 0,
-                quantize=world * width, dequantize=world * width, hp_bytes=grad_bytes,
-                hadamard=bool(hop1.hadamard_block and not hop1.exact), pipeline=gi, hop=1,
-            ))
-            out.append(Collective(
-                "grads", "a2a_inter", hop2.row_nbytes(width), real_elements(a, b, s), 0, d - 1,
-                quantize=d * width, dequantize=d * width, hp_bytes=4, pipeline=gi, hop=2,
-            ))
+    out += _grad_collectives(cfg, shard_sizes, d, m, grad_bytes)
     return out
 
 
