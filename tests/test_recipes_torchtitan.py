@@ -132,6 +132,7 @@ def _edit_first_module_of_the_grouped_tail(rank, world):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with torch.no_grad():
         model(ids)
+        model.output.reshard()  # the tail keeps its unsharded weights after forward: shard them
         model.norm.weight.mul_(2.0)  # an edit outside the optimizer, in the tail's first module
     opt.step()  # changes are agreed on once per optimizer step (no gradients: nothing moves)
     with torch.no_grad():

@@ -194,6 +194,11 @@ def quantize_comms(
         # in-place change (load_state_dict, a user's edit) makes the replicas stale.
         handle._hooks = [
             register_optimizer_step_pre_hook(lambda *_: handle.tracker.before_optimizer_step()),
-            register_optimizer_step_post_hook(lambda *_: handle.tracker.after_optimizer_step()),
+            register_optimizer_step_post_hook(lambda opt, *_: handle.tracker.after_optimizer_step(opt)),
+        ]
+        # A load (every rank calls load_state_dict; DCP's set_model_state_dict does) is agreed on
+        # at the next gather, so the first forward after it already sees the loaded weights.
+        handle._hooks += [
+            m.register_load_state_dict_post_hook(lambda *_: handle.tracker.request()) for m in handle.modules
         ]
     return handle

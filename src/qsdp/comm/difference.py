@@ -89,6 +89,9 @@ class DifferenceAllGather(_Base):
         fresh = r is None or tuple(r.shape) != (len(self.rows), n) or r.dtype != output_tensor.dtype
         if fresh or stale:
             self.exact_resends += int(not fresh)
+            # Exact values are the new reference: changes made before them (a materialization,
+            # a load) are sent now, not again after the next step. Every rank is here together.
+            self.tracker.watches[self.index].rebase()
             self._plain(output_tensor, input_tensor, group)
             self.replica = output_tensor.detach().view(-1, n)[self.rows]  # indexing copies
             return None

@@ -60,24 +60,31 @@ class GroupWatch:
         self.stepped_at = now  # right after the last optimizer step
         self.outside = False  # changed outside the optimizer since the last agreement (sticky)
         self.forced = changed
+        self.optimized = False  # an optimizer holding these parameters stepped since the agreement
 
     def before_step(self) -> None:
         # An edit made since the last step would otherwise be taken for the optimizer's.
         if versions(self.params) != self.stepped_at:
             self.outside = True
 
-    def after_step(self) -> None:
+    def after_step(self, optimized: set[int] | None) -> None:
+        """``optimized``: ids of the parameters the optimizer that stepped holds (``None``:
+        unknown, taken as all). Fused optimizers (``AdamW(fused=True)``, the Hugging Face
+        Trainer's default) update parameters without bumping their version counters, so the
+        step itself, not the counters, says that the shard changed."""
         self.stepped_at = versions(self.params)
+        if optimized is None or any(id(p) in optimized for p in self.params):
+            self.optimized = True
 
     def pending(self, stepped: bool) -> tuple[bool, bool]:
         """(changed, changed outside the optimizer) since the last agreement, this rank only."""
         now = versions(self.params)
-        changed = self.forced or now != self.at_agreement or (stepped and not self.params)
+        changed = self.forced or self.optimized or now != self.at_agreement or (stepped and not self.params)
         return changed, self.outside or now != self.stepped_at
 
     def agreed(self) -> None:
         self.at_agreement = versions(self.params)
-        self.outside = self.forced = False
+        self.outside = self.forced = self.optimized = False
 
 
 class ChangeTracker:
@@ -105,11 +112,14 @@ class ChangeTracker:
         for w in self.watches:
             w.before_step()
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.steps += 1
         self._due = self._stepped = True
+        optimized = None
+        if optimizer is not None:
+            optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for w in self.watches:
-            w.after_step()
+            w.after_step(optimized)
 
     def request(self) -> None:
         """Agree again at the next gather (every rank calls it at the same point)."""
