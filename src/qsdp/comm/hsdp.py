@@ -154,9 +154,16 @@ class HsdpReduceScatter:
     def take_nonfinite(self) -> bool:
         """Whether a non-finite value was reduced since the last call. The all-reduce carries a
         non-finite value of any replica into every replica's result, so they all agree."""
-        self.inner.take_nonfinite()  # reset; the replicated result is the one that counts
-        flag, self._nonfinite = self._nonfinite, None
+        flag = self.take_nonfinite_flag()
         return bool(flag.item()) if flag is not None else False
+
+    def take_nonfinite_flag(self) -> torch.Tensor | None:
+        """:meth:`take_nonfinite` without the host sync (what
+        :meth:`qsdp.QuantizedComms.nonfinite_gradients` combines): a bool tensor, or ``None``
+        when nothing was reduced since the last call."""
+        self.inner.take_nonfinite_flag()  # reset; the replicated result is the one that counts
+        flag, self._nonfinite = self._nonfinite, None
+        return flag
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "all_reduce": self.all_reduce.state_dict()}
