@@ -151,6 +151,9 @@ def _add_process_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> 
                        help="local worker processes to launch (default 1; ignored under torchrun)")
     group.add_argument("--local-world-size", type=int, default=None,
                        help="ranks per node for the two-level reduce-scatter (emulates nodes on one machine)")
+    group.add_argument("--hsdp", action="store_true",
+                       help="HSDP: shard inside each node of --local-world-size ranks, replicate across "
+                            "the nodes (at least 2) with the config's inter-node all-reduce")
     group.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                        help="keep the weights gathered between forward and backward (ZeRO-2 like)")
     group.add_argument("--device", default=None, choices=DEVICES,
