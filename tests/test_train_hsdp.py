@@ -137,3 +137,24 @@ def test_resuming_a_non_hsdp_checkpoint_with_hsdp_is_refused(tmp_path, corpus):
     train(_args(tmp_path, corpus, hsdp=False, steps=2), world=2)
     with pytest.raises(TrainError, match="hsdp: checkpoint False != now True"):
         check_resume(_args(tmp_path, corpus, steps=4, resume=True), 2)
+
+
+@pytest.mark.timeout(200)
+def test_under_torchrun_the_nodes_come_from_local_world_size_and_the_cli_says_hsdp(tmp_path, corpus):
+    """Under torchrun (here: an initialized world with its environment) ``qsdp train --hsdp``
+    takes the ranks per node from ``LOCAL_WORLD_SIZE``."""
+    results = run_world(_cli_under_torchrun, WORLD, str(tmp_path), corpus, local_world_size=PER_NODE, timeout=150)
+    assert [rc for rc, _ in results] == [0] * WORLD
+    assert "as HSDP (2 nodes x 2)" in results[0][1][-1]
+    assert read_summary(tmp_path)["nodes"] == 2
+
+
+def _cli_under_torchrun(rank, world, out, corpus):
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = main(["train", "--hsdp", "--data", corpus, "--out", out,
+                   "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "4", "--no-progress"])
+    return rc, stdout.getvalue().splitlines()

@@ -201,7 +201,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             start = summary["start_step"]
             notes += (f", {summary['restarts']} restart(s) (resumed from step {start})" if start
                       else f", {summary['restarts']} restart(s) (no checkpoint yet: started again)")
-        print(f"{PROG}: done: {summary['steps']} steps of {args.model} with {summary['config']['name']}, "
+        layout = f" as HSDP ({summary['nodes']} nodes x {summary['local_world_size']})" if summary.get("hsdp") else ""
+        print(f"{PROG}: done: {summary['steps']} steps of {args.model} with {summary['config']['name']}{layout}, "
               f"final val loss {summary['final_val_loss']:.4f}, "
               f"{demo.format_bytes(summary['wire_bytes_total'])} on the wire{notes}; run in {args.out}")
     return 0
