@@ -77,8 +77,8 @@ def test_quantized_hsdp_trains_close_to_the_exact_route(tmp_path, corpus, exact_
     assert all(math.isfinite(x) for x in quantized)
     summary = read_summary(tmp_path)
     assert summary["hsdp"] is True and summary["wire"]["grads"]["inter"]["bytes"] > 0
-    # 4-bit gradients between the nodes: a few percent off the exact loss after 8 steps.
-    assert abs(quantized[-1] - exact[-1]) < 0.05 * exact[-1]
+    # 4-bit gradients between the nodes: about 0.5% off the exact loss after 8 steps on CPU.
+    assert abs(quantized[-1] - exact[-1]) < 0.02 * exact[-1]
 
 
 @pytest.mark.timeout(300)
