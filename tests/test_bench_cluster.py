@@ -14,7 +14,18 @@ import time
 
 import pytest
 
-from qsdp.bench.cluster import format_table, ideal_speedup, missing_requirements
+from distributed import run_world
+from qsdp.bench.cluster import (
+    _job_args,
+    baseline_row,
+    format_table,
+    ideal_speedup,
+    main,
+    missing_requirements,
+    select_rows,
+    train_result,
+)
+from qsdp.train.loop import TrainArgs, train_worker
 
 _MISSING = missing_requirements()
 needs_netns = pytest.mark.skipif(
@@ -124,3 +135,85 @@ def test_serial_ideal_speedup_subtracts_the_saved_link_time():
     assert ideal_speedup(10.0, 9e6, 1e6, 8.0) == pytest.approx(5.0)
     assert ideal_speedup(10.0, 9e6, 1e6, 8.0, t_floor=4.0) == pytest.approx(2.5)  # compute floor
     assert ideal_speedup(10.0, 9e6, 9e6, 8.0) == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------------- HSDP rows
+
+
+@needs_netns
+@pytest.mark.timeout(300)
+def test_quick_hsdp_rows_run_qsdp_train_hsdp_and_send_fewer_inter_node_bytes(tmp_path):
+    proc = subprocess.Popen(
+        _cluster_cmd("--presets", "hsdp:fsdp", "hsdp:sdp4bit", "--steps", "2", "--warmup", "1", "--rate", "1000",
+                     "--delay-ms", "0", "--no-unlimited", "--timeout", "240", "--json"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=290)
+    assert proc.returncode == 0, err[-3000:]
+    assert _ours(proc.pid) == []
+    rows = json.loads(out)["presets"]
+    exact, quantized = rows["hsdp:fsdp"], rows["hsdp:sdp4bit"]
+    assert exact["baseline"] == quantized["baseline"] == "hsdp:fsdp" and exact["speedup_vs_fsdp"] == 1.0
+    assert len(quantized["step_times_s"]) == 2 and quantized["step_time_s"] > 0
+    assert quantized["inter_bytes_per_step"] * 5 < exact["inter_bytes_per_step"]
+    assert quantized["link_tx_bytes_per_run"] > 0
+
+
+def test_hsdp_adds_each_presets_hsdp_row_after_the_presets_with_their_baseline_first():
+    assert select_rows(["fsdp", "sdp4bit"], hsdp=True) == ["fsdp", "sdp4bit", "hsdp:fsdp", "hsdp:sdp4bit"]
+    assert select_rows(["sdp4bit", "hsdp:zeropp"]) == ["sdp4bit", "hsdp:zeropp"]
+    assert select_rows(["hsdp:zeropp", "qsdp"], hsdp=True) == ["hsdp:zeropp", "qsdp", "hsdp:fsdp", "hsdp:qsdp"]
+
+
+def test_hsdp_rows_are_compared_with_the_exact_hsdp_route_and_the_others_with_fsdp():
+    assert baseline_row("hsdp:sdp4bit") == baseline_row("hsdp:fsdp") == "hsdp:fsdp"
+    assert baseline_row("sdp4bit") == baseline_row("fsdp") == "fsdp"
+
+
+def test_a_bad_hsdp_row_is_refused_before_any_network_is_touched(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--presets", "fsdp", "hsdp:nope"])
+    assert exc.value.code == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+
+
+def test_an_hsdp_row_runs_the_training_job_with_hsdp_and_a_plain_row_the_workload(tmp_path):
+    hsdp = _job_args("hsdp:sdp4bit", 2, 3, 1, "tiny", 64, 4, str(tmp_path / "run"), str(tmp_path))
+    assert hsdp[:4] == ["-m", "qsdp.cli", "train", "--hsdp"]
+    for flag, value in (("--preset", "sdp4bit"), ("--local-world-size", "2"), ("--steps", "4"),
+                        ("--device", "cpu"), ("--backend", "gloo")):
+        assert hsdp[hsdp.index(flag) + 1] == value
+    plain = _job_args("sdp4bit", 2, 3, 1, "tiny", 64, 4, str(tmp_path / "r.json"), str(tmp_path))
+    assert plain[:2] == ["-m", "qsdp.bench.workload"] and "--hsdp" not in plain
+
+
+def _train(rank, world, args):
+    return train_worker(args)
+
+
+@pytest.fixture(scope="module")
+def hsdp_runs(tmp_path_factory, corpus):
+    """``qsdp train --hsdp`` runs of 3 steps on 2 x 2 gloo ranks, as the HSDP rows launch them."""
+    runs = {}
+    for preset in ("fsdp", "sdp4bit"):
+        out = tmp_path_factory.mktemp(f"hsdp-{preset}")
+        args = TrainArgs(preset=preset, hsdp=True, local_world_size=2, out=str(out), data=corpus, steps=3,
+                         batch_size=2, seq_len=32, eval_every=0, eval_batches=4, ckpt_every=0, progress=False,
+                         cache_dir=str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
+        run_world(_train, 4, args, local_world_size=2, timeout=120)
+        runs[preset] = train_result(str(out), warmup=1, steps=2)
+    return runs
+
+
+@pytest.mark.timeout(240)
+def test_an_hsdp_rows_result_has_its_timed_steps_and_keeps_weights_inside_the_node(hsdp_runs):
+    for run in hsdp_runs.values():
+        assert run["hsdp"] is True and len(run["step_times_s"]) == 2 and run["step_time_s"] > 0
+        assert run["stats"]["weights"]["inter"]["bytes"] == 0  # gathers stay inside the node
+        assert run["stats"]["weights"]["intra"]["bytes"] > 0 and run["stats"]["grads"]["inter"]["bytes"] > 0
+        assert run["tokens_per_step"] == 2 * 32 * 4
+
+
+@pytest.mark.timeout(240)
+def test_an_hsdp_rows_inter_node_gradients_shrink_with_4_bit_hsdp(hsdp_runs):
+    exact, quantized = (hsdp_runs[p]["stats"]["grads"]["inter"]["bytes"] for p in ("fsdp", "sdp4bit"))
+    assert 5 * quantized < exact  # 4.25 b/elt against 32

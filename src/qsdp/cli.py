@@ -151,6 +151,9 @@ def _add_process_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> 
                        help="local worker processes to launch (default 1; ignored under torchrun)")
     group.add_argument("--local-world-size", type=int, default=None,
                        help="ranks per node for the two-level reduce-scatter (emulates nodes on one machine)")
+    group.add_argument("--hsdp", action="store_true",
+                       help="HSDP: shard inside each node of --local-world-size ranks, replicate across "
+                            "the nodes (at least 2) with the config's inter-node all-reduce")
     group.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                        help="keep the weights gathered between forward and backward (ZeRO-2 like)")
     group.add_argument("--device", default=None, choices=DEVICES,
@@ -198,7 +201,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             start = summary["start_step"]
             notes += (f", {summary['restarts']} restart(s) (resumed from step {start})" if start
                       else f", {summary['restarts']} restart(s) (no checkpoint yet: started again)")
-        print(f"{PROG}: done: {summary['steps']} steps of {args.model} with {summary['config']['name']}, "
+        layout = f" as HSDP ({summary['nodes']} nodes x {summary['local_world_size']})" if summary.get("hsdp") else ""
+        print(f"{PROG}: done: {summary['steps']} steps of {args.model} with {summary['config']['name']}{layout}, "
               f"final val loss {summary['final_val_loss']:.4f}, "
               f"{demo.format_bytes(summary['wire_bytes_total'])} on the wire{notes}; run in {args.out}")
     return 0

@@ -50,6 +50,16 @@ meter's logical count on the inter-node link). By default every preset also runs
 quantization overhead when the network is not the bottleneck (``--no-unlimited`` skips it;
 ``--rate 0`` runs only unlimited).
 
+HSDP rows. A row named ``hsdp:<preset>`` (``--hsdp`` adds one per preset, and ``hsdp:fsdp``)
+runs the training job instead, ``python -m qsdp.cli train --hsdp --local-world-size M`` (i.e.
+``qsdp train --hsdp``: sharded inside each namespace, replicated across them, the inter-node
+all-reduce as the preset's ``hsdp`` config says), on the job's own text data, for warm-up +
+timed steps. Its step times are rank 0's ``step_time_s`` records of the timed steps, its bytes
+the run's all-rank meter totals over them divided by the world size (ranks are symmetric), so
+the rows have the columns of the others. Each HSDP row's speedup and ideal are against
+``hsdp:fsdp`` (its exact fp32 all-reduce, the route native HSDP takes), measured in the same
+run; the ``baseline`` field names the row a speedup is against.
+
 Default link: 20 Mbit/s, 1 ms. At that rate ``fsdp``'s step with the default ``tiny`` model is
 more than 90% communication on a small CPU host (about 10 MB per node and step cross the link),
 i.e. the bandwidth-bound regime the quantized presets are for; at 200 Mbit/s the CPU compute of
@@ -75,7 +85,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from qsdp.config import resolve_config
+from qsdp.comm.meter import KINDS, LEVELS
+from qsdp.config import ConfigError, resolve_config
+from qsdp.train.metrics import read_metrics, read_summary
 
 from .report import BENCH_PRESETS, bar_chart, emit, png_next_to
 
@@ -278,14 +290,77 @@ class EmulatedCluster:
         self.namespaces.clear()
 
 
+# --------------------------------------------------------------------------- rows
+
+HSDP_PREFIX = "hsdp:"
+
+
+def row_preset(row: str) -> tuple[bool, str]:
+    """``(hsdp, preset)`` of a row name: ``hsdp:<preset>`` is ``qsdp train --hsdp`` with it."""
+    if row.startswith(HSDP_PREFIX):
+        return True, row[len(HSDP_PREFIX):]
+    return False, row
+
+
+def baseline_row(row: str) -> str:
+    """The row a row's speedups are against: ``hsdp:fsdp`` for HSDP rows, else ``fsdp``."""
+    return HSDP_PREFIX + "fsdp" if row_preset(row)[0] else "fsdp"
+
+
+def select_rows(presets: Sequence[str], hsdp: bool = False) -> list[str]:
+    """The rows to run, in order: ``presets`` (duplicates dropped) and, with ``hsdp``, the HSDP
+    row of ``fsdp`` and of each plain preset after them. ConfigError naming a bad preset."""
+    rows = list(dict.fromkeys(presets))
+    if hsdp:
+        plain = [p for p in rows if not row_preset(p)[0]]
+        rows += [r for r in dict.fromkeys(HSDP_PREFIX + p for p in ["fsdp", *plain]) if r not in rows]
+    for row in rows:
+        resolve_config(row_preset(row)[1])
+    return rows
+
+
+def _job_args(row: str, ranks_per_node: int, steps: int, warmup: int, model: str, seq_len: int,
+              batch_size: int, out: str, workdir: str) -> list[str]:
+    """What each node's torchrun runs for ``row``: the workload module, or the training job."""
+    hsdp, preset = row_preset(row)
+    shape = ["--preset", preset, "--model", model, "--seq-len", str(seq_len), "--batch-size", str(batch_size)]
+    if not hsdp:
+        return ["-m", "qsdp.bench.workload", *shape, "--steps", str(steps), "--warmup", str(warmup),
+                "--ranks-per-node", str(ranks_per_node), "--out", out]
+    return ["-m", "qsdp.cli", "train", "--hsdp", *shape, "--local-world-size", str(ranks_per_node),
+            "--steps", str(warmup + steps), "--out", out, "--eval-every", "0", "--ckpt-every", "0",
+            "--keep-checkpoints", "1", "--no-progress", "--device", "cpu", "--backend", "gloo",
+            "--cache-dir", os.path.join(workdir, "cache")]
+
+
+def train_result(run_dir: str, warmup: int, steps: int) -> dict[str, Any]:
+    """The timed steps (after ``warmup``) of a ``qsdp train`` run in the workload's result
+    format: rank 0's step times and the meter's bytes per rank (all-rank totals / world)."""
+    summary = read_summary(run_dir)
+    records = {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+    last = records[warmup + steps]
+    first = records.get(warmup, {})  # the counters are cumulative; before step 1 they are 0
+    world = summary["world_size"]
+    stats = {kind: {level: {"bytes": (last[f"wire_bytes_{kind}_{level}"]
+                                      - first.get(f"wire_bytes_{kind}_{level}", 0)) / world}
+                    for level in LEVELS} for kind in KINDS}
+    times = [records[s]["step_time_s"] for s in range(warmup + 1, warmup + steps + 1)]
+    return {"preset": summary["preset"], "hsdp": summary["hsdp"], "stats": stats, "step_times_s": times,
+            "step_time_s": statistics.median(times), "tokens_per_step": summary["tokens_per_step"]}
+
+
 # --------------------------------------------------------------------------- launching
 
 
 def _launch_preset(cluster: EmulatedCluster, preset: str, ranks_per_node: int, steps: int, warmup: int,
                    model: str, seq_len: int, batch_size: int, timeout: float, workdir: str) -> dict[str, Any]:
-    """One multi-node torchrun job (one agent per namespace); rank 0's workload JSON."""
+    """One multi-node torchrun job (one agent per namespace) of the row ``preset``; rank 0's
+    workload JSON (for an HSDP row: :func:`train_result` of the training job's run directory)."""
     run_id = f"qsdp-{uuid.uuid4().hex[:8]}"
-    out_file = os.path.join(workdir, f"{preset}-{run_id}.json")
+    hsdp = row_preset(preset)[0]
+    out_file = os.path.join(workdir, f"{preset.replace(':', '-')}-{run_id}" + ("" if hsdp else ".json"))
+    done_file = os.path.join(out_file, "summary.json") if hsdp else out_file
+    job = _job_args(preset, ranks_per_node, steps, warmup, model, seq_len, batch_size, out_file, workdir)
     env = dict(os.environ, GLOO_SOCKET_IFNAME=IFACE, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
@@ -299,11 +374,8 @@ def _launch_preset(cluster: EmulatedCluster, preset: str, ranks_per_node: int, s
                    "--node-rank", str(i), "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"{cluster.addr(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
                    "--rdzv-conf", f"is_host={1 if i == 0 else 0},join_timeout={int(max(30, timeout))}",
-                   "--local-addr", cluster.addr(i), "--max-restarts", "0",
-                   "-m", "qsdp.bench.workload", "--preset", preset, "--steps", str(steps),
-                   "--warmup", str(warmup), "--model", model, "--seq-len", str(seq_len),
-                   "--batch-size", str(batch_size), "--ranks-per-node", str(ranks_per_node), "--out", out_file]
-            log = open(os.path.join(workdir, f"{preset}-{run_id}-node{i}.log"), "w+")
+                   "--local-addr", cluster.addr(i), "--max-restarts", "0", *job]
+            log = open(os.path.join(workdir, f"{preset.replace(':', '-')}-{run_id}-node{i}.log"), "w+")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + timeout
@@ -313,13 +385,15 @@ def _launch_preset(cluster: EmulatedCluster, preset: str, ranks_per_node: int, s
             if any(p.returncode not in (None, 0) for p in procs):
                 break  # one node failed: do not wait for the others' rendezvous timeouts
             time.sleep(0.2)
-        if any(p.returncode != 0 for p in procs) or not os.path.exists(out_file):
+        if any(p.returncode != 0 for p in procs) or not os.path.exists(done_file):
             tails = []
             for i, log in enumerate(logs):
                 log.flush()
                 log.seek(0)
                 tails.append(f"--- node {i} (exit {procs[i].returncode}) ---\n" + log.read()[-3000:])
             raise ClusterError(f"preset {preset}: the torchrun job failed\n" + "\n".join(tails))
+        if hsdp:
+            return train_result(out_file, warmup, steps)
         with open(out_file) as f:
             return json.load(f)
     finally:
@@ -381,10 +455,11 @@ def _tear_down(cluster: EmulatedCluster) -> None:
 
 def _add_speedups(main: dict[str, dict[str, Any]], unlimited: dict[str, dict[str, Any]] | None,
                   rate_mbit: float) -> None:
-    """Each preset's measured and ideal speedups against fsdp's step (``None`` without fsdp);
-    ``unlimited``: the same presets' runs on the unlimited link (the floors of the ideal)."""
-    base = main.get("fsdp")
+    """Each row's measured and ideal speedups against its :func:`baseline_row`'s step (``None``
+    without it); ``unlimited``: the same rows' runs on the unlimited link (the floors of the ideal)."""
     for preset, row in main.items():
+        row["baseline"] = baseline_row(preset)
+        base = main.get(row["baseline"])
         if not base:
             row["speedup_vs_fsdp"] = row["ideal_speedup"] = row["realised_fraction_of_ideal"] = None
             continue
@@ -402,15 +477,15 @@ def measure(presets: Sequence[str] = BENCH_PRESETS, nodes: int = 2, ranks_per_no
             rate_mbit: float = 20.0, delay_ms: float = 1.0, unlimited: bool = True, steps: int = 10,
             unlimited_steps: int = 20,
             warmup: int = 1, model: str = "tiny", seq_len: int = 64, batch_size: int = 4,
-            timeout: float = 900.0, log=None) -> dict[str, Any]:
-    """Set up the namespaces, run every preset (shaped, then unlimited), tear everything down.
-    ``steps`` timed steps with the link shaped, ``unlimited_steps`` (cheaper) without."""
+            timeout: float = 900.0, log=None, hsdp: bool = False) -> dict[str, Any]:
+    """Set up the namespaces, run every row (shaped, then unlimited), tear everything down.
+    ``steps`` timed steps with the link shaped, ``unlimited_steps`` (cheaper) without. Rows:
+    :func:`select_rows` of ``presets`` and ``hsdp``."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     problems = missing_requirements()
     if problems:
         raise ClusterError("qsdp bench cluster needs " + "; ".join(problems))
-    for p in presets:
-        resolve_config(p)  # fail on a bad name before touching the network
+    presets = select_rows(presets, hsdp)  # fail on a bad name before touching the network
     ip, tc = shutil.which("ip"), shutil.which("tc")
     stale = remove_stale_namespaces(ip)
     if stale:
@@ -469,8 +544,9 @@ def measure(presets: Sequence[str] = BENCH_PRESETS, nodes: int = 2, ranks_per_no
         "load_average": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
     }
     if unl is not None:
-        ubase = unl.get("fsdp")
         for p, r in unl.items():
+            ubase = unl.get(baseline_row(p))
+            r["baseline"] = baseline_row(p)
             r["speedup_vs_fsdp"] = ubase["step_time_s"] / r["step_time_s"] if ubase else None
         out["unlimited"] = {"presets": unl}
     return out
@@ -535,7 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qsdp bench cluster", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Needs root and iproute2 (ip, tc).")
-    parser.add_argument("--presets", nargs="+", default=list(BENCH_PRESETS))
+    parser.add_argument("--presets", nargs="+", default=list(BENCH_PRESETS),
+                        help="rows: presets, or hsdp:<preset> for `qsdp train --hsdp` with that preset")
+    parser.add_argument("--hsdp", action="store_true",
+                        help="also run hsdp:fsdp and hsdp:<preset> for every preset (qsdp train --hsdp)")
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--rate", type=float, default=20.0,
@@ -561,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rate and --delay-ms must not be negative")
     if args.nodes < 2:
         parser.error(f"--nodes={args.nodes} must be at least 2")
+    try:
+        select_rows(args.presets, args.hsdp)
+    except ConfigError as e:
+        parser.error(str(e))
     problems = missing_requirements()
     if problems:
         print("qsdp bench cluster: cannot emulate nodes, this machine lacks:\n  - " + "\n  - ".join(problems),
@@ -572,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                          rate_mbit=args.rate, delay_ms=args.delay_ms, unlimited=args.unlimited, steps=args.steps,
                          unlimited_steps=args.unlimited_steps,
                          warmup=args.warmup, model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
-                         timeout=args.timeout)
+                         timeout=args.timeout, hsdp=args.hsdp)
     except ClusterError as e:
         print(f"qsdp bench cluster: {e}", file=sys.stderr)
         return 1

@@ -63,6 +63,9 @@ class TrainArgs:
         0 = only at the end. grad_clip: 0 = off.
     local_world_size: ranks per node for the two-level reduce-scatter (``None``: the config's
         value or ``LOCAL_WORLD_SIZE``); lets one machine emulate several nodes.
+    hsdp: shard inside the node, replicate across the ``world / local_world_size`` nodes (at
+        least 2), the inter-node gradient all-reduce travelling as the config's ``hsdp`` says
+        (see :mod:`qsdp.hsdp`).
     on_nonfinite: ``skip`` (drop the step on every rank, count it) or ``raise`` (stop the run)
         when some rank reduced a NaN/Inf gradient; see :mod:`qsdp.train.trainer`.
     param_dtype: ``float32`` or ``bfloat16`` (FSDP2 mixed precision, gradients reduced in fp32);
@@ -98,6 +101,7 @@ class TrainArgs:
     resume: bool = False
     log_every: int = 1
     local_world_size: int | None = None
+    hsdp: bool = False
     reshard_after_forward: bool = True
     param_dtype: str | None = None
     device: str | None = None
@@ -200,6 +204,7 @@ def _check_choices(args: TrainArgs) -> None:
     _need(not (args.backend == "nccl" and not args.use_cuda()),
           "backend nccl needs CUDA tensors; use --backend gloo on CPU")
     _need(bool(args.out), "out must be a directory path")
+    _need(isinstance(args.hsdp, bool), f"hsdp must be a bool, got {args.hsdp!r}")
 
 
 def validate_args(args: TrainArgs) -> QuantConfig:

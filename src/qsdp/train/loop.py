@@ -41,6 +41,7 @@ from qsdp.train.preflight import (
     check_out_dir,
     check_resume,
     default_cache_dir,
+    hsdp_layout,
     open_dataset,
     preflight,
     prepare_dataset,
@@ -85,6 +86,8 @@ def train_worker(args: TrainArgs, plan: Plan | None = None) -> dict[str, Any]:
         init_process_group(args)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
+        if args.hsdp:  # a layout that cannot be HSDP fails on every rank before any collective
+            hsdp_layout(args, config, world)
         dataset, plan = _worker_plan(args, plan, config, rank, world)
         dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
         summary = Trainer(args, plan, dataset, run_device(args, owns_group)).fit()

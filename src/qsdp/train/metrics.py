@@ -9,6 +9,7 @@ per logged step (:func:`train_record`)::
     wire_bytes_{kind}_{level}, bits_per_elt_{kind}_{level}   kind: weights, grads (and
         wire_bytes_control_{level}); level: intra, inter, total
     nonfinite_skipped (steps skipped so far; grad_norm is null on a skipped step)
+    hsdp (whether the run shards inside the node and replicates across nodes)
 
 and ``{"step", "val_loss"}`` lines. Bytes are cumulative since the start of the run (resumes
 included) and summed over all ranks (:class:`WireTotals`): the whole job's traffic as the byte

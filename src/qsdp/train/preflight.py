@@ -27,7 +27,7 @@ from qsdp.train.metrics import METRICS_FILE
 
 __all__ = [
     "Plan", "preflight", "prepare_dataset", "open_dataset", "check_out_dir", "check_resume",
-    "run_identity", "restart_count", "default_cache_dir",
+    "run_identity", "restart_count", "default_cache_dir", "hsdp_layout",
 ]
 
 
@@ -113,11 +113,29 @@ def run_identity(args: TrainArgs, world_size: int, data_id: str | None,
     identity: dict[str, Any] = {
         "model": args.model, "tokenizer": args.tokenizer, "seq_len": args.seq_len,
         "batch_size": args.batch_size, "seed": args.seed, "world_size": world_size,
-        "config": config.to_dict(),
+        "config": config.to_dict(), "hsdp": args.hsdp,
     }
     if data_id is not None:
         identity["data_id"] = data_id
     return identity
+
+
+def hsdp_layout(args: TrainArgs, config: QuantConfig, world_size: int) -> tuple[int, int]:
+    """``(nodes, ranks_per_node)`` of an ``--hsdp`` run of ``world_size`` ranks: ranks per node
+    from ``--local-world-size`` (folded into ``config``), else ``LOCAL_WORLD_SIZE``, else the
+    whole world. TrainError unless they make at least 2 whole nodes."""
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_node = config.local_world_size or (int(env) if env.isdigit() and int(env) > 0 else world_size)
+    if world_size % per_node:
+        raise TrainError(f"--hsdp: {per_node} ranks per node (--local-world-size) must divide the "
+                         f"world size {world_size}")
+    nodes = world_size // per_node
+    if nodes < 2:
+        raise TrainError(
+            f"--hsdp needs at least 2 nodes to replicate across, but {world_size} rank(s) at {per_node} "
+            f"per node make {nodes}; pass --local-world-size M (ranks per node) with M < {world_size} "
+            "dividing it, or drop --hsdp")
+    return nodes, per_node
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -173,6 +191,8 @@ def preflight(args: TrainArgs, world_size: int, data_id: str | None = None,
     naming the problem; touches no process group."""
     if config is None:
         config = validate_args(args)
+    if args.hsdp:
+        hsdp_layout(args, config, world_size)
     restarted = restart_count() > 0
     resume_from = None
     if restarted:  # the elastic agent restarted the group: continue from the last good checkpoint

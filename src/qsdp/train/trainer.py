@@ -24,9 +24,15 @@ when there is one (see :mod:`qsdp.train.preflight`). A resume first drops the re
 
 ``summary.json`` at the end (:meth:`Trainer.summary`) holds the config, the final losses, the
 bytes by kind and level, timings, the environment, ``nonfinite_skipped`` and
+``hsdp``, ``nodes`` and ``local_world_size`` (the layout), and
 ``final_weights_sha256`` / ``final_optimizer_sha256``: SHA-256 over every rank's digest of its
 local shards (model parameters; optimizer state), in rank order. Two runs with the same world
 size have equal hashes exactly when their final states are bit-identical.
+
+HSDP (``--hsdp``): the model is sharded with 1-D FSDP2 on each node's ranks and
+:func:`qsdp.quantize_comms` is given the replicate group (:func:`qsdp.hsdp_groups`), so every
+node holds a full copy of the sharded state. Checkpoints need nothing more: DCP writes each
+shard once (the nodes' copies are bit-identical) and every node reads it back.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from qsdp.train.data import TokenDataset
 from qsdp.train.faults import Faults
 from qsdp.train.metrics import MetricsWriter, WireTotals, drop_records_after, read_metrics, train_record
 from qsdp.train.model import count_params, make_gpt, transformer_blocks
-from qsdp.train.preflight import Plan, restart_count
+from qsdp.train.preflight import Plan, hsdp_layout, restart_count
 from qsdp.train.runtime import codec_kernels, device_name
 
 __all__ = ["Trainer", "RunState", "StepResult"]
@@ -87,8 +93,10 @@ class StepResult:
     seconds: float
 
 
-def build_model(args: TrainArgs, vocab_size: int, device: torch.device) -> tuple[torch.nn.Module, str]:
-    """The GPT, each block and the root wrapped by FSDP2; returns it and its param dtype name."""
+def build_model(args: TrainArgs, vocab_size: int, device: torch.device,
+                mesh: Any = None) -> tuple[torch.nn.Module, str]:
+    """The GPT, each block and the root wrapped by FSDP2 (on ``mesh``: the node's ranks under
+    HSDP; ``None``: the world); returns it and its param dtype name."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = make_gpt(args.model, vocab_size, args.seq_len).to(device)
     dtype_name = args.param_dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -96,9 +104,26 @@ def build_model(args: TrainArgs, vocab_size: int, device: torch.device) -> tuple
     policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
               if param_dtype != torch.float32 else MixedPrecisionPolicy())
     for block in transformer_blocks(model):
-        fully_shard(block, reshard_after_forward=args.reshard_after_forward, mp_policy=policy)
-    fully_shard(model, reshard_after_forward=args.reshard_after_forward, mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward, mp_policy=policy)
     return model, dtype_name
+
+
+def shard_and_quantize(
+    args: TrainArgs, plan: Plan, vocab_size: int, device: torch.device,
+) -> tuple[torch.nn.Module, str, qsdp.QuantizedComms, tuple[int, int] | None]:
+    """The FSDP2 model and its qsdp comms; under ``--hsdp`` sharded inside each node and
+    replicated across the nodes, whose ``(nodes, ranks_per_node)`` is returned last (``None``
+    without HSDP)."""
+    if not args.hsdp:
+        model, dtype_name = build_model(args, vocab_size, device)
+        return model, dtype_name, qsdp.quantize_comms(model, plan.config), None
+    nodes, per_node = hsdp_layout(args, plan.config, dist.get_world_size())
+    groups = qsdp.hsdp_groups(nodes=nodes, ranks_per_node=per_node, device_type=device.type)
+    model, dtype_name = build_model(args, vocab_size, device, groups.shard_mesh)
+    comms = qsdp.quantize_comms(model, plan.config, group=groups.shard_group,
+                                replicate_group=groups.replicate_group)
+    return model, dtype_name, comms, (nodes, per_node)
 
 
 def make_optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.Optimizer:
@@ -167,8 +192,8 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.started = time.perf_counter()
         self.faults = Faults.from_env()
-        self.model, self.dtype_name = build_model(args, dataset.vocab_size, device)
-        self.comms = qsdp.quantize_comms(self.model, plan.config)
+        self.model, self.dtype_name, self.comms, self.hsdp_layout = shard_and_quantize(
+            args, plan, dataset.vocab_size, device)
         self.optimizer = make_optimizer(self.model, args)
         qsdp.comm_stats(reset=True)
         self.state = RunState()
@@ -246,6 +271,7 @@ class Trainer:
             self.state.train_loss = loss_sum / self.world
             record = train_record(step, self.state.train_loss, result.lr, result.grad_norm, result.seconds,
                                   self.tokens_per_step, self.state.nonfinite_skipped, self.state.wire)
+            record["hsdp"] = self.args.hsdp
             self.writer.write(record)
             self.postfix.update(loss=f"{self.state.train_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                 bits_w=f"{record['bits_per_elt_weights_total']:.1f}",
@@ -335,6 +361,7 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         """The run summary (collective: the bytes and the state digests; the same on every rank)."""
         args, state, topology = self.args, self.state, self.comms.topology
+        nodes, per_node = self.hsdp_layout or (topology.nodes, topology.ranks_per_node)
         state.wire.collect(self.device)
         weights_sha, optim_sha = state_digests(self.model, self.optimizer)
         return {
@@ -347,7 +374,7 @@ class Trainer:
             "wall_time_s": time.perf_counter() - self.started,
             "median_step_time_s": statistics.median(self.step_times) if self.step_times else None,
             "tokens_per_step": self.tokens_per_step, "world_size": self.world,
-            "local_world_size": topology.ranks_per_node, "nodes": topology.nodes,
+            "local_world_size": per_node, "nodes": nodes, "hsdp": args.hsdp,
             "n_params": count_params(self.model), "param_dtype": self.dtype_name,
             "vocab_size": self.dataset.vocab_size, "data_id": self.plan.data_id,
             "torch_version": torch.__version__, "qsdp_version": qsdp.__version__,
