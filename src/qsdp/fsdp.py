@@ -63,7 +63,7 @@ class QuantizedComms:
         view untouched."""
         return self.meter.snapshot(reset=reset)
 
-    def bind_meter(self) -> None:
+    def _bind_meter(self) -> None:
         """Count every comm of this handle in :attr:`meter`."""
         for comm in [*self.all_gathers, *self.reduce_scatters]:
             comm.bind_meter(self.meter)
@@ -188,7 +188,7 @@ def quantize_comms(
         handle.modules.append(m)
         handle.all_gathers.append(ag)
         handle.reduce_scatters.append(rs)
-    handle.bind_meter()
+    handle._bind_meter()
     if cfg.weights.mode != "plain":
         # Parameter changes made by any optimizer's step are the expected ones; any other
         # in-place change (load_state_dict, a user's edit) makes the replicas stale.

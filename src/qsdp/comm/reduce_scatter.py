@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.rng import derive_seed
-from ..config import GradComm, QuantConfig
+from ..config import GradComm
 from .base import GradReduceScatter
 from .wire import RowCodec, _pad_cols
 
