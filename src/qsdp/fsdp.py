@@ -15,6 +15,8 @@ from torch.distributed.fsdp import FSDPModule
 from . import hsdp as _hsdp
 from ._fsdp2 import fsdp_state, has_custom_divide_factor
 from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
+from .comm.base import GradReduceScatter, WeightAllGather
+from .comm.meter import METER, ByteMeter, Stats
 from .comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
 from .comm.topology import Topology, build_topology
 from .comm.versions import ChangeTracker, managed_parameters
@@ -25,15 +27,18 @@ _ALL_GATHERS = {"plain": PlainAllGather, "direct": QuantizedAllGather, "differen
 
 @dataclass
 class QuantizedComms:
-    """What :func:`quantize_comms` attached: the config, the topology and, per FSDP parameter group (one ``fully_shard`` call, in
-    ``module.modules()`` order), its all-gather and reduce-scatter objects."""
+    """What :func:`quantize_comms` attached: the config, the topology and, per FSDP parameter
+    group (one ``fully_shard`` call, in ``module.modules()`` order), its all-gather and
+    reduce-scatter objects; ``meter`` counts the bytes of this handle's comms only
+    (:meth:`comm_stats`), and passes them on to the process-wide meter (:func:`qsdp.comm_stats`)."""
 
     config: QuantConfig
     topology: Topology
     modules: list[nn.Module] = field(default_factory=list)
-    all_gathers: list[Any] = field(default_factory=list)
-    reduce_scatters: list[Any] = field(default_factory=list)
+    all_gathers: list[WeightAllGather] = field(default_factory=list)
+    reduce_scatters: list[GradReduceScatter] = field(default_factory=list)
     tracker: ChangeTracker = field(default_factory=ChangeTracker)
+    meter: ByteMeter = field(default_factory=lambda: ByteMeter(parent=METER))
 
     _hooks: list[Any] = field(default_factory=list)
 
@@ -52,6 +57,17 @@ class QuantizedComms:
                 flag |= bad.to(device=device, dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.group)
         return bool(flag.item())  # the one host sync of the check
+
+    def comm_stats(self, reset: bool = True) -> Stats:
+        """This handle's bytes, elements and bits per element on the wire since its last reset
+        (this rank only), in :func:`qsdp.comm_stats`' format; resetting leaves the process-wide
+        view untouched."""
+        return self.meter.snapshot(reset=reset)
+
+    def _bind_meter(self) -> None:
+        """Count every comm of this handle in :attr:`meter`."""
+        for comm in [*self.all_gathers, *self.reduce_scatters]:
+            comm.bind_meter(self.meter)
 
     def close(self) -> None:
         """Remove the optimizer hooks this handle registered."""
@@ -189,6 +205,7 @@ def quantize_comms(
         handle.modules.append(m)
         handle.all_gathers.append(ag)
         handle.reduce_scatters.append(rs)
+    handle._bind_meter()
     if cfg.weights.mode != "plain":
         # Parameter changes made by any optimizer's step are the expected ones; any other
         # in-place change (load_state_dict, a user's edit) makes the replicas stale.

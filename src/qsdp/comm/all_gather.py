@@ -13,85 +13,26 @@ optimizer step.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..codecs.rng import derive_seed
 from ..config import QuantConfig, WeightComm
-from .collectives import all_gather_flat
-from .meter import METER
+from .base import WeightAllGather
 from .topology import Topology
 from .versions import ChangeTracker, versions
 from .wire import RowCodec
 
 
-class _Base:
-    """Allocation and bookkeeping shared by the weight all-gathers.
-
-    ``tracker``: the change bookkeeping shared by the gathers of one model (``quantize_comms``
-    passes one). A comm built without one takes every gather for a new version of the shard.
-    """
-
-    def __init__(
-        self, config: QuantConfig, topology: Topology, comm_id: int, tracker: ChangeTracker | None = None
-    ) -> None:
-        self.config = config
-        self.topology = topology
-        self.comm_id = comm_id
-        self.tracker = tracker if tracker is not None else ChangeTracker(assume_changed=True)
-        self.index = self.tracker.add()
-        self.name = f"group {comm_id}"
-
-    def track(self, params: list[torch.Tensor], name: str) -> None:
-        """Watch ``params`` (the group's sharded parameters) for changes."""
-        self.tracker.watches[self.index].params = list(params)
-        self.tracker.watches[self.index].rebase()
-        self.name = name
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def _check_group(self, group: dist.ProcessGroup) -> None:
-        if group.size() != self.topology.world_size:
-            raise RuntimeError(
-                f"FSDP all-gather group has {group.size()} ranks but qsdp was set up for "
-                f"{self.topology.world_size}; pass the FSDP mesh's group to quantize_comms(group=...)"
-            )
-
-    def _plain(self, output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
-        all_gather_flat(output, shard, group)
-        intra, inter = self.topology.peers()
-        METER.record_peers("weights", shard.numel() * shard.element_size(), shard.numel(), intra, inter)
-
-    def _gather_bytes(
-        self, send: torch.Tensor, elements: int, group: dist.ProcessGroup, peers: tuple[int, int] | None = None
-    ) -> torch.Tensor:
-        """All-gather this rank's encoded row ``[1, B]`` into ``[group size, B]``, metered as
-        ``elements`` weights sent to ``peers`` (intra, inter; default: the whole topology)."""
-        size = dist.get_world_size(group)
-        gathered = torch.empty(size, send.shape[1], dtype=torch.uint8, device=send.device)
-        all_gather_flat(gathered, send, group)
-        METER.record_peers("weights", send.numel(), elements, *(peers or self.topology.peers()))
-        return gathered
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.tracker.watches[self.index].rebase()
-
-    def reset(self) -> None:
-        pass
-
-
-class PlainAllGather(_Base):
+class PlainAllGather(WeightAllGather):
     """The ``fsdp`` preset: the same all-gather FSDP2 does by default, metered."""
 
-    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        self._check_group(group)
-        self._plain(output_tensor, input_tensor, group)
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> None:
+        self.check_group(group)
+        self.plain(output_tensor, input_tensor, group)
         return None
 
 
@@ -99,7 +40,7 @@ def weight_codec(w: WeightComm) -> RowCodec:
     return RowCodec(bits=w.bits, group_size=w.group_size, symmetric=w.symmetric, rounding=w.rounding)
 
 
-class QuantizedAllGather(_Base):
+class QuantizedAllGather(WeightAllGather):
     """Direct weight quantization (QSDP, ZeRO++ qwZ, SDP4Bit's qW ablation).
 
     Each rank quantizes its shard, the packed bytes are all-gathered, every rank dequantizes all
@@ -119,11 +60,12 @@ class QuantizedAllGather(_Base):
     def _token(self) -> tuple:
         return self.tracker.steps, versions(self.tracker.watches[self.index].params)
 
-    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        self._check_group(group)
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> None:
+        self.check_group(group)
         n = input_tensor.numel()
         if n < max(1, self.config.min_shard_numel):
-            self._plain(output_tensor, input_tensor, group)
+            self.plain(output_tensor, input_tensor, group)
             return None
         token = self._token()
         if token != self._seen or self.tracker.assume_changed:
@@ -132,7 +74,7 @@ class QuantizedAllGather(_Base):
         world, rank = self.topology.world_size, self.topology.rank
         seed = derive_seed(self.config.seed, self.comm_id, self.version, rank, 1)
         send = self.codec.encode(input_tensor.detach().view(1, n), seed=seed)
-        gathered = self._gather_bytes(send, n, group)
+        gathered = self.gather_bytes(send, n, group)
         self.codec.decode_into(gathered, n, output_tensor.view(world, n))
         return None
 
@@ -147,6 +89,6 @@ class QuantizedAllGather(_Base):
         self._seen = None if state.get("changed", True) else self._token()
 
 
-from .difference import DifferenceAllGather  # noqa: E402  (it builds on _Base)
+from .difference import DifferenceAllGather  # noqa: E402  (it needs weight_codec)
 
 __all__ = ["PlainAllGather", "QuantizedAllGather", "DifferenceAllGather", "weight_codec"]

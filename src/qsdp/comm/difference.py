@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from ..codecs.rng import derive_seed
 from ..config import QuantConfig
-from .all_gather import _Base, weight_codec
+from .all_gather import weight_codec
+from .base import WeightAllGather
 from .collectives import all_gather_flat
-from .meter import METER
 from .topology import Topology
 from .versions import ChangeTracker
 
@@ -46,7 +46,7 @@ def replica_layout(choice: str, nodes: int, ranks_per_node: int) -> str:
     return "node" if d > 1 else "exact"
 
 
-class DifferenceAllGather(_Base):
+class DifferenceAllGather(WeightAllGather):
     """The weight-difference all-gather of one FSDP group (see the module doc)."""
 
     def __init__(self, config: QuantConfig, topology: Topology, comm_id: int,
@@ -77,14 +77,16 @@ class DifferenceAllGather(_Base):
         """Forget the replica: the next gather re-establishes it with exact values."""
         self.replica = None
 
-    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        self._check_group(group)
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> None:
+        self.check_group(group)
         n = input_tensor.numel()
         if self.layout == "exact" or n < max(1, self.config.min_shard_numel):
-            self._plain(output_tensor, input_tensor, group)
+            self.plain(output_tensor, input_tensor, group)
             return None
         self.gathers += 1
-        changed, stale = self.tracker.take(self.index, group, input_tensor.device, self.topology.peers())
+        changed, stale = self.tracker.take(self.index, group, input_tensor.device,
+                                           self.topology.peers(), self.byte_meter)
         r = self.replica
         fresh = r is None or tuple(r.shape) != (len(self.rows), n) or r.dtype != output_tensor.dtype
         if fresh or stale:
@@ -92,7 +94,7 @@ class DifferenceAllGather(_Base):
             # Exact values are the new reference: changes made before them (a materialization,
             # a load) are sent now, not again after the next step. Every rank is here together.
             self.tracker.watches[self.index].rebase()
-            self._plain(output_tensor, input_tensor, group)
+            self.plain(output_tensor, input_tensor, group)
             self.replica = output_tensor.detach().view(-1, n)[self.rows]  # indexing copies
             return None
         if changed:
@@ -109,7 +111,7 @@ class DifferenceAllGather(_Base):
         # quantize(shard - replica[own row]) in one pass on CUDA
         send = self.codec.encode_difference(shard, self.replica[own].view(1, n), seed=seed)
         holders, peers = self._holders(group)
-        gathered = self._gather_bytes(send, n, holders, peers)
+        gathered = self.gather_bytes(send, n, holders, peers)
         # replica += dequantize(every holder's difference), in the replica's dtype
         self.codec.decode_into(gathered, n, self.replica, add=True)
         every = self.config.verify_replicas_every
@@ -126,7 +128,7 @@ class DifferenceAllGather(_Base):
         # One temporary of the group's size: rows arrive local-rank-major, the output is rank-major.
         buf = torch.empty(t.ranks_per_node, t.nodes, n, dtype=mine.dtype, device=mine.device)
         all_gather_flat(buf.view(-1), mine, t.intra_group)
-        METER.record_peers("weights", mine.numel() * mine.element_size(), mine.numel(), t.ranks_per_node - 1, 0)
+        self.meter("weights", mine.numel() * mine.element_size(), mine.numel(), (t.ranks_per_node - 1, 0))
         output.view(t.nodes, t.ranks_per_node, n).copy_(buf.transpose(0, 1))
 
     def _verify(self, group: dist.ProcessGroup) -> None:
@@ -134,12 +136,12 @@ class DifferenceAllGather(_Base):
         bits = self.replica.view(torch.int16 if self.replica.element_size() == 2 else torch.int32).view(-1)
         weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device) % 65521
         mine = torch.stack([(bits.to(torch.int64) * weights).sum(), bits.to(torch.int64).sum()])
-        holders, (intra, inter) = self._holders(group)
+        holders, peers = self._holders(group)
         ranks = dist.get_process_group_ranks(holders)
         everyone = torch.empty(len(ranks) * 2, dtype=torch.int64, device=mine.device)
         all_gather_flat(everyone, mine, holders)
         everyone = everyone.view(-1, 2)
-        METER.record_peers("control", mine.numel() * 8, 0, intra, inter)
+        self.meter("control", mine.numel() * 8, 0, peers)
         if not bool((everyone == everyone[0]).all()):
             bad = [ranks[i] for i in range(len(ranks)) if not torch.equal(everyone[i], everyone[0])]
             raise RuntimeError(
@@ -157,6 +159,9 @@ class DifferenceAllGather(_Base):
         self.version = int(state.get("version", 0))
         self.tracker.watches[self.index].rebase(changed=bool(state.get("changed", False)))
         self.tracker.request()
+
+    def holds_replicas(self) -> bool:
+        return True
 
     def replica_rows(self) -> dict[int, torch.Tensor]:
         """``{row of the gathered buffer: its replica values}`` held by this rank (empty before

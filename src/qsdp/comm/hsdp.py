@@ -28,7 +28,8 @@ import torch.distributed as dist
 from ..codecs.rng import derive_seed
 from ..config import HsdpComm, QuantConfig
 from .collectives import all_gather_flat
-from .meter import METER
+from .base import GradReduceScatter
+from .meter import METER, ByteMeter
 from .reduce_scatter import _divisor, real_elements
 from .wire import RowCodec
 
@@ -60,6 +61,7 @@ class ReplicaAllReduce:
         self.rank = replicate_group.rank()
         self.comm_id = comm_id
         self.calls = 0
+        self.byte_meter: ByteMeter = METER
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: float32 ``[n]``, this replica's value. Returns float32 ``[n]``: the sum over the
@@ -78,7 +80,7 @@ class ReplicaAllReduce:
         # Metered as the direct algorithm the quantized path runs: a chunk to every peer, twice.
         d, n = self.replicas, x.numel()
         chunk = -(-n // d)
-        METER.record("grads", "inter", 2 * (d - 1) * chunk * x.element_size(), 2 * (d - 1) * chunk)
+        self.byte_meter.record("grads", "inter", 2 * (d - 1) * chunk * x.element_size(), 2 * (d - 1) * chunk)
         return total
 
     def _quantized(self, x: torch.Tensor, codec: RowCodec) -> torch.Tensor:
@@ -94,11 +96,11 @@ class ReplicaAllReduce:
         dist.all_to_all_single(recv, send, group=self.group)
         own = real_elements(self.rank * length, (self.rank + 1) * length, n)
         others = sum(real_elements(k * length, (k + 1) * length, n) for k in range(d)) - own
-        METER.record("grads", "inter", (d - 1) * send.shape[1], others)
+        self.byte_meter.record("grads", "inter", (d - 1) * send.shape[1], others)
         mine = codec.decode_sum_encode(recv, length, sources=d, codec=codec, seed=self._seed(2))
         gathered = torch.empty(d, mine.shape[1], dtype=torch.uint8, device=x.device)
         all_gather_flat(gathered.view(-1), mine.view(-1), self.group)
-        METER.record("grads", "inter", (d - 1) * mine.shape[1], (d - 1) * own)
+        self.byte_meter.record("grads", "inter", (d - 1) * mine.shape[1], (d - 1) * own)
         total = codec.finish(codec.decode(gathered, length, keep_padding=True), length)
         return total.reshape(-1)[:n]
 
@@ -112,7 +114,7 @@ class ReplicaAllReduce:
         self.calls = int(state.get("calls", 0))
 
 
-class HsdpReduceScatter:
+class HsdpReduceScatter(GradReduceScatter):
     """FSDP2's custom reduce-scatter for HSDP: ``inner`` (a reduce-scatter over the shard group)
     sums inside the node, :class:`ReplicaAllReduce` sums across the replicas, and the result is
     divided once by every rank that contributed when FSDP2 asks for an average.
@@ -122,15 +124,18 @@ class HsdpReduceScatter:
     (fp16). Either way the division by the ``D`` replicas is done here.
     """
 
-    def __init__(self, inner: Any, all_reduce: ReplicaAllReduce) -> None:
+    def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce) -> None:
+        super().__init__(inner.config, inner.topology, inner.comm_id)
         self.inner = inner
         self.all_reduce = all_reduce
-        self._nonfinite: torch.Tensor | None = None
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.inner.allocate(size, dtype=dtype, device=device)
+    def bind_meter(self, byte_meter: ByteMeter) -> None:
+        super().bind_meter(byte_meter)
+        self.inner.bind_meter(byte_meter)
+        self.all_reduce.byte_meter = byte_meter
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
         shard_divisor = _divisor(op, group.size())
         self.inner(output_tensor, input_tensor, group, dist.ReduceOp.SUM)
         self._across_replicas(output_tensor, shard_divisor)
@@ -147,22 +152,13 @@ class HsdpReduceScatter:
         if divisor != 1:
             total.div_(divisor)  # in fp32, before any cast to the reduce dtype
         output.copy_(total)
-        # No host sync here: the flag stays a tensor until take_nonfinite.
-        bad = ~torch.isfinite(output).all()
-        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
-
-    def take_nonfinite(self) -> bool:
-        """Whether a non-finite value was reduced since the last call. The all-reduce carries a
-        non-finite value of any replica into every replica's result, so they all agree."""
-        flag = self.take_nonfinite_flag()
-        return bool(flag.item()) if flag is not None else False
+        self.watch(output)
 
     def take_nonfinite_flag(self) -> torch.Tensor | None:
-        """:meth:`take_nonfinite` without the host sync: a bool tensor on the device, or ``None``
-        when nothing was reduced since the last call."""
-        self.inner.take_nonfinite_flag()  # reset; the replicated result is the one that counts
-        flag, self._nonfinite = self._nonfinite, None
-        return flag
+        """The all-reduce carries a non-finite value of any replica into every replica's
+        result, so the replicated result's flag is the one that counts (the inner one is reset)."""
+        self.inner.take_nonfinite_flag()
+        return super().take_nonfinite_flag()
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "all_reduce": self.all_reduce.state_dict()}

@@ -5,15 +5,22 @@ Counts are logical point-to-point traffic from this rank: a buffer of ``B`` byte
 whether the destination is in this rank's node (``intra``) or another node (``inter``). Elements
 are counted the same way, so ``8 * bytes / elements`` is the bits per element that travelled,
 padding and scales included. Bytes that never leave the rank (its own chunk) are not counted.
+
+Meters nest: each :func:`qsdp.quantize_comms` handle owns one whose ``parent`` is the
+process-wide :data:`METER`, so a handle counts its own model's traffic (two models in one
+process keep separate counts) while :func:`comm_stats` still sees everything.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 KINDS = ("weights", "grads", "control")
 LEVELS = ("intra", "inter")
+
+Stats = dict[str, dict[str, dict[str, float]]]
 
 
 @dataclass
@@ -23,13 +30,42 @@ class Count:
 
     @property
     def bits_per_element(self) -> float:
-        return 8.0 * self.bytes / self.elements if self.elements else 0.0
+        return bits_per_element(self.bytes, self.elements)
+
+
+def bits_per_element(nbytes: int, elements: int) -> float:
+    return 8.0 * nbytes / elements if elements else 0.0
+
+
+def stats_table(counts: Mapping[tuple[str, str], tuple[int, int]]) -> Stats:
+    """``{(kind, level): (bytes, elements)}`` as ``{kind: {level or "total": {"bytes",
+    "elements", "bits_per_element"}}}`` for every kind and level (missing slots count zero):
+    the one format of :func:`comm_stats`, :meth:`ByteMeter.snapshot` and the training metrics."""
+    out: Stats = {}
+    for kind in KINDS:
+        rows: dict[str, dict[str, float]] = {}
+        total_bytes = total_elements = 0
+        for level in LEVELS:
+            nbytes, elements = counts.get((kind, level), (0, 0))
+            rows[level] = {"bytes": nbytes, "elements": elements,
+                           "bits_per_element": bits_per_element(nbytes, elements)}
+            total_bytes += nbytes
+            total_elements += elements
+        rows["total"] = {"bytes": total_bytes, "elements": total_elements,
+                         "bits_per_element": bits_per_element(total_bytes, total_elements)}
+        out[kind] = rows
+    return out
 
 
 class ByteMeter:
-    """Thread-safe accumulator of bytes and elements per (kind, level)."""
+    """Thread-safe accumulator of bytes and elements per (kind, level).
 
-    def __init__(self) -> None:
+    ``parent``: a meter that receives every record of this one as well (the handles' meters
+    pass theirs to the process-wide :data:`METER`).
+    """
+
+    def __init__(self, parent: ByteMeter | None = None) -> None:
+        self.parent = parent
         self._lock = threading.Lock()
         self._counts = {(k, lv): Count() for k in KINDS for lv in LEVELS}
 
@@ -40,6 +76,8 @@ class ByteMeter:
             c = self._counts[(kind, level)]
             c.bytes += int(nbytes)
             c.elements += int(elements)
+        if self.parent is not None:
+            self.parent.record(kind, level, nbytes, elements)
 
     def record_peers(self, kind: str, nbytes: int, elements: int, n_intra: int, n_inter: int) -> None:
         """One buffer of ``nbytes`` carrying ``elements`` sent to ``n_intra`` + ``n_inter`` peers."""
@@ -48,29 +86,21 @@ class ByteMeter:
         if n_inter:
             self.record(kind, "inter", nbytes * n_inter, elements * n_inter)
 
-    def snapshot(self, reset: bool = False) -> dict[str, dict[str, dict[str, float]]]:
-        """``{kind: {level: {"bytes", "elements", "bits_per_element"}, "total": {...}}}``."""
+    def snapshot(self, reset: bool = False) -> Stats:
+        """``{kind: {level: {"bytes", "elements", "bits_per_element"}, "total": {...}}}``;
+        ``reset`` zeroes this meter (not its parent)."""
         with self._lock:
-            out: dict[str, dict[str, dict[str, float]]] = {}
-            for k in KINDS:
-                per: dict[str, dict[str, float]] = {}
-                tb = te = 0
-                for lv in LEVELS:
-                    c = self._counts[(k, lv)]
-                    per[lv] = {"bytes": c.bytes, "elements": c.elements, "bits_per_element": c.bits_per_element}
-                    tb += c.bytes
-                    te += c.elements
-                per["total"] = {"bytes": tb, "elements": te, "bits_per_element": 8.0 * tb / te if te else 0.0}
-                out[k] = per
+            counts = {slot: (c.bytes, c.elements) for slot, c in self._counts.items()}
             if reset:
                 self._counts = {(k, lv): Count() for k in KINDS for lv in LEVELS}
-        return out
+        return stats_table(counts)
 
 
 METER = ByteMeter()
 
 
-def comm_stats(reset: bool = True) -> dict[str, dict[str, dict[str, float]]]:
+def comm_stats(reset: bool = True) -> Stats:
     """Bytes, elements and bits per element on the wire since the last reset, per kind
-    (``weights``, ``grads``, ``control``) and level (``intra``, ``inter``, ``total``)."""
+    (``weights``, ``grads``, ``control``) and level (``intra``, ``inter``, ``total``), of every
+    handle in this process (each handle's own: ``QuantizedComms.comm_stats``)."""
     return METER.snapshot(reset=reset)

@@ -12,16 +12,14 @@ The quantized versions move packed bytes with all-to-all and reduce in fp32 on t
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..codecs.rng import derive_seed
-from ..config import GradComm, QuantConfig
-from .collectives import reduce_scatter_flat
-from .meter import METER
-from .topology import Topology
+from ..config import GradComm
+from .base import GradReduceScatter
 from .wire import RowCodec, _pad_cols
 
 
@@ -36,65 +34,13 @@ def _divisor(op: Any, world: int) -> int:
     )
 
 
-class _Base:
-    def __init__(self, config: QuantConfig, topology: Topology, comm_id: int) -> None:
-        self.config = config
-        self.topology = topology
-        self.comm_id = comm_id
-        self.calls = 0
-        self._nonfinite: torch.Tensor | None = None
-
-    def _watch(self, output: torch.Tensor) -> None:
-        """Remember (without a device sync) whether this rank's reduced shard holds NaN/Inf: a
-        non-finite gradient anywhere reaches some owner's shard through a non-finite group
-        scale or value, so the owners together see every one."""
-        bad = ~torch.isfinite(output).all()
-        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
-
-    def take_nonfinite(self) -> bool:
-        """Whether a non-finite value was reduced since the last call (local to this rank)."""
-        flag = self.take_nonfinite_flag()
-        return bool(flag.item()) if flag is not None else False
-
-    def take_nonfinite_flag(self) -> torch.Tensor | None:
-        """:meth:`take_nonfinite` without the host sync: a bool tensor on the device, or
-        ``None`` when nothing was reduced since the last call."""
-        flag, self._nonfinite = self._nonfinite, None
-        return flag
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def _check_group(self, group: dist.ProcessGroup) -> None:
-        if group.size() != self.topology.world_size:
-            raise RuntimeError(
-                f"FSDP reduce-scatter group has {group.size()} ranks but qsdp was set up for "
-                f"{self.topology.world_size}; pass the FSDP mesh's group to quantize_comms(group=...)"
-            )
-
-    def _plain(self, output, input_tensor, group, op) -> None:
-        reduce_scatter_flat(output, input_tensor, op, group)
-        self._watch(output)
-        s = output.numel()
-        intra, inter = self.topology.peers()
-        METER.record_peers("grads", s * input_tensor.element_size(), s, intra, inter)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"calls": self.calls}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.calls = int(state.get("calls", 0))
-
-    def reset(self) -> None:
-        pass
-
-
-class PlainReduceScatter(_Base):
+class PlainReduceScatter(GradReduceScatter):
     """The ``fsdp`` preset: FSDP2's own reduce-scatter, metered."""
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        self._check_group(group)
-        self._plain(output_tensor, input_tensor, group, op)
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
+        self.check_group(group)
+        self.plain(output_tensor, input_tensor, group, op)
         return None
 
 
@@ -105,7 +51,7 @@ def grad_codec(g: GradComm, bits: int, raw_dtype: torch.dtype) -> RowCodec:
                     rounding=g.rounding, hadamard_block=g.hadamard_block)
 
 
-class QuantizedReduceScatter(_Base):
+class QuantizedReduceScatter(GradReduceScatter):
     """One- or two-level quantized reduce-scatter (QSDP; SDP4Bit TLq / TLq-HS).
 
     One level: every rank quantizes the ``world`` chunks of its gradient once, one all-to-all
@@ -122,13 +68,14 @@ class QuantizedReduceScatter(_Base):
     ``bits_inter`` across nodes.
     """
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        self._check_group(group)
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
+        self.check_group(group)
         topo, g = self.topology, self.config.grads
         world, s = topo.world_size, output_tensor.numel()
         divisor = _divisor(op, world)
         if s < max(1, self.config.min_shard_numel):
-            self._plain(output_tensor, input_tensor, group, op)
+            self.plain(output_tensor, input_tensor, group, op)
             return None
         self.calls += 1
         x = input_tensor.view(world, s)
@@ -143,7 +90,7 @@ class QuantizedReduceScatter(_Base):
         if divisor != 1:
             total = total / divisor
         output_tensor.copy_(total)
-        self._watch(output_tensor)
+        self.watch(output_tensor)
         return None
 
     def _seed(self, *parts: int) -> int:
@@ -155,7 +102,7 @@ class QuantizedReduceScatter(_Base):
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
         intra, inter = self.topology.peers()
-        METER.record_peers("grads", send.shape[1], s, 0 if inter_only else intra, inter)
+        self.meter("grads", send.shape[1], s, (0 if inter_only else intra, inter))
         return codec.decode_sum(recv, s, finish=True)
 
     def _two_hops(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,7 +131,7 @@ class QuantizedReduceScatter(_Base):
                 send = hop1.encode(xp[:, a:b], seed=self._seed(4, k))
                 recv = torch.empty_like(send)
                 work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
-                METER.record_peers("grads", d * send.shape[1], d * real_elements(a, b, s), m - 1, 0)
+                self.meter("grads", d * send.shape[1], d * real_elements(a, b, s), (m - 1, 0))
                 stage1[k] = (recv, work)
             k = step - 1
             if 0 <= k < n_slices:
@@ -194,7 +141,7 @@ class QuantizedReduceScatter(_Base):
                 send = hop1.decode_sum_encode(recv, b - a, sources=m, codec=hop2, seed=self._seed(5, k))
                 recv2 = torch.empty_like(send)
                 work2 = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
-                METER.record_peers("grads", send.shape[1], real_elements(a, b, s), 0, d - 1)
+                self.meter("grads", send.shape[1], real_elements(a, b, s), (0, d - 1))
                 stage1[k] = None
                 stage2[k] = (recv2, work2)
             k = step - 2

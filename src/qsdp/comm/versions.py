@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .meter import METER
+from .meter import METER, ByteMeter
 
 
 def versions(params: list[torch.Tensor]) -> tuple[int, ...]:
@@ -126,23 +126,26 @@ class ChangeTracker:
         self._due = True
 
     def take(
-        self, index: int, group: dist.ProcessGroup, device: torch.device, peers: tuple[int, int]
+        self, index: int, group: dist.ProcessGroup, device: torch.device, peers: tuple[int, int],
+        byte_meter: ByteMeter = METER,
     ) -> tuple[bool, bool]:
         """Collective when an agreement is due (every rank reaches it at the same gather):
         (changed, changed outside the optimizer) of group ``index`` on any rank since its last
-        take. The flags are then cleared for that group. ``peers``: (intra, inter) for the meter."""
+        take. The flags are then cleared for that group. ``peers``: (intra, inter) for
+        ``byte_meter``."""
         if self.assume_changed:
             return True, False
         if self._due:
-            self._agree(group, device, peers)
+            self._agree(group, device, peers, byte_meter)
         flags, self._flags[index] = self._flags[index], (False, False)
         return flags
 
-    def _agree(self, group: dist.ProcessGroup, device: torch.device, peers: tuple[int, int]) -> None:
+    def _agree(self, group: dist.ProcessGroup, device: torch.device, peers: tuple[int, int],
+               byte_meter: ByteMeter) -> None:
         local = [w.pending(self._stepped) for w in self.watches]
         flat = torch.tensor([int(f) for pair in local for f in pair], dtype=torch.int32, device=device)
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-        METER.record_peers("control", flat.numel() * flat.element_size(), 0, *peers)
+        byte_meter.record_peers("control", flat.numel() * flat.element_size(), 0, *peers)
         agreed = flat.tolist()  # the one host sync per optimizer step
         for i, w in enumerate(self.watches):
             changed, stale = self._flags[i]

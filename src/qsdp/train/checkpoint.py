@@ -124,7 +124,7 @@ def _replica_state(handle: Any) -> dict[str, torch.Tensor]:
     world = dist.get_world_size()
     return {
         _replica_key(i, world, row): values
-        for i, ag in enumerate(handle.all_gathers) if hasattr(ag, "replica_rows")
+        for i, ag in enumerate(handle.all_gathers) if ag.holds_replicas()
         for row, values in ag.replica_rows().items()
     }
 
@@ -133,7 +133,7 @@ def _load_replicas(path: Path, stored: dict[str, Any], handle: Any, device: torc
     """Load the rows this rank's replicas hold where the checkpoint has every one of them on
     every rank (one all-reduce agrees on it); other groups re-establish theirs exactly."""
     world = dist.get_world_size()
-    groups = [(i, ag) for i, ag in enumerate(handle.all_gathers) if hasattr(ag, "load_replica_rows")]
+    groups = [(i, ag) for i, ag in enumerate(handle.all_gathers) if ag.holds_replicas()]
     keys = {i: {row: _replica_key(i, world, row) for row in ag.rows} for i, ag in groups}
     found = [bool(keys[i]) and all(f"qsdp_replicas.{k}" in stored for k in keys[i].values()) for i, _ in groups]
     everywhere = torch.tensor([int(f) for f in found] or [0], dtype=torch.int32)

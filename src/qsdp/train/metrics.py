@@ -27,7 +27,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from qsdp.comm.meter import KINDS, LEVELS, comm_stats
+from qsdp.comm.meter import KINDS, LEVELS, Stats, comm_stats, stats_table
 
 from .files import atomic_write
 
@@ -157,10 +157,6 @@ def drop_records_after(out_dir: str | os.PathLike, step: int) -> None:
     atomic_write(path, lambda f: f.write("".join(kept).encode("utf-8")))
 
 
-def _bits(nbytes: float, elements: float) -> float:
-    return 8.0 * nbytes / elements if elements else 0.0
-
-
 class WireTotals:
     """Cumulative bytes and elements per (kind, level), summed over all ranks; the state a
     checkpoint keeps (:meth:`as_dict`) and restores (the constructor)."""
@@ -194,17 +190,10 @@ class WireTotals:
     def total_bytes(self) -> int:
         return sum(count[0] for per_level in self.counts.values() for count in per_level.values())
 
-    def as_dict(self) -> dict[str, dict[str, dict[str, float]]]:
-        """``{kind: {level or "total": {bytes, elements, bits_per_element}}}``."""
-        out: dict[str, dict[str, dict[str, float]]] = {}
-        for kind, per_level in self.counts.items():
-            rows = {level: {"bytes": b, "elements": e, "bits_per_element": _bits(b, e)}
-                    for level, (b, e) in per_level.items()}
-            total_b = sum(c[0] for c in per_level.values())
-            total_e = sum(c[1] for c in per_level.values())
-            rows["total"] = {"bytes": total_b, "elements": total_e, "bits_per_element": _bits(total_b, total_e)}
-            out[kind] = rows
-        return out
+    def as_dict(self) -> Stats:
+        """``{kind: {level or "total": {bytes, elements, bits_per_element}}}``, the meter's format."""
+        return stats_table({(kind, level): (count[0], count[1])
+                            for kind, per_level in self.counts.items() for level, count in per_level.items()})
 
     def flat(self) -> dict[str, float]:
         """The ``wire_*`` and ``bits_per_elt_*`` fields of a training record."""

@@ -1,0 +1,193 @@
+"""What every qsdp collective shares: FSDP2's custom comm interface, the group check, the state
+hooks a checkpoint calls, and the byte meter it records to.
+
+FSDP2 (``fully_shard``'s ``set_custom_all_gather`` / ``set_custom_reduce_scatter``) takes an
+object with ``allocate(size, *, dtype, device)`` and ``__call__``; its interface lives in a
+private module, imported here and nowhere else. :class:`WeightAllGather` and
+:class:`GradReduceScatter` subclass it, so every comm of ``comm/`` is, by type, what FSDP2 asks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..config import QuantConfig
+from .collectives import all_gather_flat, reduce_scatter_flat
+from .meter import METER, ByteMeter
+from .topology import Topology
+from .versions import ChangeTracker
+
+try:  # private in torch; a torch that moves it still gets the same interface from below
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - depends on the torch version
+
+    class AllGather(ABC):  # type: ignore[no-redef]
+        @abstractmethod
+        def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+        @abstractmethod
+        def __call__(self, output_tensor, input_tensor, group, async_op: bool = False): ...
+
+    class ReduceScatter(ABC):  # type: ignore[no-redef]
+        @abstractmethod
+        def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+        @abstractmethod
+        def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False): ...
+
+
+class CommBase:
+    """The config, topology and id of one FSDP group's comm, and where its bytes are counted.
+
+    ``comm_id`` picks the comm's random streams (with the seed), so it must be the same on
+    every rank for the same group. ``byte_meter`` starts as the process-wide meter;
+    :func:`qsdp.quantize_comms` binds its handle's own (:meth:`bind_meter`).
+    """
+
+    collective: ClassVar[str] = "collective"
+
+    def __init__(self, config: QuantConfig, topology: Topology, comm_id: int) -> None:
+        self.config = config
+        self.topology = topology
+        self.comm_id = comm_id
+        self.byte_meter: ByteMeter = METER
+
+    def bind_meter(self, byte_meter: ByteMeter) -> None:
+        """Count this comm's bytes in ``byte_meter`` from now on."""
+        self.byte_meter = byte_meter
+
+    def meter(self, kind: str, nbytes: int, elements: int, peers: tuple[int, int] | None = None) -> None:
+        """Record one buffer of ``nbytes`` carrying ``elements`` of ``kind`` (``weights``,
+        ``grads``, ``control``) sent to ``peers`` (intra, inter; default: every other rank of
+        the topology)."""
+        intra, inter = peers if peers is not None else self.topology.peers()
+        self.byte_meter.record_peers(kind, nbytes, elements, intra, inter)
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP2's buffer: ``torch.empty(size)`` (the default caching allocator)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def check_group(self, group: dist.ProcessGroup) -> None:
+        """Raise naming the fix when FSDP2 calls with a group other than the one set up."""
+        if group.size() != self.topology.world_size:
+            raise RuntimeError(
+                f"FSDP {self.collective} group has {group.size()} ranks but qsdp was set up for "
+                f"{self.topology.world_size}; pass the FSDP mesh's group to quantize_comms(group=...)"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Small per-rank counters a checkpoint stores (tensors go through DCP elsewhere)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; called after the parameters were loaded."""
+
+    def reset(self) -> None:
+        """Forget any state built from past calls (the next call starts afresh)."""
+
+
+class WeightAllGather(CommBase, AllGather):
+    """FSDP2's weight all-gather: ``comm(output [world * n], input [n] (a view of output),
+    group, async_op)`` fills ``output`` on every rank and returns ``None``.
+
+    ``tracker``: the change bookkeeping shared by the gathers of one model (``quantize_comms``
+    passes one). A comm built without one takes every gather for a new version of the shard.
+    """
+
+    collective = "all-gather"
+
+    def __init__(
+        self, config: QuantConfig, topology: Topology, comm_id: int, tracker: ChangeTracker | None = None
+    ) -> None:
+        super().__init__(config, topology, comm_id)
+        self.tracker = tracker if tracker is not None else ChangeTracker(assume_changed=True)
+        self.index = self.tracker.add()
+        self.name = f"group {comm_id}"
+
+    @abstractmethod
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> None: ...
+
+    def track(self, params: list[torch.Tensor], name: str) -> None:
+        """Watch ``params`` (the group's sharded parameters) for changes."""
+        self.tracker.watches[self.index].params = list(params)
+        self.tracker.watches[self.index].rebase()
+        self.name = name
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tracker.watches[self.index].rebase()
+
+    def holds_replicas(self) -> bool:
+        """Whether this gather keeps replica rows a checkpoint must save
+        (:meth:`replica_rows`)."""
+        return False
+
+    def plain(self, output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """FSDP2's own all-gather of ``shard`` into ``output``, metered."""
+        all_gather_flat(output, shard, group)
+        self.meter("weights", shard.numel() * shard.element_size(), shard.numel())
+
+    def gather_bytes(
+        self, send: torch.Tensor, elements: int, group: dist.ProcessGroup, peers: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """All-gather this rank's encoded row ``uint8 [1, B]`` into ``[group size, B]``, metered
+        as ``elements`` weights sent to ``peers`` (intra, inter; default: the whole topology)."""
+        size = dist.get_world_size(group)
+        gathered = torch.empty(size, send.shape[1], dtype=torch.uint8, device=send.device)
+        all_gather_flat(gathered, send, group)
+        self.meter("weights", send.numel(), elements, peers)
+        return gathered
+
+
+class GradReduceScatter(CommBase, ReduceScatter):
+    """FSDP2's gradient reduce-scatter: ``comm(output [n], input [world * n], group, op,
+    async_op)`` writes this rank's reduced chunk into ``output`` and returns ``None``; it also
+    watches the result for NaN/Inf without a host sync (:meth:`take_nonfinite_flag`)."""
+
+    collective = "reduce-scatter"
+
+    def __init__(self, config: QuantConfig, topology: Topology, comm_id: int) -> None:
+        super().__init__(config, topology, comm_id)
+        self.calls = 0
+        self._nonfinite: torch.Tensor | None = None
+
+    @abstractmethod
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None: ...
+
+    def watch(self, output: torch.Tensor) -> None:
+        """Remember (without a device sync) whether this rank's reduced shard holds NaN/Inf: a
+        non-finite gradient anywhere reaches some owner's shard through a non-finite group
+        scale or value, so the owners together see every one."""
+        bad = ~torch.isfinite(output).all()
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+
+    def plain(self, output: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: Any) -> None:
+        """FSDP2's own reduce-scatter of ``input_tensor`` into ``output``, watched and metered."""
+        reduce_scatter_flat(output, input_tensor, op, group)
+        self.watch(output)
+        self.meter("grads", output.numel() * input_tensor.element_size(), output.numel())
+
+    def take_nonfinite(self) -> bool:
+        """Whether a non-finite value was reduced since the last call (local to this rank)."""
+        flag = self.take_nonfinite_flag()
+        return bool(flag.item()) if flag is not None else False
+
+    def take_nonfinite_flag(self) -> torch.Tensor | None:
+        """:meth:`take_nonfinite` without the host sync: a bool tensor on the device, or
+        ``None`` when nothing was reduced since the last call."""
+        flag, self._nonfinite = self._nonfinite, None
+        return flag
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = int(state.get("calls", 0))
+
+
+__all__ = ["AllGather", "ReduceScatter", "CommBase", "WeightAllGather", "GradReduceScatter"]
