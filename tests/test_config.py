@@ -26,6 +26,12 @@ def test_ablations_are_overrides_of_the_presets():
     assert resolve_config("qsdp-w4g4").weights.bits == 4
 
 
+def test_qsdp_halves_each_quantize_one_direction_as_the_full_preset_does():
+    full, w, g = PRESETS["qsdp"], resolve_config("qsdp-w8"), resolve_config("qsdp-g8")
+    assert (w.weights, w.grads) == (full.weights, PRESETS["fsdp"].grads)
+    assert (g.weights, g.grads) == (PRESETS["fsdp"].weights, full.grads)
+
+
 def test_dotted_and_nested_overrides():
     cfg = resolve_config("sdp4bit", {"weights.bits": 8, "grads": {"hadamard_block": 0}})
     assert cfg.weights.bits == 8 and cfg.grads.hadamard_block == 0 and cfg.grads.bits_inter == 4

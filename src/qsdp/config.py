@@ -161,6 +161,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "tlq4": ("fsdp", {"grads": {**dataclasses.asdict(PRESETS["sdp4bit"].grads), "hadamard_block": 0}}),
     "tlq-hs": ("fsdp", {"grads": dataclasses.asdict(PRESETS["sdp4bit"].grads)}),
     "qsdp-w4g4": ("qsdp", {"weights.bits": 4, "grads.bits": 4}),
+    # QSDP's two halves alone (its W8G8 weights with exact gradients, and the reverse), so a gap
+    # of the full preset can be traced to the half that makes it.
+    "qsdp-w8": ("fsdp", {"weights": dataclasses.asdict(PRESETS["qsdp"].weights)}),
+    "qsdp-g8": ("fsdp", {"grads": dataclasses.asdict(PRESETS["qsdp"].grads)}),
     # HSDP with only the inter-node gradient all-reduce quantized (weights and the intra-node
     # reduce-scatter stay exact on the node's fast links).
     "hsdp4": ("fsdp", {"hsdp": dataclasses.asdict(PRESETS["sdp4bit"].hsdp)}),

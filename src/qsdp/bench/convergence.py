@@ -1,23 +1,29 @@
-"""``qsdp bench convergence``: the papers' central claim, same loss with fewer bits.
+"""``qsdp bench convergence``: the papers' central claim, same loss with fewer bits, with intervals.
 
-Every variant trains the same model from the same seed on the same data (the embedded corpus or
-``--data FILE``) with the same schedule, in 4 local workers treated as 2 nodes x 2 ranks, so the
-only difference between runs is what travels on the wire. The table has the shape of SDP4Bit's
-Table 1: final validation loss per variant and its relative gap to ``fsdp``; the loss curves are
-plotted with :func:`qsdp.train.plots.plot_runs`.
+Every variant trains the same model on the same data (the embedded corpus or ``--data FILE``)
+with the same schedule, in 4 local workers treated as 2 nodes x 2 ranks. Runs are paired: for
+each seed, the baseline and every variant start from the same weights and see the same batches,
+so the only difference inside a pair is what travels on the wire. The table has the shape of
+SDP4Bit's Table 1: final validation loss per variant and its relative gap to ``fsdp``, here the
+mean over the seeds with a 95% t interval over the paired gaps; the targets are judged on the
+interval. The loss curves of the first seed are plotted with :func:`qsdp.train.plots.plot_runs`.
 
 Variants: ``fsdp`` (baseline), SDP4Bit's ablations ``qw4`` (4-bit direct weights), ``qwd4``
 (4-bit weight differences), ``tlq4`` (two-level 8/4-bit gradients), ``tlq-hs`` (with Hadamard),
-the full ``sdp4bit``, the ``zeropp`` baseline (qW + ULq), and QSDP's ``qsdp`` (W8G8) and
-``qsdp-w4g4``.
+the full ``sdp4bit``, the ``zeropp`` baseline (qW + ULq), QSDP's ``qsdp`` (W8G8), its halves
+``qsdp-w8`` (weights only) and ``qsdp-g8`` (gradients only), and ``qsdp-w4g4``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import shutil
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from qsdp.config import resolve_config
@@ -25,119 +31,250 @@ from qsdp.train.args import TrainArgs
 from qsdp.train.launcher import launch, plan_run
 from qsdp.train.plots import plot_runs
 
+from .paired import paired_gap
 from .report import CONVERGENCE_VARIANTS, emit, meta
 
-# The targets of the project's convergence claim, relative gap of the final validation loss.
+# The targets of the project's convergence claim: the upper end of the interval of the relative
+# gap of the final validation loss.
 TARGETS = {"sdp4bit": 0.003, "qsdp": 0.001}
 
 
-def run(
-    variants=CONVERGENCE_VARIANTS,
-    *,
-    out: str = "runs/convergence",
-    steps: int = 300,
-    nproc: int = 4,
-    ranks_per_node: int = 2,
-    model: str = "tiny",
-    data: str | None = None,
-    batch_size: int = 8,
-    seq_len: int = 64,
-    lr: float = 3e-3,
-    eval_batches: int = 32,
-    seed: int = 0,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Train every variant and return the JSON-ready result."""
-    for v in variants:
-        resolve_config(v)  # every name is valid before the first run starts
-    runs = {
-        v: TrainArgs(
-            preset=v, out=os.path.join(out, v), model=model, data=data, steps=steps,
-            batch_size=batch_size, seq_len=seq_len, lr=lr, warmup=max(1, steps // 10),
-            eval_every=max(1, steps // 6), eval_batches=eval_batches, ckpt_every=0,
-            keep_checkpoints=1, seed=seed, local_world_size=ranks_per_node,
-            param_dtype="bfloat16", device="cpu", progress=progress,
-        )
-        for v in variants
-    }
-    plans = {v: plan_run(args, nproc, prepare_data=True) for v, args in runs.items()}
-    results: dict[str, Any] = {}
-    for i, (v, args) in enumerate(runs.items(), 1):
-        t0 = time.perf_counter()
-        print(f"[{i}/{len(runs)}] {v} -> {args.out}", file=sys.stderr, flush=True)
-        summary = launch(args, plans[v])
-        results[v] = {
-            "final_val_loss": summary["final_val_loss"],
-            "final_train_loss": summary["final_train_loss"],
-            "wire_bytes_total": summary["wire_bytes_total"],
-            "weights_bits_per_elt": summary["wire"]["weights"]["total"]["bits_per_element"],
-            "grads_intra_bits_per_elt": summary["wire"]["grads"]["intra"]["bits_per_element"],
-            "grads_inter_bits_per_elt": summary["wire"]["grads"]["inter"]["bits_per_element"],
-            "wall_time_s": time.perf_counter() - t0,
-        }
-    base = results.get("fsdp", {}).get("final_val_loss")
-    for r in results.values():
-        r["rel_gap_vs_fsdp"] = (r["final_val_loss"] / base - 1.0) if base else None
-    plots = plot_runs([a.out for a in runs.values()], out)
+@dataclass(frozen=True)
+class Spec:
+    """What one convergence comparison trains: every variant once per seed, the same way."""
+
+    variants: tuple[str, ...] = CONVERGENCE_VARIANTS
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    model: str = "tiny"
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 64
+    lr: float = 3e-3
+    param_dtype: str = "bfloat16"
+    data: str | None = None
+    nproc: int = 4
+    ranks_per_node: int = 2
+    eval_batches: int = 32
+
+
+# Named settings: ``tiny`` (every variant, quick) and ``small`` (a model of several million
+# parameters trained until its loss flattens, the baseline and the two full presets).
+SETTINGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(model="tiny", steps=300, seeds=5, lr=3e-3, variants=CONVERGENCE_VARIANTS),
+    "small": dict(model="small", steps=2000, seeds=2, lr=2e-3, variants=("fsdp", "sdp4bit", "qsdp")),
+}
+
+
+def _train_args(spec: Spec, variant: str, seed: int, out: str, progress: bool) -> TrainArgs:
+    return TrainArgs(
+        preset=variant, out=os.path.join(out, f"seed{seed}", variant), model=spec.model,
+        data=spec.data, steps=spec.steps, batch_size=spec.batch_size, seq_len=spec.seq_len,
+        lr=spec.lr, warmup=max(1, spec.steps // 10), eval_every=max(1, spec.steps // 6),
+        eval_batches=spec.eval_batches, ckpt_every=0, keep_checkpoints=1, seed=seed,
+        local_world_size=spec.ranks_per_node, param_dtype=spec.param_dtype, device="cpu",
+        progress=progress,
+    )
+
+
+def _finished_summary(args: TrainArgs) -> dict[str, Any] | None:
+    """The summary of a finished run with exactly these arguments, if its directory holds one."""
+    path = os.path.join(args.out, "summary.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        summary = json.load(f)
+    wanted = json.loads(json.dumps({k: v for k, v in dataclasses.asdict(args).items() if k != "progress"}))
+    done = {k: v for k, v in summary.get("args", {}).items() if k != "progress"}
+    return summary if done == wanted else None
+
+
+def _record(summary: dict[str, Any], seed: int, wall: float) -> dict[str, Any]:
+    wire = summary["wire"]
     return {
-        "model": model, "steps": steps, "nodes": nproc // ranks_per_node, "ranks_per_node": ranks_per_node,
-        "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "seed": seed,
-        "data": data or "chitchat-dataset (embedded)", "eval_batches": eval_batches,
-        "presets": results, "plots": plots, "targets": check_targets(results),
+        "seed": seed, "final_val_loss": summary["final_val_loss"],
+        "final_train_loss": summary["final_train_loss"], "wire_bytes_total": summary["wire_bytes_total"],
+        "weights_bits_per_elt": wire["weights"]["total"]["bits_per_element"],
+        "grads_intra_bits_per_elt": wire["grads"]["intra"]["bits_per_element"],
+        "grads_inter_bits_per_elt": wire["grads"]["inter"]["bits_per_element"],
+        "wall_time_s": wall, "n_params": summary["n_params"], "tokens_per_step": summary["tokens_per_step"],
     }
 
 
-def check_targets(results: dict[str, Any]) -> dict[str, Any]:
-    """Each target as measured: met or missed, never hidden."""
+def _train_all(spec: Spec, out: str, reuse: bool, progress: bool) -> dict[str, list[dict[str, Any]]]:
+    """Every (seed, variant) run, seed by seed so that partial results are already paired."""
+    runs = {(s, v): _train_args(spec, v, s, out, progress) for s in spec.seeds for v in spec.variants}
+    todo = {k: a for k, a in runs.items() if not (reuse and _finished_summary(a))}
+    if reuse:
+        # A sweep owns its run directories: one left unfinished, or with other arguments, restarts.
+        for a in todo.values():
+            shutil.rmtree(a.out, ignore_errors=True)
+    # Every input is checked (and the data prepared) before the first run starts.
+    plans = {k: plan_run(a, spec.nproc, prepare_data=True) for k, a in todo.items()}
+    records: dict[str, list[dict[str, Any]]] = {v: [] for v in spec.variants}
+    for i, ((seed, v), args) in enumerate(runs.items(), 1):
+        head = f"[{i}/{len(runs)}] seed {seed} {v} -> {args.out}"
+        if (seed, v) not in todo:
+            summary = _finished_summary(args)
+            print(f"{head}: finished before, reused", file=sys.stderr, flush=True)
+            records[v].append(_record(summary, seed, summary["wall_time_s"]))
+            continue
+        print(head, file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        summary = launch(args, plans[(seed, v)])
+        records[v].append(_record(summary, seed, time.perf_counter() - t0))
+        print(f"{head}: val loss {summary['final_val_loss']:.5f} in {records[v][-1]['wall_time_s']:.0f} s",
+              file=sys.stderr, flush=True)
+    return records
+
+
+def _summarize(records: dict[str, list[dict[str, Any]]], seeds: tuple[int, ...]) -> dict[str, Any]:
+    base = [r["final_val_loss"] for r in records.get("fsdp", [])]
+    presets: dict[str, Any] = {}
+    for v, runs in records.items():
+        losses = [r["final_val_loss"] for r in runs]
+        first = runs[0]
+        presets[v] = {
+            "final_val_loss_mean": sum(losses) / len(losses),
+            "weights_bits_per_elt": first["weights_bits_per_elt"],
+            "grads_intra_bits_per_elt": first["grads_intra_bits_per_elt"],
+            "grads_inter_bits_per_elt": first["grads_inter_bits_per_elt"],
+            "wall_time_s": sum(r["wall_time_s"] for r in runs),
+            "rel_gap_vs_fsdp": paired_gap(losses, base, seeds).to_dict() if base else None,
+            "runs": runs,
+        }
+    return presets
+
+
+def run(spec: Spec, *, out: str = "runs/convergence", reuse: bool = False,
+        progress: bool = False) -> dict[str, Any]:
+    """Train every variant with every seed and return the JSON-ready result."""
+    for v in spec.variants:
+        resolve_config(v)  # every name is valid before the first run starts
+    t0 = time.perf_counter()
+    records = _train_all(spec, out, reuse, progress)
+    presets = _summarize(records, spec.seeds)
+    first = next(iter(records.values()))[0]
+    plots = plot_runs([os.path.join(out, f"seed{spec.seeds[0]}", v) for v in spec.variants], out)
+    return {
+        "model": spec.model, "n_params": first["n_params"], "steps": spec.steps,
+        "tokens_per_step": first["tokens_per_step"], "tokens": spec.steps * first["tokens_per_step"],
+        "seeds": list(spec.seeds), "param_dtype": spec.param_dtype, "nodes": spec.nproc // spec.ranks_per_node,
+        "ranks_per_node": spec.ranks_per_node, "batch_size": spec.batch_size, "seq_len": spec.seq_len,
+        "lr": spec.lr, "data": spec.data or "chitchat-dataset (embedded)", "eval_batches": spec.eval_batches,
+        "wall_time_s": time.perf_counter() - t0, "presets": presets, "plots": plots,
+        "targets": check_targets(presets), "qsdp_halves": qsdp_halves(presets),
+    }
+
+
+def check_targets(presets: dict[str, Any]) -> dict[str, Any]:
+    """Each target as measured, judged on the interval: met or missed, never hidden."""
     out: dict[str, Any] = {}
     for name, bound in TARGETS.items():
-        if name in results and results[name]["rel_gap_vs_fsdp"] is not None:
-            gap = results[name]["rel_gap_vs_fsdp"]
-            out[f"{name}_within_{bound:.1%}"] = {"gap": gap, "met": abs(gap) <= bound}
-    if "qw4" in results and "qwd4" in results:
-        qw, qwd = results["qw4"]["final_val_loss"], results["qwd4"]["final_val_loss"]
-        out["qw4_worse_than_qwd4"] = {"qw4": qw, "qwd4": qwd, "met": qw > qwd}
+        gap = (presets.get(name) or {}).get("rel_gap_vs_fsdp")
+        if gap is not None:
+            out[f"{name}_within_{bound:.1%}"] = {
+                "mean": gap["mean"], "ci_high": gap["ci_high"], "bound": bound,
+                "met": gap["ci_high"] is not None and gap["ci_high"] <= bound}
+    if "qw4" in presets and "qwd4" in presets and presets["qw4"]["rel_gap_vs_fsdp"]:
+        qw, qwd = presets["qw4"]["rel_gap_vs_fsdp"], presets["qwd4"]["rel_gap_vs_fsdp"]
+        out["qw4_worse_than_qwd4"] = {
+            "qw4_ci_low": qw["ci_low"], "qwd4_ci_high": qwd["ci_high"],
+            "met": qw["ci_low"] is not None and qw["ci_low"] > qwd["ci_high"]}
     return out
 
 
+def qsdp_halves(presets: dict[str, Any]) -> dict[str, Any] | None:
+    """Which half of ``qsdp`` makes its gap: the mean gaps of the weights-only and gradients-only
+    variants (``None`` unless both ran against the baseline)."""
+    gaps = {half: (presets.get(v) or {}).get("rel_gap_vs_fsdp") for half, v in
+            (("weights", "qsdp-w8"), ("grads", "qsdp-g8"))}
+    if None in gaps.values():
+        return None
+    means = {half: g["mean"] for half, g in gaps.items()}
+    return {**{f"{half}_only_mean_gap": m for half, m in means.items()},
+            "larger": max(means, key=lambda h: abs(means[h]))}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.2f}%"
+
+
 def format_table(result: dict[str, Any]) -> str:
-    rows = [("variant", "final val loss", "vs fsdp", "weights b/elt", "grads intra", "grads inter")]
+    rows = [("variant", "val loss (mean)", "vs fsdp (mean)", "95% interval", "weights b/elt",
+             "grads intra", "grads inter")]
     for v, r in result["presets"].items():
-        gap = r["rel_gap_vs_fsdp"]
-        rows.append((v, f"{r['final_val_loss']:.5f}", "-" if gap is None else f"{100 * gap:+.2f}%",
+        gap = r["rel_gap_vs_fsdp"] or {}
+        interval = "-" if gap.get("ci_low") is None else f"[{_pct(gap['ci_low'])}, {_pct(gap['ci_high'])}]"
+        rows.append((v, f"{r['final_val_loss_mean']:.5f}", _pct(gap.get("mean")), interval,
                      f"{r['weights_bits_per_elt']:.2f}", f"{r['grads_intra_bits_per_elt']:.2f}",
                      f"{r['grads_inter_bits_per_elt']:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    head = (f"GPT '{result['model']}', {result['steps']} steps, {result['nodes']} nodes x "
-            f"{result['ranks_per_node']} ranks, data: {result['data']}, seed {result['seed']}")
-    tail = [f"target {k}: {'met' if v['met'] else 'MISSED'} ({', '.join(f'{a}={b:.5g}' for a, b in v.items() if a != 'met')})"
+    head = (f"GPT '{result['model']}' ({result['n_params'] / 1e6:.2f}M parameters, {result['param_dtype']}), "
+            f"{result['steps']} steps x {result['tokens_per_step']} tokens = {result['tokens'] / 1e6:.2f}M tokens, "
+            f"{result['nodes']} nodes x {result['ranks_per_node']} ranks, seeds {result['seeds']} (paired), "
+            f"corpus: {result['data']}, wall {result['wall_time_s'] / 60:.1f} min")
+    tail = [f"target {k}: {'met' if v['met'] else 'MISSED'} ({', '.join(f'{a}={_fmt(b)}' for a, b in v.items() if a != 'met')})"
             for k, v in result["targets"].items()]
+    if result.get("qsdp_halves"):
+        h = result["qsdp_halves"]
+        tail.append(f"qsdp halves: weights only {_pct(h['weights_only_mean_gap'])}, gradients only "
+                    f"{_pct(h['grads_only_mean_gap'])}: the {h['larger']} make the larger gap")
     return "\n".join([head, *lines, *tail, "plots: " + ", ".join(result["plots"])])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _fmt(x: Any) -> str:
+    return "-" if x is None else f"{x:.5g}"
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qsdp bench convergence", description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=list(CONVERGENCE_VARIANTS), help="presets or variants to compare")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="tiny",
+                        help="defaults for the options below: " + "; ".join(
+                            f"{k}: {v['model']} model, {v['steps']} steps, {v['seeds']} seeds, "
+                            f"{len(v['variants'])} variants" for k, v in SETTINGS.items()))
+    parser.add_argument("--variants", nargs="+", default=None, help="presets or variants to compare")
+    parser.add_argument("--seeds", type=int, default=None, metavar="N", help="number of paired seeds")
+    parser.add_argument("--seed", type=int, default=0, help="first seed (seeds are SEED .. SEED+N-1)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--model", default=None)
     parser.add_argument("--data", default=None, metavar="FILE", help="any UTF-8 text corpus (default: embedded)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--param-dtype", default="bfloat16",
+                        help="compute and all-gather dtype (float32 on CPUs without native bf16)")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--local-world-size", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/convergence", help="run directories and plots")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the runs in OUT that finished with the same arguments, start the "
+                        "others afresh (resume an interrupted sweep)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps={args.steps} must be at least 1")
+    return parser
 
-    result = run(args.variants, out=args.out, steps=args.steps, nproc=args.nproc,
-                 ranks_per_node=args.local_world_size, model=args.model, data=args.data,
-                 batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed)
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    setting = SETTINGS[args.setting]
+    steps = setting["steps"] if args.steps is None else args.steps
+    n_seeds = setting["seeds"] if args.seeds is None else args.seeds
+    if steps < 1:
+        parser.error(f"--steps={steps} must be at least 1")
+    if n_seeds < 1:
+        parser.error(f"--seeds={n_seeds} must be at least 1")
+    variants = tuple(args.variants or setting["variants"])
+    if "fsdp" not in variants:
+        parser.error("--variants must include the baseline 'fsdp': every gap is paired with it")
+    spec = Spec(
+        variants=variants, seeds=tuple(range(args.seed, args.seed + n_seeds)),
+        model=args.model or setting["model"], steps=steps, batch_size=args.batch_size,
+        seq_len=args.seq_len, lr=setting["lr"] if args.lr is None else args.lr,
+        param_dtype=args.param_dtype, data=args.data, nproc=args.nproc, ranks_per_node=args.local_world_size)
+    result = run(spec, out=args.out, reuse=args.reuse)
+    result["setting"] = args.setting
     result["meta"] = meta("convergence", argv, "cpu (gloo)")
     return emit(result, as_json=args.json, save=args.save, format_text=format_table)

@@ -15,9 +15,10 @@ from qsdp.config import PRESETS
 # The presets the benchmarks compare by default, in one order: the baseline first.
 BENCH_PRESETS: tuple[str, ...] = tuple(PRESETS)
 # The convergence ablation: the baseline, the SDP4Bit paper's Table 1 variants (weights alone,
-# gradients alone), the presets, then QSDP's aggressive 4-bit setting.
+# gradients alone), the presets, QSDP's halves alone, then QSDP's aggressive 4-bit setting.
 CONVERGENCE_VARIANTS: tuple[str, ...] = (
-    "fsdp", "qw4", "qwd4", "tlq4", "tlq-hs", "sdp4bit", "zeropp", "qsdp", "qsdp-w4g4")
+    "fsdp", "qw4", "qwd4", "tlq4", "tlq-hs", "sdp4bit", "zeropp", "qsdp", "qsdp-w8", "qsdp-g8",
+    "qsdp-w4g4")
 
 
 def meta(name: str, argv: list[str] | None, device: str, **extra: Any) -> dict[str, Any]:

@@ -181,9 +181,11 @@ class GPT(nn.Module):
         return logits, loss
 
 
-# Named sizes: the GPT-2 family plus a tiny model for CPU tests and demos.
+# Named sizes: the GPT-2 family plus a tiny model for CPU tests and demos and a small one
+# (several million parameters) for convergence runs long enough to flatten on a CPU.
 MODEL_SIZES: dict[str, dict] = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128),
+    "small": dict(n_layer=6, n_head=4, n_embd=256),
     "gpt2-125m": dict(n_layer=12, n_head=12, n_embd=768),
     "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024),
     "gpt2-1.3b": dict(n_layer=24, n_head=32, n_embd=2048),
