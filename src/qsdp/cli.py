@@ -58,6 +58,7 @@ BENCHMARKS = {
     "convergence": "qsdp.bench.convergence",
     "soak": "qsdp.bench.soak",
     "memory": "qsdp.bench.memory",
+    "phases": "qsdp.bench.phases",
 }
 # `qsdp advise ARGS...` dispatches like a benchmark: its module parses its own arguments.
 _MODULES = {**BENCHMARKS, "advise": "qsdp.advise"}

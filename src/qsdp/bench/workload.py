@@ -30,10 +30,12 @@ def run_steps(
     batch_size: int = 4,
     ranks_per_node: int | None = None,
     warmup: int = 1,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """``warmup`` + ``steps`` optimizer steps on random tokens; returns rank-local step times and
-    the byte meter over the timed steps. Initializes (and destroys) the process group from the
-    environment if none exists."""
+    the byte meter over the timed steps (and, with ``profile``, the host time per phase of the
+    timed steps: see :mod:`qsdp.bench.phases`). Initializes (and destroys) the process group
+    from the environment if none exists."""
     torch.set_num_threads(1)
     own_group = not dist.is_initialized()
     if own_group:
@@ -51,9 +53,12 @@ def run_steps(
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(rank)
         times = []
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
         for step in range(warmup + steps):
             if step == warmup:
                 qsdp.comm_stats(reset=True)
+                if profiler is not None:
+                    profiler.start()
             dist.barrier()
             started = time.perf_counter()
             tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=generator)
@@ -65,13 +70,19 @@ def run_steps(
             if step >= warmup:
                 times.append(time.perf_counter() - started)
         stats = qsdp.comm_stats(reset=True)
-        return {
+        result = {
             "preset": preset,
             "stats": stats,
             "step_times_s": times,
             "step_time_s": statistics.median(times) if times else 0.0,
             "tokens_per_step": batch_size * seq_len * dist.get_world_size(),
         }
+        if profiler is not None:
+            profiler.stop()
+            from .phases import phase_times
+
+            result["phases_s"] = phase_times(profiler.key_averages(), sum(times), steps)
+        return result
     finally:
         if own_group:
             dist.destroy_process_group()
