@@ -61,7 +61,7 @@ class Spec:
 # parameters trained until its loss flattens, the baseline and the two full presets).
 SETTINGS: dict[str, dict[str, Any]] = {
     "tiny": dict(model="tiny", steps=300, seeds=5, lr=3e-3, variants=CONVERGENCE_VARIANTS),
-    "small": dict(model="small", steps=2000, seeds=2, lr=2e-3, variants=("fsdp", "sdp4bit", "qsdp")),
+    "small": dict(model="small", steps=1500, seeds=2, lr=2e-3, variants=("fsdp", "sdp4bit", "qsdp")),
 }
 
 
