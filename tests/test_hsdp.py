@@ -135,11 +135,16 @@ def _train_losses(rank, world, preset, steps):
     return fm.train(model, steps, rank)
 
 
-def _gradients(rank, world, preset, reduce_dtype):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+def _gradients(rank, world, preset, reduce_dtype, factor=None):
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     model, groups = _hsdp_model(native=preset is None, mp=mp)
+    if factor is not None:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(factor)
+                m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     if preset is not None:
         qsdp.quantize_comms(model, preset, group=groups.shard_group, replicate_group=groups.replicate_group)
     x, y = fm.batch(0, rank)
@@ -156,6 +161,16 @@ def test_gradients_are_averaged_over_every_rank_as_native_hsdp_does(reduce_dtype
     for a, b in zip(native, ours):
         for ga, gb in zip(a, b):
             assert torch.allclose(ga, gb, rtol=tol, atol=tol * ga.abs().max().item())
+
+
+# A custom divide factor (torchtitan sets one) is the whole division, across replicas too.
+@pytest.mark.parametrize("world,per_node", [(4, 2), (2, 1)], ids=["2x2", "2x1-hook"])
+def test_a_custom_gradient_divide_factor_is_the_whole_division_as_in_native_hsdp(world, per_node):
+    native = run_world(_gradients, world, None, torch.float32, 1.0, local_world_size=per_node)
+    ours = run_world(_gradients, world, "fsdp", torch.float32, 1.0, local_world_size=per_node)
+    for a, b in zip(native, ours):
+        for ga, gb in zip(a, b):
+            assert torch.allclose(ga, gb, rtol=1e-6, atol=1e-6 * ga.abs().max().item())
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._fsdp2 import has_custom_divide_factor
 from .codecs.rng import derive_seed
 from .comm.hsdp import HsdpReduceScatter, ReplicaAllReduce
 from .comm.topology import Topology, build_topology
@@ -148,7 +149,8 @@ def hsdp_reduce_scatter(
     # Each node rounds its intra-node sums with its own randomness, so that the replicas'
     # rounding errors are independent when they are summed.
     node_config = dataclasses.replace(config, seed=derive_seed(config.seed, replicate_group.rank()))
-    rs = HsdpReduceScatter(rs_cls(node_config, topology, comm_id), ReplicaAllReduce(config, replicate_group, comm_id))
+    rs = HsdpReduceScatter(rs_cls(node_config, topology, comm_id), ReplicaAllReduce(config, replicate_group, comm_id),
+                           divide_replicas=not has_custom_divide_factor(module))
     if topology.world_size == 1:
         module.set_all_reduce_hook(rs.hook)
     return rs

@@ -121,13 +121,17 @@ class HsdpReduceScatter(GradReduceScatter):
 
     FSDP2 sees only the ``M``-rank shard group: it passes ``ReduceOp.AVG`` (fp32/bf16 reduce
     dtypes) meaning "divide by ``M``", or ``SUM`` when it divides by ``M`` itself afterwards
-    (fp16). Either way the division by the ``D`` replicas is done here.
+    (fp16). Either way the division by the ``D`` replicas is done here, unless
+    ``divide_replicas`` is ``False``: a module with a custom gradient divide factor
+    (``set_gradient_divide_factor``, e.g. torchtitan's) has FSDP2 apply that whole factor.
     """
 
-    def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce) -> None:
+    def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce,
+                 divide_replicas: bool = True) -> None:
         super().__init__(inner.config, inner.topology, inner.comm_id)
         self.inner = inner
         self.all_reduce = all_reduce
+        self.replica_divisor = all_reduce.replicas if divide_replicas else 1
 
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         super().bind_meter(byte_meter)
@@ -143,12 +147,13 @@ class HsdpReduceScatter(GradReduceScatter):
 
     def hook(self, output: torch.Tensor) -> None:
         """FSDP2's all-reduce hook, for a shard group of one rank: FSDP2 then skips the
-        reduce-scatter and hands over the local gradient shard, undivided."""
+        reduce-scatter and hands over the local gradient shard (divided only by a custom
+        divide factor)."""
         self._across_replicas(output, 1)
 
     def _across_replicas(self, output: torch.Tensor, shard_divisor: int) -> None:
         total = self.all_reduce(output.float())
-        divisor = shard_divisor * self.all_reduce.replicas
+        divisor = shard_divisor * self.replica_divisor
         if divisor != 1:
             total.div_(divisor)  # in fp32, before any cast to the reduce dtype
         output.copy_(total)
