@@ -74,3 +74,28 @@ def test_the_nonfinite_check_adds_exactly_one_sync_for_all_groups():
         # the forward's agreement after the warm-up's step, then the check's all-reduce, read
         # once after the groups' flags were combined on the device
         assert log == ["tolist from qsdp.comm.versions", "item from qsdp.fsdp"]
+
+
+def _rank_local_optimizer(rank, world):
+    model = fm.build(depth=3)
+    qsdp.quantize_comms(model, "sdp4bit")
+    probe = torch.nn.Linear(4, 1)  # rank 0's own model: its optimizer sees none of the shards
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = fm.batch(step, rank)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if rank == 0:  # between the forward's gathers and the backward's
+            probe(torch.ones(4)).sum().backward()
+            probe_opt.step()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.full_tensor() for p in model.parameters()]
+
+
+def test_an_optimizer_of_one_rank_alone_starts_no_agreement():
+    # Were rank 0's probe step taken for a change, its next gather would agree alone: a hang.
+    params = run_world(_rank_local_optimizer, 2, timeout=60)
+    for a, b in zip(*params):
+        assert torch.equal(a, b)

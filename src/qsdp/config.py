@@ -108,8 +108,9 @@ class QuantConfig:
     local_world_size: ranks per node for the two-level reduce-scatter; ``None`` reads the
         ``LOCAL_WORLD_SIZE`` environment variable (set by torchrun), else one node.
     seed: base of every stochastic-rounding seed.
-    verify_replicas_every: every this many weight-difference gathers, compare a checksum of the
-        replicas across ranks and raise if they diverged (0: never).
+    verify_replicas_every: every this many replica updates of a weight-difference group (its
+        gathers that send a difference), compare a checksum of the replicas across ranks and
+        raise on every rank if they diverged (0: never).
     """
 
     name: str = "custom"

@@ -131,22 +131,38 @@ class DifferenceAllGather(WeightAllGather):
         self.meter("weights", mine.numel() * mine.element_size(), mine.numel(), (t.ranks_per_node - 1, 0))
         output.view(t.nodes, t.ranks_per_node, n).copy_(buf.transpose(0, 1))
 
-    def _verify(self, group: dist.ProcessGroup) -> None:
-        """Compare an exact integer checksum of the replica among the ranks holding its rows."""
+    def _checksum(self, chunk: int = 1 << 20) -> torch.Tensor:
+        """An exact integer checksum of the replica's bits (position-weighted and plain sums),
+        in cache-sized chunks so that no int64 temporary is the replica's size."""
         bits = self.replica.view(torch.int16 if self.replica.element_size() == 2 else torch.int32).view(-1)
-        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device) % 65521
-        mine = torch.stack([(bits.to(torch.int64) * weights).sum(), bits.to(torch.int64).sum()])
+        total = torch.zeros(2, dtype=torch.int64, device=bits.device)
+        for start in range(0, bits.numel(), chunk):
+            part = bits[start:start + chunk].to(torch.int64)
+            weights = torch.arange(start + 1, start + part.numel() + 1, dtype=torch.int64, device=bits.device) % 65521
+            total[0] += (part * weights).sum()
+            total[1] += part.sum()
+        return total
+
+    def _verify(self, group: dist.ProcessGroup) -> None:
+        """Compare the replica's checksum among the ranks holding its rows, then tell every rank
+        of ``group`` (one flag all-reduce) so that all of them raise, none waits in the next
+        collective. Opt-in (``verify_replicas_every``), so its host sync is accepted."""
+        mine = self._checksum()
         holders, peers = self._holders(group)
         ranks = dist.get_process_group_ranks(holders)
         everyone = torch.empty(len(ranks) * 2, dtype=torch.int64, device=mine.device)
         all_gather_flat(everyone, mine, holders)
-        everyone = everyone.view(-1, 2)
         self.meter("control", mine.numel() * 8, 0, peers)
-        if not bool((everyone == everyone[0]).all()):
-            bad = [ranks[i] for i in range(len(ranks)) if not torch.equal(everyone[i], everyone[0])]
+        rows = everyone.view(-1, 2)
+        differs = (rows != rows[0]).any(dim=1)
+        flag = differs.any().to(torch.int32).view(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        self.meter("control", flag.element_size(), 0)
+        if flag.item():
+            bad = [ranks[i] for i, d in enumerate(differs.tolist()) if d]
+            where = f"ranks {bad} differ from rank {ranks[0]}" if bad else "in another replica group"
             raise RuntimeError(
-                f"weight-difference replicas diverged: {self.name} at gather {self.gathers}: "
-                f"ranks {bad} differ from rank {ranks[0]}"
+                f"weight-difference replicas diverged: {self.name} at gather {self.gathers}: {where}"
             )
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,8 +14,9 @@ Ranks must take the same path in a weight-difference gather, and one rank may be
 the flags of all groups are OR-ed across ranks in one all-reduce, lazily at the first gather after
 an optimizer step (or a load): at most one tiny collective and one host sync per optimizer step.
 A change made outside the optimizer with no step after it is picked up at the first gather after
-the next step (until then every rank gathers the previous weights); :meth:`ChangeTracker.request`
-(called by ``QuantizedComms.reset_replicas``) makes it immediate.
+the next step (until then every rank gathers the previous weights); ``load_state_dict`` (which
+every rank calls) makes it immediate through :meth:`ChangeTracker.request`, and
+``QuantizedComms.reset_replicas`` sends exact weights at the next gather.
 """
 
 from __future__ import annotations
@@ -67,14 +68,16 @@ class GroupWatch:
         if versions(self.params) != self.stepped_at:
             self.outside = True
 
-    def after_step(self, optimized: set[int] | None) -> None:
+    def after_step(self, optimized: set[int] | None) -> bool:
         """``optimized``: ids of the parameters the optimizer that stepped holds (``None``:
         unknown, taken as all). Fused optimizers (``AdamW(fused=True)``, the Hugging Face
         Trainer's default) update parameters without bumping their version counters, so the
-        step itself, not the counters, says that the shard changed."""
+        step itself, not the counters, says that the shard changed. Returns whether the step
+        concerned this group."""
         self.stepped_at = versions(self.params)
-        if optimized is None or any(id(p) in optimized for p in self.params):
-            self.optimized = True
+        concerned = optimized is None or not self.params or any(id(p) in optimized for p in self.params)
+        self.optimized |= concerned
+        return concerned
 
     def pending(self, stepped: bool) -> tuple[bool, bool]:
         """(changed, changed outside the optimizer) since the last agreement, this rank only."""
@@ -113,13 +116,16 @@ class ChangeTracker:
             w.before_step()
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        self.steps += 1
-        self._due = self._stepped = True
+        """An optimizer stepped. The hooks see every optimizer of the process: one that holds
+        none of the watched parameters (a rank-local probe, another model) must not start an
+        agreement, which would be a collective on that rank alone."""
         optimized = None
         if optimizer is not None:
             optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for w in self.watches:
-            w.after_step(optimized)
+        concerned = [w.after_step(optimized) for w in self.watches]
+        if any(concerned) or not self.watches:
+            self.steps += 1
+            self._due = self._stepped = True
 
     def request(self) -> None:
         """Agree again at the next gather (every rank calls it at the same point)."""

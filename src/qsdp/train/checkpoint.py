@@ -136,7 +136,8 @@ def _load_replicas(path: Path, stored: dict[str, Any], handle: Any, device: torc
     groups = [(i, ag) for i, ag in enumerate(handle.all_gathers) if ag.holds_replicas()]
     keys = {i: {row: _replica_key(i, world, row) for row in ag.rows} for i, ag in groups}
     found = [bool(keys[i]) and all(f"qsdp_replicas.{k}" in stored for k in keys[i].values()) for i, _ in groups]
-    everywhere = torch.tensor([int(f) for f in found] or [0], dtype=torch.int32)
+    # On the process group's device: an NCCL group cannot all-reduce a CPU tensor.
+    everywhere = torch.tensor([int(f) for f in found] or [0], dtype=torch.int32, device=device)
     dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
     wanted: dict[str, torch.Tensor] = {}
     for (i, _), ok in zip(groups, everywhere.tolist()):
