@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,15 +208,39 @@ def quantize_comms(
         handle.reduce_scatters.append(rs)
     handle._bind_meter()
     if cfg.weights.mode != "plain":
-        # Parameter changes made by any optimizer's step are the expected ones; any other
-        # in-place change (load_state_dict, a user's edit) makes the replicas stale.
-        handle._hooks = [
-            register_optimizer_step_pre_hook(lambda *_: handle.tracker.before_optimizer_step()),
-            register_optimizer_step_post_hook(lambda opt, *_: handle.tracker.after_optimizer_step(opt)),
-        ]
-        # A load (every rank calls load_state_dict; DCP's set_model_state_dict does) is agreed on
-        # at the next gather, so the first forward after it already sees the loaded weights.
-        handle._hooks += [
-            m.register_load_state_dict_post_hook(lambda *_: handle.tracker.request()) for m in handle.modules
-        ]
+        _watch_parameter_changes(handle)
     return handle
+
+
+def _watch_parameter_changes(handle: QuantizedComms) -> None:
+    """Tell the handle's tracker about optimizer steps and loads.
+
+    Parameter changes made by an optimizer's step are the expected ones; any other in-place
+    change (load_state_dict, a user's edit) makes the replicas stale. The optimizer hooks are
+    process-wide, so they hold the tracker weakly and go away with it (with the model, whose
+    comms hold it): a model dropped without ``close()`` is not kept alive by them.
+    """
+    ref = weakref.ref(handle.tracker)
+
+    def before(*_: Any) -> None:
+        tracker = ref()
+        if tracker is not None:
+            tracker.before_optimizer_step()
+
+    def after(optimizer: Any, *_: Any) -> None:
+        tracker = ref()
+        if tracker is not None:
+            tracker.after_optimizer_step(optimizer)
+
+    hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+    weakref.finalize(handle.tracker, _remove_all, list(hooks))
+    # A load (every rank calls load_state_dict; DCP's set_model_state_dict does) is agreed on
+    # at the next gather, so the first forward after it already sees the loaded weights.
+    tracker = handle.tracker
+    hooks += [m.register_load_state_dict_post_hook(lambda *_: tracker.request()) for m in handle.modules]
+    handle._hooks = hooks
+
+
+def _remove_all(hooks: list[Any]) -> None:
+    for h in hooks:
+        h.remove()
