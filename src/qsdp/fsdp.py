@@ -50,12 +50,14 @@ class QuantizedComms:
         replicas then stay unchanged and identical on all ranks)."""
         import torch
 
-        device = next((p.device for m in self.modules for p in m.parameters()), torch.device("cpu"))
+        # Take (reset) every group's flag and combine them where they are: on the gradients'
+        # device, which is not the parameters' under CPU offload.
+        flags = [f for f in (rs.take_nonfinite_flag() for rs in self.reduce_scatters) if f is not None]
+        device = flags[0].device if flags else next(
+            (p.device for m in self.modules for p in m.parameters()), torch.device("cpu"))
         flag = torch.zeros(1, dtype=torch.int32, device=device)
-        for rs in self.reduce_scatters:  # take (reset) every group's flag, combined on the device
-            bad = rs.take_nonfinite_flag()
-            if bad is not None:
-                flag |= bad.to(device=device, dtype=torch.int32)
+        for bad in flags:
+            flag |= bad.to(dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.group)
         return bool(flag.item())  # the one host sync of the check
 

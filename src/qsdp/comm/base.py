@@ -163,7 +163,9 @@ class GradReduceScatter(CommBase, ReduceScatter):
         """Remember (without a device sync) whether this rank's reduced shard holds NaN/Inf: a
         non-finite gradient anywhere reaches some owner's shard through a non-finite group
         scale or value, so the owners together see every one."""
-        bad = ~torch.isfinite(output).all()
+        # A NaN or Inf anywhere makes the sum non-finite: one read of the shard, no shard-size
+        # temporary (a finite shard whose fp32 sum overflows is broken all the same).
+        bad = ~torch.isfinite(output.sum(dtype=torch.float32))
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
 
     def plain(self, output: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: Any) -> None:
@@ -172,14 +174,10 @@ class GradReduceScatter(CommBase, ReduceScatter):
         self.watch(output)
         self.meter("grads", output.numel() * input_tensor.element_size(), output.numel())
 
-    def take_nonfinite(self) -> bool:
-        """Whether a non-finite value was reduced since the last call (local to this rank)."""
-        flag = self.take_nonfinite_flag()
-        return bool(flag.item()) if flag is not None else False
-
     def take_nonfinite_flag(self) -> torch.Tensor | None:
-        """:meth:`take_nonfinite` without the host sync: a bool tensor on the device, or
-        ``None`` when nothing was reduced since the last call."""
+        """Whether a non-finite value was reduced since the last call (local to this rank),
+        without a host sync: a bool tensor on the device, or ``None`` when nothing was reduced
+        since the last call."""
         flag, self._nonfinite = self._nonfinite, None
         return flag
 

@@ -28,10 +28,6 @@ class Count:
     bytes: int = 0
     elements: int = 0
 
-    @property
-    def bits_per_element(self) -> float:
-        return bits_per_element(self.bytes, self.elements)
-
 
 def bits_per_element(nbytes: int, elements: int) -> float:
     return 8.0 * nbytes / elements if elements else 0.0
