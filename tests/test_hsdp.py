@@ -269,6 +269,9 @@ def _error(rank, world, case):
         kwargs = {}
     elif case == "overlap":
         kwargs = {"group": groups.shard_group, "replicate_group": groups.shard_group}
+    elif case == "overlap-on-one-rank":
+        kwargs = {"group": groups.shard_group,
+                  "replicate_group": groups.shard_group if rank == 0 else groups.replicate_group}
     elif case == "no-shard-group":
         kwargs = {"replicate_group": groups.replicate_group}
     else:  # "inconsistent": rank 0 (slot 0 of its node) paired with rank 3 (slot 1 of its node)
@@ -286,6 +289,7 @@ def _error(rank, world, case):
 @pytest.mark.parametrize("case,words", [
     ("native-2d-mesh", "native HSDP"),
     ("overlap", "must share exactly this rank"),
+    ("overlap-on-one-rank", "rank 0: the replicate group"),
     ("no-shard-group", "needs group="),
     ("inconsistent", "inconsistent HSDP groups"),
 ])

@@ -298,3 +298,15 @@ def _validate_hsdp(h: HsdpComm) -> None:
         raise ConfigError(f"hsdp.hadamard_block={hb} and group_size={h.group_size} align only every {math.lcm(hb, h.group_size)} elements")
     if not isinstance(h.symmetric, bool):
         raise ConfigError(f"hsdp.symmetric={h.symmetric!r} must be a bool")
+
+
+def config_diff(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """The dotted fields where two ``QuantConfig.to_dict()`` values differ, with both values."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, Mapping) and isinstance(vb, Mapping):
+            out += config_diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append((f"{prefix}{k}", va, vb))
+    return out

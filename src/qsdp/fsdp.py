@@ -21,7 +21,7 @@ from .comm.meter import METER, ByteMeter, Stats
 from .comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
 from .comm.topology import Topology, build_topology
 from .comm.versions import ChangeTracker, managed_parameters
-from .config import ConfigError, QuantConfig, resolve_config
+from .config import ConfigError, QuantConfig, config_diff, resolve_config
 
 _ALL_GATHERS = {"plain": PlainAllGather, "direct": QuantizedAllGather, "difference": DifferenceAllGather}
 
@@ -117,22 +117,11 @@ def check_same_config(config: QuantConfig, group: dist.ProcessGroup | None = Non
     for rank, other in enumerate(everyone):
         if other != mine:
             theirs = json.loads(other)
-            diffs = _diff(base, theirs)
+            diffs = config_diff(base, theirs)
             raise ConfigError(
                 f"qsdp config differs across ranks: rank {dist.get_rank(group)} vs rank {rank}: "
                 + "; ".join(f"{k}: {a!r} != {b!r}" for k, a, b in diffs)
             )
-
-
-def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += _diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            out.append((f"{prefix}{k}", va, vb))
-    return out
 
 
 def _shard_groups(fsdp_modules: list[nn.Module]) -> list[list[nn.Module]]:

@@ -26,7 +26,7 @@ from ._fsdp2 import has_custom_divide_factor
 from .codecs.rng import derive_seed
 from .comm.hsdp import HsdpReduceScatter, ReplicaAllReduce
 from .comm.topology import Topology, build_topology
-from .config import ConfigError, QuantConfig
+from .config import ConfigError, QuantConfig, config_diff
 
 RECIPE = (
     "shard inside the node with 1-D FSDP2 and name the replicas: groups = qsdp.hsdp_groups(nodes=D); "
@@ -81,34 +81,37 @@ def reject_native_hsdp(module: nn.Module) -> None:
             )
 
 
-def check_layout(group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup) -> None:
-    """Local checks of the two groups, before any collective: the shard group was named, and
-    the two groups meet in this rank only."""
-    if group is None:
-        raise ConfigError("replicate_group needs group= the shard group (the ranks FSDP2 shards over); " + RECIPE)
+def layout_problem(group: dist.ProcessGroup, replicate_group: dist.ProcessGroup) -> str | None:
+    """What is wrong with the two groups as this rank sees them (they must meet in this rank
+    only), or ``None``; local, no collective."""
     me = dist.get_rank()
     shard = dist.get_process_group_ranks(group)
     replicas = dist.get_process_group_ranks(replicate_group)
     common = sorted(set(shard) & set(replicas))
     if common != [me]:
-        raise ConfigError(
-            f"the replicate group {replicas} and the shard group {shard} must share exactly this rank "
-            f"({me}), but share {common}; " + RECIPE
-        )
+        return (f"the replicate group {replicas} and the shard group {shard} must share exactly this rank "
+                f"({me}), but share {common}; " + RECIPE)
+    return None
 
 
 def check_same_layout(config: QuantConfig, group: dist.ProcessGroup, replicate_group: dist.ProcessGroup) -> None:
-    """One collective over the world: every rank's config and groups. Raises the same
-    :class:`ConfigError` on every rank if the configs differ or if the ranks of a replicate
-    group do not hold the same slot of equally sized shard groups."""
+    """One collective over the world: every rank's config, groups and local layout problem.
+    Raises the same :class:`ConfigError` on every rank if a rank's groups are wrong, if the
+    configs differ, or if the ranks of a replicate group do not hold the same slot of equally
+    sized shard groups."""
     mine = {"config": config.to_dict(), "shard": dist.get_process_group_ranks(group),
-            "replicate": dist.get_process_group_ranks(replicate_group)}
+            "replicate": dist.get_process_group_ranks(replicate_group),
+            "problem": layout_problem(group, replicate_group)}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, json.dumps(mine, sort_keys=True))
     layouts = {r: json.loads(x) for r, x in enumerate(everyone)}
     for r, lay in layouts.items():
+        if lay["problem"]:
+            raise ConfigError(f"rank {r}: {lay['problem']}")
+    for r, lay in layouts.items():
         if lay["config"] != mine["config"]:
-            raise ConfigError(f"qsdp config differs across ranks: rank {dist.get_rank()} vs rank {r}")
+            diffs = "; ".join(f"{k}: {a!r} != {b!r}" for k, a, b in config_diff(mine["config"], lay["config"]))
+            raise ConfigError(f"qsdp config differs across ranks: rank {dist.get_rank()} vs rank {r}: {diffs}")
         slot, size = lay["shard"].index(r), len(lay["shard"])
         for q in lay["replicate"]:
             other = layouts[q]
@@ -160,7 +163,8 @@ def prepare(module: nn.Module, config: QuantConfig, group: dist.ProcessGroup | N
             replicate_group: dist.ProcessGroup) -> Topology:
     """Check the two groups (locally, then across the world), make the replicas' weights
     identical, and return the topology of the shard group."""
-    check_layout(group, replicate_group)
+    if group is None:
+        raise ConfigError("replicate_group needs group= the shard group (the ranks FSDP2 shards over); " + RECIPE)
     check_same_layout(config, group, replicate_group)
     broadcast_replicas(module, replicate_group)
     # The shard group is one node: every exchange inside it stays on the fast links.
