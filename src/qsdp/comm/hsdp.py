@@ -63,19 +63,20 @@ class ReplicaAllReduce:
         self.calls = 0
         self.byte_meter: ByteMeter = METER
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """``x``: float32 ``[n]``, this replica's value. Returns float32 ``[n]``: the sum over the
-        replicas, the same bits on every replica."""
+        replicas, the same bits on every replica (``inplace``: the exact route may sum into
+        ``x`` and return it, sparing a copy of the shard)."""
         if self.replicas == 1:
             return x
         self.calls += 1
         n = x.numel()
         if self.config.hsdp.mode == "plain" or n < max(1, self.config.min_shard_numel):
-            return self._plain(x)
+            return self._plain(x, inplace)
         return self._quantized(x, hsdp_codec(self.config.hsdp))
 
-    def _plain(self, x: torch.Tensor) -> torch.Tensor:
-        total = x.clone()
+    def _plain(self, x: torch.Tensor, inplace: bool) -> torch.Tensor:
+        total = x if inplace else x.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
         # Metered as the direct algorithm the quantized path runs: a chunk to every peer, twice.
         d, n = self.replicas, x.numel()
@@ -152,11 +153,13 @@ class HsdpReduceScatter(GradReduceScatter):
         self._across_replicas(output, 1)
 
     def _across_replicas(self, output: torch.Tensor, shard_divisor: int) -> None:
-        total = self.all_reduce(output.float())
+        # The sum runs in fp32: into the shard itself when it is fp32, else into its fp32 copy.
+        total = self.all_reduce(output.float(), inplace=True)
         divisor = shard_divisor * self.replica_divisor
         if divisor != 1:
             total.div_(divisor)  # in fp32, before any cast to the reduce dtype
-        output.copy_(total)
+        if total is not output:
+            output.copy_(total)
         self.watch(output)
 
     def take_nonfinite_flag(self) -> torch.Tensor | None:
