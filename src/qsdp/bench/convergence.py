@@ -94,6 +94,7 @@ def _record(summary: dict[str, Any], seed: int, wall: float) -> dict[str, Any]:
         "seed": seed, "final_val_loss": summary["final_val_loss"],
         "final_train_loss": summary["final_train_loss"], "wire_bytes_total": summary["wire_bytes_total"],
         "weights_bits_per_elt": wire["weights"]["total"]["bits_per_element"],
+        "weights_inter_bits_per_elt": wire["weights"]["inter"]["bits_per_element"],
         "grads_intra_bits_per_elt": wire["grads"]["intra"]["bits_per_element"],
         "grads_inter_bits_per_elt": wire["grads"]["inter"]["bits_per_element"],
         "wall_time_s": wall, "n_params": summary["n_params"], "tokens_per_step": summary["tokens_per_step"],
@@ -136,6 +137,7 @@ def _summarize(records: dict[str, list[dict[str, Any]]], seeds: tuple[int, ...])
         presets[v] = {
             "final_val_loss_mean": sum(losses) / len(losses),
             "weights_bits_per_elt": first["weights_bits_per_elt"],
+            "weights_inter_bits_per_elt": first["weights_inter_bits_per_elt"],
             "grads_intra_bits_per_elt": first["grads_intra_bits_per_elt"],
             "grads_inter_bits_per_elt": first["grads_inter_bits_per_elt"],
             "wall_time_s": sum(r["wall_time_s"] for r in runs),
@@ -201,12 +203,13 @@ def _pct(x: float | None) -> str:
 
 def format_table(result: dict[str, Any]) -> str:
     rows = [("variant", "val loss (mean)", "vs fsdp (mean)", "95% interval", "weights b/elt",
-             "grads intra", "grads inter")]
+             "weights inter", "grads intra", "grads inter")]
     for v, r in result["presets"].items():
         gap = r["rel_gap_vs_fsdp"] or {}
         interval = "-" if gap.get("ci_low") is None else f"[{_pct(gap['ci_low'])}, {_pct(gap['ci_high'])}]"
         rows.append((v, f"{r['final_val_loss_mean']:.5f}", _pct(gap.get("mean")), interval,
-                     f"{r['weights_bits_per_elt']:.2f}", f"{r['grads_intra_bits_per_elt']:.2f}",
+                     f"{r['weights_bits_per_elt']:.2f}", f"{r['weights_inter_bits_per_elt']:.2f}",
+                     f"{r['grads_intra_bits_per_elt']:.2f}",
                      f"{r['grads_inter_bits_per_elt']:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
