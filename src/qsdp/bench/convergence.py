@@ -60,8 +60,8 @@ class Spec:
 # Named settings: ``tiny`` (every variant, quick) and ``small`` (a model of several million
 # parameters trained until its loss flattens, the baseline and the two full presets).
 SETTINGS: dict[str, dict[str, Any]] = {
-    "tiny": dict(model="tiny", steps=300, seeds=5, lr=3e-3, variants=CONVERGENCE_VARIANTS),
-    "small": dict(model="small", steps=1500, seeds=2, lr=2e-3, variants=("fsdp", "sdp4bit", "qsdp")),
+    "tiny": dict(model="tiny", steps=300, seeds=5, lr=3e-3, batch_size=8, variants=CONVERGENCE_VARIANTS),
+    "small": dict(model="small", steps=1500, seeds=2, lr=2e-3, batch_size=4, variants=("fsdp", "sdp4bit", "qsdp")),
 }
 
 
@@ -236,7 +236,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qsdp bench convergence", description=__doc__.splitlines()[0])
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="tiny",
                         help="defaults for the options below: " + "; ".join(
-                            f"{k}: {v['model']} model, {v['steps']} steps, {v['seeds']} seeds, "
+                            f"{k}: {v['model']} model, {v['steps']} steps of {v['batch_size']} sequences "
+                            f"per rank, {v['seeds']} seeds, "
                             f"{len(v['variants'])} variants" for k, v in SETTINGS.items()))
     parser.add_argument("--variants", nargs="+", default=None, help="presets or variants to compare")
     parser.add_argument("--seeds", type=int, default=None, metavar="N", help="number of paired seeds")
@@ -244,7 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--model", default=None)
     parser.add_argument("--data", default=None, metavar="FILE", help="any UTF-8 text corpus (default: embedded)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--param-dtype", default="bfloat16",
@@ -275,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--variants must include the baseline 'fsdp': every gap is paired with it")
     spec = Spec(
         variants=variants, seeds=tuple(range(args.seed, args.seed + n_seeds)),
-        model=args.model or setting["model"], steps=steps, batch_size=args.batch_size,
+        model=args.model or setting["model"], steps=steps,
+        batch_size=setting["batch_size"] if args.batch_size is None else args.batch_size,
         seq_len=args.seq_len, lr=setting["lr"] if args.lr is None else args.lr,
         param_dtype=args.param_dtype, data=args.data, nproc=args.nproc, ranks_per_node=args.local_world_size)
     result = run(spec, out=args.out, reuse=args.reuse)
