@@ -78,8 +78,11 @@ def test_quick_cluster_run_reports_schema_and_fewer_inter_node_bytes(tmp_path):
 @needs_netns
 @pytest.mark.timeout(120)
 def test_interrupt_removes_namespaces():
+    # A shell's background job inherits SIGINT ignored (no job control): give the child the
+    # default disposition, so that Python installs its KeyboardInterrupt handler, as in a terminal.
     proc = subprocess.Popen(_cluster_cmd("--presets", "fsdp", "--steps", "50", "--rate", "1", "--delay-ms", "0"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while len(_ours(proc.pid)) < 2:
