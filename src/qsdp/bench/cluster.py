@@ -87,6 +87,7 @@ import torch
 
 from qsdp.comm.meter import KINDS, LEVELS
 from qsdp.config import ConfigError, resolve_config
+from qsdp.text_table import aligned
 from qsdp.train.metrics import read_metrics, read_summary
 
 from .report import BENCH_PRESETS, bar_chart, emit, png_next_to
@@ -583,8 +584,7 @@ def format_table(result: dict[str, Any]) -> str:
             u = unl.get(p)
             row += [f"{u['step_time_s']:.3f}" if u else "-", (f(u.get("speedup_vs_fsdp"), ".2f") + "x") if u else "-"]
         rows.append(tuple(row))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines = aligned(rows)
     ideal = ("t_fsdp / max(8*inter_p/rate, unlimited step of p)" if unl
              else "t_fsdp / (8*inter_p/rate)")
     foot = (f"inter/intra MB: bytes one node sends per step (byte meter); ideal = {ideal}; "

@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from qsdp.text_table import aligned
+
 from .report import emit, meta
 
 CASES: dict[str, tuple[str, dict[str, Any], bool]] = {
@@ -158,8 +160,7 @@ def format_table(result: dict[str, Any]) -> str:
     for c, r in result["cases"].items():
         rows.append((c, f"{r['max_persistent_comm_bytes'] / mb:.2f} MB", f"{r['max_step_peak_bytes'] / mb:.2f} MB",
                      f"{r.get('step_peak_vs_fsdp', float('nan')):.2f}x"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(row, widths))) for row in rows]
+    lines = aligned(rows)
     head = (f"{result['params'] / 1e6:.1f}M parameters ({result['model_bytes'] / mb:.1f} MB fp32), "
             f"{result['nodes']} nodes x {result['ranks_per_node']} ranks")
     return "\n".join([head, *lines])

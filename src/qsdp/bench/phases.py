@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 
 from qsdp.config import resolve_config
 from qsdp.launch import launch_local
+from qsdp.text_table import aligned
 
 from .report import BENCH_PRESETS, emit, meta
 
@@ -100,9 +101,7 @@ def format_table(result: dict[str, Any]) -> str:
         if p != base:
             lines.append(("  vs " + base, f"{1e3 * (row['step_s'] - result['presets'][base]['step_s']):+.1f}", "",
                           *(f"{1e3 * row['extra_vs_baseline_s'][ph]:+.1f}" for ph in PHASES)))
-    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
-    text = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
+    text = aligned(lines, rule=True)
     title = (f"ms per step (host, profiled, mean of {result['nproc']} ranks as "
              f"{result['nproc'] // result['ranks_per_node']} nodes x {result['ranks_per_node']} on loopback), "
              f"GPT '{result['model']}', {result['steps']} steps")

@@ -55,6 +55,7 @@ from ..comm.difference import replica_layout
 from ..comm.reduce_scatter import grad_codec
 from ..comm.reduce_scatter import real_elements, pipeline_slices_bounds
 from ..config import QuantConfig, resolve_config
+from ..text_table import aligned
 from ..train.model import GPTConfig, flops_per_token, n_params
 
 from .report import BENCH_PRESETS, bar_chart, emit, meta, png_next_to
@@ -689,11 +690,6 @@ def assumptions(hws: Mapping[str, Hardware], overlap: float, kernels, layout: st
 # --------------------------------------------------------------------------------------------
 
 
-def _fmt_table(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-
-
 def format_table(result: dict[str, Any]) -> str:
     presets = list(result["cases"][0]["step_ms"]) if result["cases"] else []
     others = [p for p in presets if p not in ("fsdp", "sdp4bit")]
@@ -710,7 +706,7 @@ def format_table(result: dict[str, Any]) -> str:
             "-" if c["paper_speedup"] is None else f"{c['paper_speedup']:.2f}x",
             "-" if c["rel_error"] is None else f"{100 * c['rel_error']:+.0f}%",
         ))
-    lines = ["SDP4Bit Table 2 setups: predicted speedup of sdp4bit over fsdp (analytic model)", *_fmt_table(rows)]
+    lines = ["SDP4Bit Table 2 setups: predicted speedup of sdp4bit over fsdp (analytic model)", *aligned(rows)]
     if result.get("mean_abs_rel_error") is not None:
         lines.append(f"mean |relative error| {100 * result['mean_abs_rel_error']:.0f}%")
     if result["cases"]:
@@ -730,7 +726,7 @@ def format_table(result: dict[str, Any]) -> str:
                          f"{s['dp']} ({s['dp_nodes']}x{s['dp_ranks_per_node']})",
                          f"{s['step_ms']['fsdp']:.1f}", f"{s['step_ms']['sdp4bit']:.1f}",
                          f"{s['predicted_speedup']:.2f}x"))
-        lines += _fmt_table(rows)
+        lines += aligned(rows)
     lines += _format_hsdp(result)
     t4 = result.get("table4")
     if t4:
@@ -758,7 +754,7 @@ def _format_hsdp(result: dict[str, Any]) -> list[str]:
     if len(rows) == 1:
         return []
     return ["", "HSDP (shard inside the node, replicate across nodes; HSDP fsdp = FSDP2's native "
-            "HSDP, fp32 all-reduce): predicted step", *_fmt_table(rows)]
+            "HSDP, fp32 all-reduce): predicted step", *aligned(rows)]
 
 
 _HW_FLAGS = {

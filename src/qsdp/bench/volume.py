@@ -13,6 +13,7 @@ from typing import Any
 
 from qsdp.config import resolve_config
 from qsdp.launch import launch_local
+from qsdp.text_table import aligned
 
 from .report import BENCH_PRESETS, emit, meta
 from .workload import run_steps
@@ -64,8 +65,7 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{r['grads_intra_bits_per_elt']:.3f} / {r['grads_inter_bits_per_elt']:.3f}",
                      f"{r['total_bytes_per_step'] / 1e6:.2f} MB", f"{r.get('reduction_vs_fsdp', float('nan')):.2f}x",
                      f"{r.get('inter_reduction_vs_fsdp', float('nan')):.2f}x"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines = aligned(rows)
     head = (f"{result['nodes']} nodes x {result['ranks_per_node']} ranks, model {result['model']}, "
             f"{result['steps']} steps after {result['warmup_steps']} warm-up step (byte meter)")
     return "\n".join([head, *lines])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qsdp.launch import under_torchrun
+from qsdp.text_table import aligned
 from qsdp.train.args import TrainArgs
 from qsdp.train.launcher import UsageError, check_writable, launch, plan_run
 from qsdp.train.metrics import METRICS_FILE, SUMMARY_FILE
@@ -77,11 +78,7 @@ def demo_table(summaries: dict[str, dict[str, Any]]) -> str:
     head = ["preset", "val loss", "vs fsdp", "weights intra", "weights inter", "grads intra",
             "grads inter", "inter-node bytes", "reduction", "step (median)"]
     rows = [head] + [_row(p, s, summaries.get("fsdp")) for p, s in summaries.items()]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(aligned(rows, rule=True))
 
 
 def _clear(run_dir: str) -> None:
