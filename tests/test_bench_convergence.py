@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from qsdp.bench.convergence import check_targets, qsdp_halves
+from qsdp.bench.convergence import MergeError, check_targets, merge, qsdp_halves
 from qsdp.cli import main
 
 pytestmark = pytest.mark.timeout(300)
@@ -82,3 +82,60 @@ def test_convergence_refuses_an_unknown_variant_before_training(tmp_path, capsys
 def test_convergence_refuses_variants_without_the_baseline(tmp_path, capsys):
     rc = main(["bench", "convergence", "--variants", "qsdp", "--out", str(tmp_path / "runs")])
     assert rc == 2 and "must include the baseline 'fsdp'" in capsys.readouterr().err
+
+
+def _part(seeds, losses, **setup):
+    """A saved result of one sweep: variant -> final val loss per seed, in ``seeds`` order."""
+    def record(seed, loss):
+        return {"seed": seed, "final_val_loss": loss, "final_train_loss": loss, "wire_bytes_total": 1,
+                "weights_bits_per_elt": 8.0, "weights_inter_bits_per_elt": 8.0, "grads_intra_bits_per_elt": 8.0,
+                "grads_inter_bits_per_elt": 8.0, "wall_time_s": 10.0, "n_params": 100, "tokens_per_step": 64}
+    base = {"setting": "small", "model": "small", "n_params": 100, "steps": 5, "tokens_per_step": 64,
+            "param_dtype": "float32", "nodes": 2, "ranks_per_node": 2, "batch_size": 2, "seq_len": 64,
+            "lr": 2e-3, "data": "chitchat-dataset (embedded)", "eval_batches": 32, **setup}
+    return {**base, "seeds": list(seeds), "plots": [f"plot-seed{seeds[0]}.png"], "meta": {"device": "cpu (gloo)"},
+            "presets": {v: {"runs": [record(s, x) for s, x in zip(seeds, xs)]} for v, xs in losses.items()}}
+
+
+def test_merged_parts_pair_every_seed_as_one_sweep_would():
+    later = _part([2], {"fsdp": [2.0], "qsdp": [2.02]})
+    earlier = _part([0, 1], {"fsdp": [2.0, 3.0], "qsdp": [2.01, 3.0]})
+    merged = merge({"b.json": later, "a.json": earlier})
+    gap = merged["presets"]["qsdp"]["rel_gap_vs_fsdp"]
+    assert merged["seeds"] == gap["seeds"] == [0, 1, 2]
+    assert gap["per_seed"] == pytest.approx([0.005, 0.0, 0.01])
+    assert gap["mean"] == pytest.approx(0.005) and gap["ci_low"] < gap["mean"] < gap["ci_high"]
+    assert merged["wall_time_s"] == 60.0 and merged["tokens"] == 5 * 64
+    assert merged["plots"] == ["plot-seed0.png"] and list(merged["meta"]["parts"]) == ["a.json", "b.json"]
+
+
+def test_parts_of_different_comparisons_are_not_merged():
+    with pytest.raises(MergeError, match=r"steps: 5 in a.json, 6 in b.json"):
+        merge({"a.json": _part([0], {"fsdp": [2.0]}), "b.json": _part([1], {"fsdp": [2.0]}, steps=6)})
+    with pytest.raises(MergeError, match="variants"):
+        merge({"a.json": _part([0], {"fsdp": [2.0]}), "b.json": _part([1], {"fsdp": [2.0], "qsdp": [2.0]})})
+
+
+def test_a_seed_in_two_parts_is_refused():
+    with pytest.raises(MergeError, match="seed 1 is in both a.json and b.json"):
+        merge({"a.json": _part([0, 1], {"fsdp": [2.0, 2.0]}), "b.json": _part([1], {"fsdp": [2.0]})})
+
+
+def test_merge_from_the_command_line_saves_one_report(tmp_path, capsys):
+    for name, seed in (("s0.json", 0), ("s1.json", 1)):
+        (tmp_path / name).write_text(json.dumps(_part([seed], {"fsdp": [2.0], "sdp4bit": [2.0 + 0.01 * seed]})))
+    rc = main(["bench", "convergence", "--merge", str(tmp_path / "s0.json"), str(tmp_path / "s1.json"),
+               "--save", str(tmp_path / "all.json")])
+    assert rc == 0
+    saved = json.loads((tmp_path / "all.json").read_text())
+    assert saved["seeds"] == [0, 1] and saved["meta"]["device"] == "cpu (gloo)"
+    assert saved["meta"]["command"].startswith("qsdp bench convergence --merge")
+    assert "seeds [0, 1] (paired)" in capsys.readouterr().out
+
+
+def test_merge_names_a_file_that_is_not_a_convergence_result(tmp_path, capsys):
+    (tmp_path / "other.json").write_text("{}")
+    (tmp_path / "s0.json").write_text(json.dumps(_part([0], {"fsdp": [2.0]})))
+    rc = main(["bench", "convergence", "--merge", str(tmp_path / "s0.json"), str(tmp_path / "other.json")])
+    assert rc == 2
+    assert "other.json is not a result of qsdp bench convergence" in capsys.readouterr().err

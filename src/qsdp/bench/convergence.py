@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qsdp.config import resolve_config
+from qsdp.text_table import aligned
 from qsdp.train.args import TrainArgs
 from qsdp.train.launcher import launch, plan_run
 from qsdp.train.plots import plot_runs
@@ -61,7 +62,7 @@ class Spec:
 # parameters trained until its loss flattens, the baseline and the two full presets).
 SETTINGS: dict[str, dict[str, Any]] = {
     "tiny": dict(model="tiny", steps=300, seeds=5, lr=3e-3, batch_size=8, variants=CONVERGENCE_VARIANTS),
-    "small": dict(model="small", steps=1500, seeds=2, lr=2e-3, batch_size=4, variants=("fsdp", "sdp4bit", "qsdp")),
+    "small": dict(model="small", steps=1500, seeds=2, lr=2e-3, batch_size=2, variants=("fsdp", "sdp4bit", "qsdp")),
 }
 
 
@@ -104,7 +105,8 @@ def _record(summary: dict[str, Any], seed: int, wall: float) -> dict[str, Any]:
 def _train_all(spec: Spec, out: str, reuse: bool, progress: bool) -> dict[str, list[dict[str, Any]]]:
     """Every (seed, variant) run, seed by seed so that partial results are already paired."""
     runs = {(s, v): _train_args(spec, v, s, out, progress) for s in spec.seeds for v in spec.variants}
-    todo = {k: a for k, a in runs.items() if not (reuse and _finished_summary(a))}
+    finished = {k: summary for k, a in runs.items() if reuse and (summary := _finished_summary(a))}
+    todo = {k: a for k, a in runs.items() if k not in finished}
     if reuse:
         # A sweep owns its run directories: one left unfinished, or with other arguments, restarts.
         for a in todo.values():
@@ -114,8 +116,8 @@ def _train_all(spec: Spec, out: str, reuse: bool, progress: bool) -> dict[str, l
     records: dict[str, list[dict[str, Any]]] = {v: [] for v in spec.variants}
     for i, ((seed, v), args) in enumerate(runs.items(), 1):
         head = f"[{i}/{len(runs)}] seed {seed} {v} -> {args.out}"
-        if (seed, v) not in todo:
-            summary = _finished_summary(args)
+        if (seed, v) in finished:
+            summary = finished[(seed, v)]
             print(f"{head}: finished before, reused", file=sys.stderr, flush=True)
             records[v].append(_record(summary, seed, summary["wall_time_s"]))
             continue
@@ -153,20 +155,68 @@ def run(spec: Spec, *, out: str = "runs/convergence", reuse: bool = False,
     for v in spec.variants:
         resolve_config(v)  # every name is valid before the first run starts
     records = _train_all(spec, out, reuse, progress)
-    presets = _summarize(records, spec.seeds)
     first = next(iter(records.values()))[0]
     plots = plot_runs([os.path.join(out, f"seed{spec.seeds[0]}", v) for v in spec.variants], out)
-    return {
+    setup = {
         "model": spec.model, "n_params": first["n_params"], "steps": spec.steps,
-        "tokens_per_step": first["tokens_per_step"], "tokens": spec.steps * first["tokens_per_step"],
-        "seeds": list(spec.seeds), "param_dtype": spec.param_dtype, "nodes": spec.nproc // spec.ranks_per_node,
-        "ranks_per_node": spec.ranks_per_node, "batch_size": spec.batch_size, "seq_len": spec.seq_len,
-        "lr": spec.lr, "data": spec.data or "chitchat-dataset (embedded)", "eval_batches": spec.eval_batches,
+        "tokens_per_step": first["tokens_per_step"], "param_dtype": spec.param_dtype,
+        "nodes": spec.nproc // spec.ranks_per_node, "ranks_per_node": spec.ranks_per_node,
+        "batch_size": spec.batch_size, "seq_len": spec.seq_len, "lr": spec.lr,
+        "data": spec.data or "chitchat-dataset (embedded)", "eval_batches": spec.eval_batches,
+    }
+    return _result(setup, records, plots)
+
+
+def _result(setup: dict[str, Any], records: dict[str, list[dict[str, Any]]], plots: list[str]) -> dict[str, Any]:
+    """The report of paired ``records`` (variant -> one record per seed, in the same seed order)."""
+    seeds = tuple(r["seed"] for r in records["fsdp"])
+    presets = _summarize(records, seeds)
+    return {
+        **setup, "tokens": setup["steps"] * setup["tokens_per_step"], "seeds": list(seeds),
         # Summed over the runs: a run reused from an earlier sweep counts its own training time.
         "wall_time_s": sum(r["wall_time_s"] for runs in records.values() for r in runs),
         "presets": presets, "plots": plots,
         "targets": check_targets(presets), "qsdp_halves": qsdp_halves(presets),
     }
+
+
+# What must agree for saved results to be parts of one comparison.
+SETUP_FIELDS = ("setting", "model", "n_params", "steps", "tokens_per_step", "param_dtype", "nodes",
+                "ranks_per_node", "batch_size", "seq_len", "lr", "data", "eval_batches")
+
+
+class MergeError(ValueError):
+    """Saved results that are not parts of one comparison."""
+
+
+def merge(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One paired report from results saved by separate sweeps over disjoint seeds (for example
+    one seed per machine). ``parts`` maps a name (the file) to its saved result; the plots are
+    those of the part with the lowest seed, and ``meta.parts`` keeps what produced each part."""
+    if len(parts) < 2:
+        raise MergeError("merging needs at least two results")
+    names = sorted(parts, key=lambda n: min(parts[n]["seeds"]))
+    first = parts[names[0]]
+    for name in names[1:]:
+        part = parts[name]
+        differ = [f"{k}: {first.get(k)!r} in {names[0]}, {part.get(k)!r} in {name}"
+                  for k in SETUP_FIELDS if part.get(k) != first.get(k)]
+        if list(part["presets"]) != list(first["presets"]):
+            differ.append(f"variants: {list(first['presets'])} in {names[0]}, {list(part['presets'])} in {name}")
+        if differ:
+            raise MergeError("not parts of one comparison: " + "; ".join(differ))
+    owner: dict[int, str] = {}
+    for name in names:
+        for seed in parts[name]["seeds"]:
+            if seed in owner:
+                raise MergeError(f"seed {seed} is in both {owner[seed]} and {name}: parts must have disjoint seeds")
+            owner[seed] = name
+    records = {v: sorted((r for n in names for r in parts[n]["presets"][v]["runs"]), key=lambda r: r["seed"])
+               for v in first["presets"]}
+    result = _result({k: first[k] for k in SETUP_FIELDS if k != "setting"}, records, first["plots"])
+    result["setting"] = first.get("setting")
+    result["meta"] = {"parts": {n: parts[n].get("meta") for n in names}}
+    return result
 
 
 def check_targets(presets: dict[str, Any]) -> dict[str, Any]:
@@ -212,9 +262,7 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{r['weights_bits_per_elt']:.2f}", f"{r['weights_inter_bits_per_elt']:.2f}",
                      f"{r['grads_intra_bits_per_elt']:.2f}",
                      f"{r['grads_inter_bits_per_elt']:.2f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = aligned(rows, rule=True)
     head = (f"GPT '{result['model']}' ({result['n_params'] / 1e6:.2f}M parameters, {result['param_dtype']}), "
             f"{result['steps']} steps x {result['tokens_per_step']} tokens = {result['tokens'] / 1e6:.2f}M tokens, "
             f"{result['nodes']} nodes x {result['ranks_per_node']} ranks, seeds {result['seeds']} (paired), "
@@ -256,14 +304,39 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--reuse", action="store_true",
                         help="keep the runs in OUT that finished with the same arguments, start the "
                         "others afresh (resume an interrupted sweep)")
+    parser.add_argument("--merge", nargs="+", metavar="RESULT.json",
+                        help="train nothing: combine results saved (--save) by sweeps of the same "
+                        "setting over disjoint seeds, e.g. one seed per machine, into one paired report")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
     return parser
 
 
+def _merge_files(paths: list[str], argv: list[str] | None) -> dict[str, Any]:
+    parts = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                parts[path] = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise MergeError(f"cannot read {path}: {e}") from e
+        if not {"seeds", "presets", "plots"} <= parts[path].keys():
+            raise MergeError(f"{path} is not a result of qsdp bench convergence")
+    result = merge(parts)
+    devices = sorted({str((p.get("meta") or {}).get("device")) for p in parts.values()})
+    result["meta"] = meta("convergence", argv, ", ".join(devices), **result["meta"])
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.merge:
+        try:
+            result = _merge_files(args.merge, argv)
+        except MergeError as e:
+            parser.error(str(e))
+        return emit(result, as_json=args.json, save=args.save, format_text=format_table)
     setting = SETTINGS[args.setting]
     steps = setting["steps"] if args.steps is None else args.steps
     n_seeds = setting["seeds"] if args.seeds is None else args.seeds
