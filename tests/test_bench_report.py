@@ -1,6 +1,9 @@
 """Every benchmark's result says what produced it, is saved as JSON and printed."""
 
 import json
+import os
+
+import torch
 
 from qsdp.bench.report import emit, meta
 
@@ -9,6 +12,12 @@ def test_meta_names_the_command_torch_device_and_date():
     m = meta("volume", ["--steps", "2"], "cpu (gloo)")
     assert m["command"] == "qsdp bench volume --steps 2"
     assert m["torch"] and m["device"] == "cpu (gloo)" and len(m["date"]) == 10
+
+
+def test_meta_names_the_host_a_cpu_timing_depends_on():
+    host = meta("volume", [], "cpu (gloo)")["host"]
+    assert f"{len(os.sched_getaffinity(0))} cores" in host
+    assert host.endswith(torch.backends.cpu.get_cpu_capability())
 
 
 def test_emit_saves_json_and_prints_text_or_json(tmp_path, capsys):

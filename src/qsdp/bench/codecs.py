@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable
 
 from .kernels import ALIGN, build, parse_size
-from .report import emit, meta
+from .report import cpu_model, emit, meta
 
 ROUNDINGS = ("nearest", "stochastic", "shift")
 STEPS = (
@@ -135,19 +135,11 @@ def measure(n: int, *, device: str = "cpu", steps: tuple[str, ...] = STEPS, repe
 
 
 def _device_name(device: str) -> str:
-    import platform
-
     import torch
 
     if device == "cuda":
         return torch.cuda.get_device_name()
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"CPU ({model}), 1 thread"
+    return f"CPU ({cpu_model()}), 1 thread"
 
 
 def format_table(result: dict[str, Any]) -> str:

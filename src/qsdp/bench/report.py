@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 import time
 from typing import Any, Callable
@@ -21,11 +22,29 @@ CONVERGENCE_VARIANTS: tuple[str, ...] = (
     "qsdp-w4g4")
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (``/proc/cpuinfo`` where there is one)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return model
+
+
+def host() -> str:
+    """The machine a CPU timing depends on: its CPU, the cores this process may use and the
+    vector instructions torch's CPU kernels use on it."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu_model()}, {cores} cores, {torch.backends.cpu.get_cpu_capability()}"
+
+
 def meta(name: str, argv: list[str] | None, device: str, **extra: Any) -> dict[str, Any]:
-    """The ``meta`` block of a result file: the command, torch version, device and date."""
+    """The ``meta`` block of a result file: the command, torch version, device, host and date."""
     args = argv if argv is not None else sys.argv[1:]
     return {"command": f"qsdp bench {name} " + " ".join(args), "torch": torch.__version__,
-            "device": device, "date": time.strftime("%Y-%m-%d"), **extra}
+            "device": device, "host": host(), "date": time.strftime("%Y-%m-%d"), **extra}
 
 
 def emit(result: dict[str, Any], *, as_json: bool, save: str | None,
