@@ -304,6 +304,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--reuse", action="store_true",
                         help="keep the runs in OUT that finished with the same arguments, start the "
                         "others afresh (resume an interrupted sweep)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar for each run")
     parser.add_argument("--merge", nargs="+", metavar="RESULT.json",
                         help="train nothing: combine results saved (--save) by sweeps of the same "
                         "setting over disjoint seeds, e.g. one seed per machine, into one paired report")
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=setting["batch_size"] if args.batch_size is None else args.batch_size,
         seq_len=args.seq_len, lr=setting["lr"] if args.lr is None else args.lr,
         param_dtype=args.param_dtype, data=args.data, nproc=args.nproc, ranks_per_node=args.local_world_size)
-    result = run(spec, out=args.out, reuse=args.reuse)
+    result = run(spec, out=args.out, reuse=args.reuse, progress=not args.no_progress)
     result["setting"] = args.setting
     result["meta"] = meta("convergence", argv, "cpu (gloo)")
     return emit(result, as_json=args.json, save=args.save, format_text=format_table)
