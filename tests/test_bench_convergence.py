@@ -32,7 +32,8 @@ def test_convergence_quick_run_pairs_every_variant_with_the_baseline_per_seed(tm
         assert gap["ci_low"] <= gap["mean"] <= gap["ci_high"]
     assert printed["presets"]["fsdp"]["rel_gap_vs_fsdp"]["per_seed"] == [0.0, 0.0]
     assert [os.path.basename(p) for p in printed["plots"]] == ["loss_vs_step.png", "loss_vs_bytes.png"]
-    assert all(os.path.isfile(p) for p in printed["plots"])
+    assert all(os.path.isfile(p) and os.path.dirname(p) == str(tmp_path / "runs" / "seed0")
+               for p in printed["plots"])
     assert saved["meta"]["torch"] and saved["setting"] == "tiny"
 
 
@@ -139,3 +140,28 @@ def test_merge_names_a_file_that_is_not_a_convergence_result(tmp_path, capsys):
     rc = main(["bench", "convergence", "--merge", str(tmp_path / "s0.json"), str(tmp_path / "other.json")])
     assert rc == 2
     assert "other.json is not a result of qsdp bench convergence" in capsys.readouterr().err
+
+
+def test_parts_sharing_out_keep_their_plots_and_merge_redraws_the_lowest_seed(tmp_path, capsys):
+    runs = str(tmp_path / "runs")
+    for seed in (1, 0):  # the later seed first: its plots must not stand for seed 0's
+        assert main(["bench", "convergence", "--variants", "fsdp", "--seed", str(seed), "--seeds", "1",
+                     "--steps", "2", "--nproc", "2", "--local-world-size", "1", "--param-dtype", "float32",
+                     "--out", runs, "--no-progress", "--save", str(tmp_path / f"s{seed}.json")]) == 0
+        part = json.loads((tmp_path / f"s{seed}.json").read_text())
+        assert {os.path.dirname(p) for p in part["plots"]} == {os.path.join(runs, f"seed{seed}")}
+    capsys.readouterr()
+    assert main(["bench", "convergence", "--merge", str(tmp_path / "s1.json"), str(tmp_path / "s0.json"),
+                 "--out", runs, "--plots", str(tmp_path / "plots"), "--json"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert merged["plots"] == [str(tmp_path / "plots" / n) for n in ("loss_vs_step.png", "loss_vs_bytes.png")]
+    assert all(os.path.isfile(p) for p in merged["plots"])
+
+
+def test_merge_names_the_missing_runs_it_was_asked_to_plot(tmp_path, capsys):
+    for name, seed in (("s0.json", 0), ("s1.json", 1)):
+        (tmp_path / name).write_text(json.dumps(_part([seed], {"fsdp": [2.0], "qsdp": [2.0]})))
+    rc = main(["bench", "convergence", "--merge", str(tmp_path / "s0.json"), str(tmp_path / "s1.json"),
+               "--out", str(tmp_path / "runs"), "--plots", str(tmp_path / "plots")])
+    assert rc == 2
+    assert f"no runs of fsdp, qsdp in {tmp_path / 'runs' / 'seed0'}" in capsys.readouterr().err

@@ -6,7 +6,9 @@ each seed, the baseline and every variant start from the same weights and see th
 so the only difference inside a pair is what travels on the wire. The table has the shape of
 SDP4Bit's Table 1: final validation loss per variant and its relative gap to ``fsdp``, here the
 mean over the seeds with a 95% t interval over the paired gaps; the targets are judged on the
-interval. The loss curves of the first seed are plotted with :func:`qsdp.train.plots.plot_runs`.
+interval. The loss curves of the first seed are plotted with :func:`qsdp.train.plots.plot_runs`
+(into that seed's directory unless ``--plots`` says where, so that sweeps over other seeds
+sharing ``--out`` keep their own).
 
 Variants: ``fsdp`` (baseline), SDP4Bit's ablations ``qw4`` (4-bit direct weights), ``qwd4``
 (4-bit weight differences), ``tlq4`` (two-level 8/4-bit gradients), ``tlq-hs`` (with Hadamard),
@@ -149,14 +151,25 @@ def _summarize(records: dict[str, list[dict[str, Any]]], seeds: tuple[int, ...])
     return presets
 
 
+def _plot_seed(out: str, seed: int, variants: tuple[str, ...], plots: str | None) -> list[str]:
+    """The loss curves of ``seed``'s runs under ``out``, drawn into ``plots`` (default: the
+    seed's directory)."""
+    seed_dir = os.path.join(out, f"seed{seed}")
+    missing = [v for v in variants if not os.path.isfile(os.path.join(seed_dir, v, "metrics.jsonl"))]
+    if missing:
+        raise FileNotFoundError(f"no runs of {', '.join(missing)} in {seed_dir} to plot")
+    return plot_runs([os.path.join(seed_dir, v) for v in variants], plots or seed_dir)
+
+
 def run(spec: Spec, *, out: str = "runs/convergence", reuse: bool = False,
-        progress: bool = False) -> dict[str, Any]:
-    """Train every variant with every seed and return the JSON-ready result."""
+        progress: bool = False, plots: str | None = None) -> dict[str, Any]:
+    """Train every variant with every seed and return the JSON-ready result; the first seed's
+    loss curves go to ``plots`` (default: ``OUT/seed<first>``)."""
     for v in spec.variants:
         resolve_config(v)  # every name is valid before the first run starts
     records = _train_all(spec, out, reuse, progress)
     first = next(iter(records.values()))[0]
-    plots = plot_runs([os.path.join(out, f"seed{spec.seeds[0]}", v) for v in spec.variants], out)
+    plots = _plot_seed(out, spec.seeds[0], spec.variants, plots)
     setup = {
         "model": spec.model, "n_params": first["n_params"], "steps": spec.steps,
         "tokens_per_step": first["tokens_per_step"], "param_dtype": spec.param_dtype,
@@ -300,7 +313,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="compute and all-gather dtype (float32 on CPUs without native bf16)")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--local-world-size", type=int, default=2)
-    parser.add_argument("--out", default="runs/convergence", help="run directories and plots")
+    parser.add_argument("--out", default="runs/convergence", help="run directories")
+    parser.add_argument("--plots", metavar="DIR", help="where the first seed's loss curves go (default: "
+                        "OUT/seed<first>); with --merge, drawn afresh from the lowest seed's runs in OUT")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the runs in OUT that finished with the same arguments, start the "
                         "others afresh (resume an interrupted sweep)")
@@ -313,7 +328,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _merge_files(paths: list[str], argv: list[str] | None) -> dict[str, Any]:
+def _merge_files(paths: list[str], argv: list[str] | None, out: str, plots: str | None) -> dict[str, Any]:
     parts = {}
     for path in paths:
         try:
@@ -324,6 +339,11 @@ def _merge_files(paths: list[str], argv: list[str] | None) -> dict[str, Any]:
         if not {"seeds", "presets", "plots"} <= parts[path].keys():
             raise MergeError(f"{path} is not a result of qsdp bench convergence")
     result = merge(parts)
+    if plots:
+        try:
+            result["plots"] = _plot_seed(out, result["seeds"][0], tuple(result["presets"]), plots)
+        except FileNotFoundError as e:
+            raise MergeError(f"--plots: {e}") from e
     devices = sorted({str((p.get("meta") or {}).get("device")) for p in parts.values()})
     result["meta"] = meta("convergence", argv, ", ".join(devices), **result["meta"])
     return result
@@ -334,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.merge:
         try:
-            result = _merge_files(args.merge, argv)
+            result = _merge_files(args.merge, argv, args.out, args.plots)
         except MergeError as e:
             parser.error(str(e))
         return emit(result, as_json=args.json, save=args.save, format_text=format_table)
@@ -354,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=setting["batch_size"] if args.batch_size is None else args.batch_size,
         seq_len=args.seq_len, lr=setting["lr"] if args.lr is None else args.lr,
         param_dtype=args.param_dtype, data=args.data, nproc=args.nproc, ranks_per_node=args.local_world_size)
-    result = run(spec, out=args.out, reuse=args.reuse, progress=not args.no_progress)
+    result = run(spec, out=args.out, reuse=args.reuse, progress=not args.no_progress, plots=args.plots)
     result["setting"] = args.setting
     result["meta"] = meta("convergence", argv, "cpu (gloo)")
     return emit(result, as_json=args.json, save=args.save, format_text=format_table)
