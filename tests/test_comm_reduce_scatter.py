@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import qsdp
 from qsdp.comm import PlainReduceScatter, QuantizedReduceScatter, build_topology
+from allocations import Allocations
 from distributed import run_world
 
 pytestmark = pytest.mark.timeout(120)
@@ -159,3 +160,20 @@ def test_pipeline_slices_are_whole_codec_units_and_never_below_the_minimum():
     assert all(a % 128 == 0 for a, _ in bounds) and all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
     assert len(pipeline_slices_bounds(128 * 100, codec, 8, min_slice=4096)) == 3
     assert pipeline_slices_bounds(128 * 10, codec, 8, min_slice=1 << 20) == [(0, 1280)]
+
+
+def _two_level_allocations(rank, world, slices):
+    cfg = _config("two_level", bits_intra=8, bits_inter=4, hadamard_block=32, pipeline_slices=slices)
+    comm = QuantizedReduceScatter(cfg, build_topology(), 0)
+    grad = _grad(rank, world * 4096)
+    out = torch.empty(4096)
+    with Allocations(grad, out) as seen:
+        comm(output_tensor=out, input_tensor=grad, group=dist.group.WORLD, op=dist.ReduceOp.AVG)
+    return seen.largest(torch.float32, torch.float64), grad.numel() * grad.element_size()
+
+
+def test_two_level_reduce_scatter_makes_no_copy_of_the_whole_gradient():
+    # 4 slices: each slice's destination-major copy (and its Hadamard transform) is a quarter of
+    # the gradient; a copy of the whole gradient would be as large as the input.
+    for largest, whole in run_world(_two_level_allocations, 4, 4, local_world_size=2):
+        assert 0 < largest <= whole // 4

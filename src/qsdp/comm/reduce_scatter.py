@@ -112,13 +112,9 @@ class QuantizedReduceScatter(GradReduceScatter):
         hop1 = grad_codec(g, g.bits_intra, x.dtype)
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
-        xp = _pad_cols(x.float(), lp) if lp != s else x.float()
         # The Hadamard transform (blockwise, and every slice is whole blocks) is applied by
         # hop1.encode slice by slice, fused into the quantization on CUDA; the inverse by
         # hop2.decode_sum, slice by slice too.
-        # Destination-major order for the intra-node exchange: row (l, n) holds the chunk of the
-        # rank with local rank l on node n, so local peer l receives its D rows contiguously.
-        xp = xp.view(d, m, lp).transpose(0, 1).reshape(m * d, lp)
         bounds = pipeline_slices_bounds(lp, hop1, g.pipeline_slices, g.pipeline_min_slice)
         out = torch.empty(lp, dtype=torch.float32, device=x.device)
         n_slices = len(bounds)
@@ -128,7 +124,7 @@ class QuantizedReduceScatter(GradReduceScatter):
             k = step
             if k < n_slices:
                 a, b = bounds[k]
-                send = hop1.encode(xp[:, a:b], seed=self._seed(4, k))
+                send = hop1.encode(destination_major(x, d, a, b), seed=self._seed(4, k))
                 recv = torch.empty_like(send)
                 work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
                 self.meter("grads", d * send.shape[1], d * real_elements(a, b, s), (m - 1, 0))
@@ -152,6 +148,17 @@ class QuantizedReduceScatter(GradReduceScatter):
                 out[a:b] = hop2.decode_sum(recv2, b - a, finish=True)
                 stage2[k] = None
         return out[:s]
+
+
+def destination_major(x: torch.Tensor, nodes: int, a: int, b: int) -> torch.Tensor:
+    """Columns ``[a, b)`` of the gradient ``x`` (``[world, s]``, rank-major) padded to ``b - a``
+    by repeating its last column, as fp32 ``[world, b - a]`` in destination-major order for the
+    intra-node exchange: row ``(l, n)`` holds the chunk of the rank with local rank ``l`` on node
+    ``n``, so local peer ``l`` receives its D rows contiguously. One slice at a time: no copy
+    of the whole gradient is made."""
+    world, s = x.shape
+    part = x[:, a:min(b, s)].view(nodes, world // nodes, -1).transpose(0, 1).reshape(world, -1)
+    return _pad_cols(part.float(), b - a)
 
 
 def real_elements(a: int, b: int, s: int) -> int:
