@@ -62,3 +62,20 @@ def test_row_codec_steps_allocate_no_full_size_int64(step):
     with Allocations(x, base, buf) as seen:
         calls[step]()
     assert seen.new and seen.largest(torch.int64) < SMALL, seen.new
+
+
+@pytest.mark.parametrize("step", ["decode_into", "decode_into_add", "decode_sum"])
+def test_decoding_every_peer_row_makes_no_temporary_of_the_whole_buffer(step):
+    # A gathered or received buffer holds one row per peer: the reference decodes a few rows at
+    # a time, so its float temporaries stay far below the rows' total (the output aside).
+    rows, length = 8, N // 8
+    buf = HOP1.encode(data(rows, length), seed=2)
+    out = data(rows, length, dtype=torch.bfloat16)
+    calls = {
+        "decode_into": lambda: HOP1.decode_into(buf, length, out),
+        "decode_into_add": lambda: HOP1.decode_into(buf, length, out, add=True),
+        "decode_sum": lambda: HOP1.decode_sum(buf, length),  # output: one row
+    }
+    with Allocations(buf, out) as seen:
+        calls[step]()
+    assert 0 < seen.largest(torch.float32, torch.float64, torch.bfloat16) <= 4 * length, seen.new

@@ -40,6 +40,18 @@ def sum_rows(x: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+# Elements the torch reference decodes at a time on CPU: a received buffer holds one row per
+# peer, and decoding all of them at once would be a temporary the size of the whole group.
+_DECODE_CHUNK = 1 << 17
+
+
+def _row_chunks(rows: int, width: int, device: torch.device) -> list[tuple[int, int]]:
+    """``(first row, end row)`` of consecutive rows, about :data:`_DECODE_CHUNK` elements each on
+    CPU (at least one row), every row at once on other devices (one launch per step)."""
+    step = max(1, _DECODE_CHUNK // max(1, width)) if device.type == "cpu" else max(rows, 1)
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
 @dataclass(frozen=True)
 class RowCodec:
     """Encodes ``[R, L]`` float rows into ``[R, row_nbytes(L)]`` uint8 rows and back.
@@ -149,10 +161,11 @@ class RowCodec:
         if self._fused(buf) and out.dtype in _OUT_DTYPES and out.stride(-1) == 1:
             self._decode_fused(buf, self.padded_len(length), out, add=add)
             return out
-        values = self.decode(buf, length)
-        if add:  # out + values in fp32; in place unless values may be a view of buf (exact codec)
-            values = out.float() + values if self.exact else values.add_(out)
-        out.copy_(values)
+        for r0, r1 in _row_chunks(buf.shape[0], length, buf.device):
+            values, dest = self.decode(buf[r0:r1], length), out[r0:r1]
+            if add:  # dest + values in fp32; in place unless values may be a view of buf (exact codec)
+                values = dest.float() + values if self.exact else values.add_(dest)
+            dest.copy_(values)
         return out
 
     def decode_sum(self, buf: torch.Tensor, length: int, *, finish: bool = False) -> torch.Tensor:
@@ -199,7 +212,7 @@ class RowCodec:
         lp = self.padded_len(length)
         dests = buf.shape[0] // sources
         if not self._fused(buf):
-            return sum_rows(self.decode(buf, length, keep_padding=True).view(sources, dests, lp)), False
+            return self._sum_sources_reference(buf, length, sources), False
         tk = _tk()
         hb = self.hadamard_block if finish else 0
         if hb and not tk.fuses_hadamard(self.group_size, hb):
@@ -213,6 +226,18 @@ class RowCodec:
             out=out, length=width, inverse_block=hb,
         )
         return out, finished
+
+    def _sum_sources_reference(self, buf: torch.Tensor, length: int, sources: int) -> torch.Tensor:
+        """``sum_rows(decode(buf, length, keep_padding=True).view(sources, D, -1))``, the same
+        additions in the same order, decoding a few sources at a time."""
+        lp = self.padded_len(length)
+        dests = buf.shape[0] // sources
+        total: torch.Tensor | None = None
+        for j0, j1 in _row_chunks(sources, dests * lp, buf.device):
+            part = self.decode(buf[j0 * dests : j1 * dests], length, keep_padding=True).view(j1 - j0, dests, lp)
+            for rows in part:
+                total = rows.clone() if total is None else total.add_(rows)
+        return total
 
     def _fused(self, t: torch.Tensor) -> bool:
         return not self.exact and use_triton(t) and _tk().supports(bits=self.bits, group_size=self.group_size)
