@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from qsdp.bench.convergence import MergeError, check_targets, merge, qsdp_halves
 from qsdp.cli import main
@@ -22,6 +23,7 @@ def test_convergence_quick_run_pairs_every_variant_with_the_baseline_per_seed(tm
     assert printed["presets"].keys() == saved["presets"].keys() == {"fsdp", "qwd4"}
     assert printed["seeds"] == [0, 1] and printed["tokens"] == 2 * printed["tokens_per_step"]
     assert printed["data"] == "chitchat-dataset (embedded)" and printed["n_params"] > 0
+    assert printed["device"] == "cpu" and saved["meta"]["device"] == "cpu (gloo)"
     for v, r in printed["presets"].items():
         assert [run["seed"] for run in r["runs"]] == [0, 1]
         assert all(os.path.isfile(tmp_path / "runs" / f"seed{s}" / v / "summary.json") for s in (0, 1))
@@ -115,6 +117,22 @@ def test_parts_of_different_comparisons_are_not_merged():
         merge({"a.json": _part([0], {"fsdp": [2.0]}), "b.json": _part([1], {"fsdp": [2.0]}, steps=6)})
     with pytest.raises(MergeError, match="variants"):
         merge({"a.json": _part([0], {"fsdp": [2.0]}), "b.json": _part([1], {"fsdp": [2.0], "qsdp": [2.0]})})
+
+
+def test_parts_trained_on_different_devices_are_not_merged():
+    # A result saved before the device was recorded counts as a CPU one.
+    merged = merge({"a.json": _part([0], {"fsdp": [2.0]}), "b.json": _part([1], {"fsdp": [2.0]}, device="cpu")})
+    assert merged["device"] == "cpu"
+    with pytest.raises(MergeError, match=r"device: 'cpu' in a.json, 'cuda' in b.json"):
+        merge({"a.json": _part([0], {"fsdp": [2.0]}), "b.json": _part([1], {"fsdp": [2.0]}, device="cuda")})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
+def test_convergence_on_cuda_without_a_gpu_stops_before_training(tmp_path, capsys):
+    rc = main(["bench", "convergence", "--device", "cuda", "--variants", "fsdp", "--seeds", "1", "--steps", "1",
+               "--out", str(tmp_path / "runs")])
+    assert rc == 2 and "CUDA is not available" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "seed0" / "fsdp" / "metrics.jsonl").exists()
 
 
 def test_a_seed_in_two_parts_is_refused():

@@ -58,6 +58,23 @@ class Spec:
     nproc: int = 4
     ranks_per_node: int = 2
     eval_batches: int = 32
+    device: str = "cpu"
+
+    def backend(self) -> str | None:
+        """gloo on CPU and where the ranks share GPUs (NCCL needs one GPU a rank), else NCCL."""
+        if self.device != "cuda":
+            return None
+        import torch
+
+        return "nccl" if torch.cuda.device_count() >= self.nproc else "gloo"
+
+    def device_name(self) -> str:
+        """What the result's ``meta.device`` says: the CPU, or the GPU and the backend."""
+        if self.device != "cuda":
+            return "cpu (gloo)"
+        import torch
+
+        return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()} ({self.backend()}, {self.nproc} ranks)"
 
 
 # Named settings: ``tiny`` (every variant, quick) and ``small`` (a model of several million
@@ -74,8 +91,8 @@ def _train_args(spec: Spec, variant: str, seed: int, out: str, progress: bool) -
         data=spec.data, steps=spec.steps, batch_size=spec.batch_size, seq_len=spec.seq_len,
         lr=spec.lr, warmup=max(1, spec.steps // 10), eval_every=max(1, spec.steps // 6),
         eval_batches=spec.eval_batches, ckpt_every=0, keep_checkpoints=1, seed=seed,
-        local_world_size=spec.ranks_per_node, param_dtype=spec.param_dtype, device="cpu",
-        progress=progress,
+        local_world_size=spec.ranks_per_node, param_dtype=spec.param_dtype, device=spec.device,
+        backend=spec.backend(), progress=progress,
     )
 
 
@@ -176,6 +193,7 @@ def run(spec: Spec, *, out: str = "runs/convergence", reuse: bool = False,
         "nodes": spec.nproc // spec.ranks_per_node, "ranks_per_node": spec.ranks_per_node,
         "batch_size": spec.batch_size, "seq_len": spec.seq_len, "lr": spec.lr,
         "data": spec.data or "chitchat-dataset (embedded)", "eval_batches": spec.eval_batches,
+        "device": spec.device,
     }
     return _result(setup, records, plots)
 
@@ -195,7 +213,12 @@ def _result(setup: dict[str, Any], records: dict[str, list[dict[str, Any]]], plo
 
 # What must agree for saved results to be parts of one comparison.
 SETUP_FIELDS = ("setting", "model", "n_params", "steps", "tokens_per_step", "param_dtype", "nodes",
-                "ranks_per_node", "batch_size", "seq_len", "lr", "data", "eval_batches")
+                "ranks_per_node", "batch_size", "seq_len", "lr", "data", "eval_batches", "device")
+
+
+def _setup(result: dict[str, Any], field: str) -> Any:
+    # Results saved before the device was recorded were trained on CPU.
+    return result.get(field, "cpu") if field == "device" else result.get(field)
 
 
 class MergeError(ValueError):
@@ -212,8 +235,8 @@ def merge(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     first = parts[names[0]]
     for name in names[1:]:
         part = parts[name]
-        differ = [f"{k}: {first.get(k)!r} in {names[0]}, {part.get(k)!r} in {name}"
-                  for k in SETUP_FIELDS if part.get(k) != first.get(k)]
+        differ = [f"{k}: {_setup(first, k)!r} in {names[0]}, {_setup(part, k)!r} in {name}"
+                  for k in SETUP_FIELDS if _setup(part, k) != _setup(first, k)]
         if list(part["presets"]) != list(first["presets"]):
             differ.append(f"variants: {list(first['presets'])} in {names[0]}, {list(part['presets'])} in {name}")
         if differ:
@@ -226,7 +249,7 @@ def merge(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
             owner[seed] = name
     records = {v: sorted((r for n in names for r in parts[n]["presets"][v]["runs"]), key=lambda r: r["seed"])
                for v in first["presets"]}
-    result = _result({k: first[k] for k in SETUP_FIELDS if k != "setting"}, records, first["plots"])
+    result = _result({k: _setup(first, k) for k in SETUP_FIELDS if k != "setting"}, records, first["plots"])
     result["setting"] = first.get("setting")
     result["meta"] = {"parts": {n: parts[n].get("meta") for n in names}}
     return result
@@ -278,7 +301,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines = aligned(rows, rule=True)
     head = (f"GPT '{result['model']}' ({result['n_params'] / 1e6:.2f}M parameters, {result['param_dtype']}), "
             f"{result['steps']} steps x {result['tokens_per_step']} tokens = {result['tokens'] / 1e6:.2f}M tokens, "
-            f"{result['nodes']} nodes x {result['ranks_per_node']} ranks, seeds {result['seeds']} (paired), "
+            f"{result['nodes']} nodes x {result['ranks_per_node']} ranks on {_setup(result, 'device')}, "
+            f"seeds {result['seeds']} (paired), "
             f"corpus: {result['data']}, wall {result['wall_time_s'] / 60:.1f} min")
     tail = [f"target {k}: {'met' if v['met'] else 'MISSED'} ({', '.join(f'{a}={_fmt(b)}' for a, b in v.items() if a != 'met')})"
             for k, v in result["targets"].items()]
@@ -311,6 +335,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--param-dtype", default="bfloat16",
                         help="compute and all-gather dtype (float32 on CPUs without native bf16)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where every run trains; cuda: NCCL with a GPU per rank, else gloo "
+                        "between ranks sharing the GPUs (a sweep's runs and parts share one device)")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--local-world-size", type=int, default=2)
     parser.add_argument("--out", default="runs/convergence", help="run directories")
@@ -373,8 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model or setting["model"], steps=steps,
         batch_size=setting["batch_size"] if args.batch_size is None else args.batch_size,
         seq_len=args.seq_len, lr=setting["lr"] if args.lr is None else args.lr,
-        param_dtype=args.param_dtype, data=args.data, nproc=args.nproc, ranks_per_node=args.local_world_size)
+        param_dtype=args.param_dtype, data=args.data, nproc=args.nproc, ranks_per_node=args.local_world_size,
+        device=args.device)
     result = run(spec, out=args.out, reuse=args.reuse, progress=not args.no_progress, plots=args.plots)
     result["setting"] = args.setting
-    result["meta"] = meta("convergence", argv, "cpu (gloo)")
+    result["meta"] = meta("convergence", argv, spec.device_name())
     return emit(result, as_json=args.json, save=args.save, format_text=format_table)
