@@ -65,8 +65,9 @@ def test_targets_are_judged_on_the_interval_not_the_mean():
     assert t["qw4_worse_than_qwd4"]["met"] is False  # the intervals overlap
 
 
-def test_one_seed_meets_no_target():
-    assert check_targets({"qsdp": _gap(0.0, None, None)})["qsdp_within_0.1%"]["met"] is False
+def test_one_seed_decides_no_target():
+    t = check_targets({"qsdp": _gap(0.0, None, None), "qw4": _gap(0.05, None, None), "qwd4": _gap(0.0, None, None)})
+    assert t["qsdp_within_0.1%"]["met"] is None and t["qw4_worse_than_qwd4"]["met"] is None
 
 
 def test_qsdp_halves_name_the_half_with_the_larger_gap():

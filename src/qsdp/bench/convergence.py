@@ -256,19 +256,20 @@ def merge(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def check_targets(presets: dict[str, Any]) -> dict[str, Any]:
-    """Each target as measured, judged on the interval: met or missed, never hidden."""
+    """Each target as measured, judged on the interval: met (``True``) or missed (``False``),
+    never hidden; ``None`` where one seed gives no interval to judge."""
     out: dict[str, Any] = {}
     for name, bound in TARGETS.items():
         gap = (presets.get(name) or {}).get("rel_gap_vs_fsdp")
         if gap is not None:
             out[f"{name}_within_{bound:.1%}"] = {
                 "mean": gap["mean"], "ci_high": gap["ci_high"], "bound": bound,
-                "met": gap["ci_high"] is not None and gap["ci_high"] <= bound}
+                "met": None if gap["ci_high"] is None else gap["ci_high"] <= bound}
     if "qw4" in presets and "qwd4" in presets and presets["qw4"]["rel_gap_vs_fsdp"]:
         qw, qwd = presets["qw4"]["rel_gap_vs_fsdp"], presets["qwd4"]["rel_gap_vs_fsdp"]
         out["qw4_worse_than_qwd4"] = {
             "qw4_ci_low": qw["ci_low"], "qwd4_ci_high": qwd["ci_high"],
-            "met": qw["ci_low"] is not None and qw["ci_low"] > qwd["ci_high"]}
+            "met": None if qw["ci_low"] is None or qwd["ci_high"] is None else qw["ci_low"] > qwd["ci_high"]}
     return out
 
 
@@ -304,7 +305,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"{result['nodes']} nodes x {result['ranks_per_node']} ranks on {_setup(result, 'device')}, "
             f"seeds {result['seeds']} (paired), "
             f"corpus: {result['data']}, wall {result['wall_time_s'] / 60:.1f} min")
-    tail = [f"target {k}: {'met' if v['met'] else 'MISSED'} ({', '.join(f'{a}={_fmt(b)}' for a, b in v.items() if a != 'met')})"
+    verdicts = {True: "met", False: "MISSED", None: "undecided (one seed: no interval)"}
+    tail = [f"target {k}: {verdicts[v['met']]} ({', '.join(f'{a}={_fmt(b)}' for a, b in v.items() if a != 'met')})"
             for k, v in result["targets"].items()]
     if result.get("qsdp_halves"):
         h = result["qsdp_halves"]
