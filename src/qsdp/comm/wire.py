@@ -22,7 +22,7 @@ import torch
 
 from ..codecs import dequantize, hadamard, inverse_hadamard, quantize
 from ..codecs.dispatch import use_triton
-from ..codecs.quantize import QTensor
+from ..codecs.quantize import QTensor, _group_chunks
 
 
 def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -40,16 +40,12 @@ def sum_rows(x: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-# Elements the torch reference decodes at a time on CPU: a received buffer holds one row per
-# peer, and decoding all of them at once would be a temporary the size of the whole group.
-_DECODE_CHUNK = 1 << 17
-
-
 def _row_chunks(rows: int, width: int, device: torch.device) -> list[tuple[int, int]]:
-    """``(first row, end row)`` of consecutive rows, about :data:`_DECODE_CHUNK` elements each on
-    CPU (at least one row), every row at once on other devices (one launch per step)."""
-    step = max(1, _DECODE_CHUNK // max(1, width)) if device.type == "cpu" else max(rows, 1)
-    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+    """``(first row, end row)`` of consecutive rows, a cache-sized chunk each on CPU (at least one
+    row), every row at once on other devices: quantize's chunks, with a row as the group. A
+    received buffer holds one row per peer; decoding them all at once would be a temporary the
+    size of the whole group."""
+    return _group_chunks(rows * width, max(1, width), device)
 
 
 @dataclass(frozen=True)
