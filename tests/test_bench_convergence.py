@@ -65,9 +65,19 @@ def test_targets_are_judged_on_the_interval_not_the_mean():
     assert t["qw4_worse_than_qwd4"]["met"] is False  # the intervals overlap
 
 
+def test_a_missed_target_says_whether_the_interval_refutes_it_or_is_too_wide():
+    t = check_targets({"sdp4bit": _gap(0.001, -0.002, 0.004), "qsdp": _gap(0.003, 0.002, 0.004),
+                       "qw4": _gap(0.0, -0.01, 0.0), "qwd4": _gap(0.02, 0.01, 0.03)})
+    assert t["sdp4bit_within_0.3%"]["reading"] == "interval contains the bound: neither shown nor refuted"
+    assert t["qsdp_within_0.1%"]["reading"] == "whole interval above the bound"
+    assert t["qw4_worse_than_qwd4"]["reading"] == "qw4 better, intervals apart"
+    assert all(v["met"] is False for v in t.values())
+
+
 def test_one_seed_decides_no_target():
     t = check_targets({"qsdp": _gap(0.0, None, None), "qw4": _gap(0.05, None, None), "qwd4": _gap(0.0, None, None)})
     assert t["qsdp_within_0.1%"]["met"] is None and t["qw4_worse_than_qwd4"]["met"] is None
+    assert t["qsdp_within_0.1%"]["reading"] == "one seed: no interval"
 
 
 def test_qsdp_halves_name_the_half_with_the_larger_gap():

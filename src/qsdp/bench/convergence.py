@@ -257,19 +257,26 @@ def merge(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def check_targets(presets: dict[str, Any]) -> dict[str, Any]:
     """Each target as measured, judged on the interval: met (``True``) or missed (``False``),
-    never hidden; ``None`` where one seed gives no interval to judge."""
+    never hidden; ``None`` where one seed gives no interval to judge. ``reading`` says what a miss
+    means: the interval on the wrong side of the bound, or the interval too wide to show either."""
     out: dict[str, Any] = {}
     for name, bound in TARGETS.items():
         gap = (presets.get(name) or {}).get("rel_gap_vs_fsdp")
         if gap is not None:
+            lo, hi = gap["ci_low"], gap["ci_high"]
+            met = None if hi is None else hi <= bound
+            reading = ("one seed: no interval" if met is None else "upper end within the bound" if met
+                       else "whole interval above the bound" if lo > bound
+                       else "interval contains the bound: neither shown nor refuted")
             out[f"{name}_within_{bound:.1%}"] = {
-                "mean": gap["mean"], "ci_high": gap["ci_high"], "bound": bound,
-                "met": None if gap["ci_high"] is None else gap["ci_high"] <= bound}
+                "mean": gap["mean"], "ci_low": lo, "ci_high": hi, "bound": bound, "met": met, "reading": reading}
     if "qw4" in presets and "qwd4" in presets and presets["qw4"]["rel_gap_vs_fsdp"]:
         qw, qwd = presets["qw4"]["rel_gap_vs_fsdp"], presets["qwd4"]["rel_gap_vs_fsdp"]
-        out["qw4_worse_than_qwd4"] = {
-            "qw4_ci_low": qw["ci_low"], "qwd4_ci_high": qwd["ci_high"],
-            "met": None if qw["ci_low"] is None or qwd["ci_high"] is None else qw["ci_low"] > qwd["ci_high"]}
+        met = None if qw["ci_low"] is None or qwd["ci_high"] is None else qw["ci_low"] > qwd["ci_high"]
+        reading = ("one seed: no interval" if met is None else "intervals apart" if met
+                   else "qw4 better, intervals apart" if qw["ci_high"] < qwd["ci_low"] else "intervals overlap")
+        out["qw4_worse_than_qwd4"] = {"qw4_ci_low": qw["ci_low"], "qwd4_ci_high": qwd["ci_high"],
+                                      "met": met, "reading": reading}
     return out
 
 
@@ -305,8 +312,10 @@ def format_table(result: dict[str, Any]) -> str:
             f"{result['nodes']} nodes x {result['ranks_per_node']} ranks on {_setup(result, 'device')}, "
             f"seeds {result['seeds']} (paired), "
             f"corpus: {result['data']}, wall {result['wall_time_s'] / 60:.1f} min")
-    verdicts = {True: "met", False: "MISSED", None: "undecided (one seed: no interval)"}
-    tail = [f"target {k}: {verdicts[v['met']]} ({', '.join(f'{a}={_fmt(b)}' for a, b in v.items() if a != 'met')})"
+    verdicts = {True: "met", False: "MISSED", None: "undecided"}
+    tail = [f"target {k}: {verdicts[v['met']]}"
+            + (f", {v['reading']}" if "reading" in v else "")
+            + f" ({', '.join(f'{a}={_fmt(b)}' for a, b in v.items() if a not in ('met', 'reading'))})"
             for k, v in result["targets"].items()]
     if result.get("qsdp_halves"):
         h = result["qsdp_halves"]
