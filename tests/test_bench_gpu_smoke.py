@@ -79,16 +79,14 @@ def test_cpu_fallback_trains_with_and_without_triton_and_compares(tmp_path, monk
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path / "cache"))
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
-    argv = ["--device", "cpu", "--presets", "fsdp", "sdp4bit", "--steps", "2", "--nproc", "2",
+    argv = ["--device", "cpu", "--presets", "sdp4bit", "--steps", "2", "--nproc", "2",
             "--ranks-per-node", "1", "--out", str(tmp_path / "out"), "--stage-timeout", "280"]
     rc = gpu_smoke.main(argv)
     result = json.loads((tmp_path / "out" / "gpu_smoke.json").read_text())
     assert rc == 0, result["stages"]
-    assert [s["name"] for s in result["stages"]] == [
-        "train fsdp (triton)", "train fsdp (reference)", "train sdp4bit (triton)", "train sdp4bit (reference)"]
+    assert [s["name"] for s in result["stages"]] == ["train sdp4bit (triton)", "train sdp4bit (reference)"]
     assert all(s["passed"] for s in result["stages"])
-    for preset in ("fsdp", "sdp4bit"):  # the reference codecs on both runs: the same bytes, the same losses
-        assert result["loss_comparison"][preset]["bit_identical"] is True
-        assert result["loss_comparison"][preset]["steps"] == 2
+    compared = result["loss_comparison"]["sdp4bit"]  # the reference codecs on both runs without CUDA
+    assert compared["bit_identical"] is True and compared["steps"] == 2
     assert result["meta"]["device"].startswith("cpu") and result["meta"]["torch"] == torch.__version__
     assert "all passed" in capsys.readouterr().out
