@@ -313,9 +313,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"seeds {result['seeds']} (paired), "
             f"corpus: {result['data']}, wall {result['wall_time_s'] / 60:.1f} min")
     verdicts = {True: "met", False: "MISSED", None: "undecided"}
-    tail = [f"target {k}: {verdicts[v['met']]}"
-            + (f", {v['reading']}" if "reading" in v else "")
-            + f" ({', '.join(f'{a}={_fmt(b)}' for a, b in v.items() if a not in ('met', 'reading'))})"
+    tail = [f"target {k}: {verdicts[v['met']]}, {v['reading']} "
+            f"({', '.join(f'{a}={_fmt(b)}' for a, b in v.items() if a not in ('met', 'reading'))})"
             for k, v in result["targets"].items()]
     if result.get("qsdp_halves"):
         h = result["qsdp_halves"]
