@@ -7,12 +7,13 @@ TORCH_PIN := torch==2.13.0
 
 .PHONY: install test test-all test-gpu demo clean
 
-# The package alone (what the demo needs), then the dev extra on top (what the tests need).
+# The package with its train extra (what the demo needs: corpus, plots, progress bar), then the
+# dev extra on top (what the tests need; it includes train and bench).
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) "$(TORCH_PIN)"
-	$(PIP) -e . "$(TORCH_PIN)"
+	$(PIP) -e ".[train]" "$(TORCH_PIN)"
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
@@ -27,9 +28,10 @@ test: $(VENV)/.dev
 test-all: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# On a CUDA machine where torch (with triton and pytest) is already installed and no package
-# registry is reachable: this checkout installed into that Python as it is, then the gpu tests,
-# `qsdp bench kernels|codecs --json` and 4 ranks sharing the GPU per preset, Triton vs reference.
+# On a CUDA machine where torch, triton and pytest are already installed and no package registry
+# is reachable: this checkout installed into that Python as it is (no extras: the smoke needs
+# none), then the gpu tests, `qsdp bench kernels|codecs --json` and 4 ranks sharing the GPU per
+# preset on the sample text shipped in the package, Triton vs reference.
 GPU_PYTHON ?= python3
 GPU_OUT ?= $(if $(OUT),$(OUT),benchmarks/results/gpu)
 test-gpu:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from qsdp.bench import gpu_smoke
 from qsdp.cli import _parser
+from qsdp.train.data import load_corpus
 
 
 def test_equal_losses_agree_bit_for_bit():
@@ -34,8 +36,13 @@ def test_runs_of_different_length_or_with_nan_never_agree():
 def test_triton_is_expected_for_quantized_presets_on_cuda_with_the_kernels_on():
     assert gpu_smoke.expected_kernels("sdp4bit", "cuda", triton_disabled=False) == "triton"
     assert gpu_smoke.expected_kernels("sdp4bit", "cuda", triton_disabled=True) == "torch"
-    assert gpu_smoke.expected_kernels("fsdp", "cuda", triton_disabled=False) == "torch"
     assert gpu_smoke.expected_kernels("qsdp", "cpu", triton_disabled=False) == "torch"
+
+
+def test_a_preset_that_quantizes_nothing_must_report_no_codecs():
+    assert not gpu_smoke.quantizes("fsdp") and gpu_smoke.quantizes("zeropp") and gpu_smoke.quantizes("qsdp-g8")
+    for device, disabled in (("cuda", False), ("cuda", True), ("cpu", False)):
+        assert gpu_smoke.expected_kernels("fsdp", device, triton_disabled=disabled) == "none"
 
 
 def test_training_runs_share_one_device_over_gloo(tmp_path):
@@ -45,6 +52,24 @@ def test_training_runs_share_one_device_over_gloo(tmp_path):
     parsed = _parser().parse_args(command[3:])  # the command line qsdp itself accepts
     assert (parsed.command, parsed.preset, parsed.nproc, parsed.local_world_size) == ("train", "zeropp", 4, 2)
     assert (parsed.device, parsed.backend, parsed.steps) == ("cpu", "gloo", 6)
+    assert (parsed.tokenizer, parsed.progress) == ("byte", False)  # neither needs an extra
+
+
+def test_training_data_is_the_sample_text_installed_with_the_package():
+    import qsdp.train
+
+    args = gpu_smoke.parse_args(["--device", "cpu"])
+    data = _parser().parse_args(gpu_smoke.train_command("fsdp", Path("run"), args)[3:]).data
+    assert Path(data).parent == Path(qsdp.train.__file__).parent
+    assert len(load_corpus(data)) > 4000  # enough for the smoke's batches in both splits
+
+
+def test_only_test_files_that_declare_gpu_tests_are_collected(tmp_path):
+    (tmp_path / "test_a.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    (tmp_path / "test_b.py").write_text("import hypothesis\n\ndef test_y():\n    pass\n")
+    (tmp_path / "helper.py").write_text("pytest.mark.gpu\n")
+    assert gpu_smoke.gpu_test_files(tmp_path) == [str(tmp_path / "test_a.py")]
+    assert "test_triton_kernels.py" in {Path(p).name for p in gpu_smoke.gpu_test_files()}
 
 
 @pytest.mark.parametrize("argv, message", [

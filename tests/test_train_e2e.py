@@ -85,6 +85,8 @@ def test_each_preset_trains_and_writes_complete_metrics(tmp_path, corpus, preset
     losses = _train_losses(out)
     assert losses[0] > 5.0  # about ln(256): a byte model at initialization
     assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    # the codecs the run used: none for fsdp, the reference everywhere else on CPU
+    assert read_summary(out)["codec_kernels"] == ("none" if preset == "fsdp" else "torch")
     wire = read_summary(out)["wire"]
     weights_bits = wire["weights"]["total"]["bits_per_element"]
     grads_bits = wire["grads"]["total"]["bits_per_element"]

@@ -3,6 +3,8 @@ identity), checked before any process group exists."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from qsdp.config import resolve_config
@@ -26,6 +28,11 @@ def test_a_fresh_run_plans_the_built_config_and_no_resume(args):
     expected = resolve_config("sdp4bit", {"grads.pipeline_slices": 2, "local_world_size": 2, "seed": 3})
     assert plan == Plan(config=expected, world_size=4, data_id="abc", resume_from=None, restarted=False)
     assert plan.identity(args)["config"] == expected.to_dict() and plan.identity(args)["data_id"] == "abc"
+
+
+def test_a_preset_quantizing_only_the_replica_all_reduce_needs_hsdp(args):
+    with pytest.raises(TrainError, match="--preset hsdp4 .* add --hsdp"):
+        preflight(dataclasses.replace(args, preset="hsdp4", overrides={}), world_size=4)
 
 
 def test_validate_args_returns_the_config_the_plan_carries(args):

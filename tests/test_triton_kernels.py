@@ -10,7 +10,8 @@ The file runs in three modes (``QSDP_TRITON_TEST_MODE``):
   mode; both skip when triton is not installed. Triton's interpreter must be switched on before
   triton is first imported, hence the subprocess.
 * ``interpret``: ``TRITON_INTERPRET=1`` and ``QSDP_TRITON_ON_CPU=1``: the kernels run on CPU
-  tensors under the interpreter and the codec functions dispatch to them.
+  tensors under the interpreter and the codec functions dispatch to them. The interpreter's
+  float min/max are first given the GPU's NaN rule (:func:`_interpret_with_gpu_nan_semantics`).
 * ``compile``: the kernels are compiled for sm_90 (no GPU needed) and the PTX is checked for
   what would break exactness on a GPU: FMA contraction, approximate division, flushed denormals.
 
@@ -37,6 +38,34 @@ interpret_only = pytest.mark.skipif(MODE != "interpret", reason="runs in the int
 compile_only = pytest.mark.skipif(MODE != "compile", reason="runs in the compile subprocess of test_kernels_compile_for_sm90")
 
 
+def _interpret_with_gpu_nan_semantics() -> None:
+    """Make Triton's interpreter take NaN where the GPU does. It runs every float min/max and
+    clamp with numpy's NaN-keeping ``np.maximum`` / ``np.clip``, while on the GPU the default
+    (``propagate_nan=NONE``: PTX ``max.f32``, IEEE maxNum) returns the other operand; only
+    ``propagate_nan=ALL`` keeps NaN (``max.NaN.f32``). (Its reductions already drop NaN, as the
+    GPU's do.) Without this, a kernel that differs from the reference on the GPU alone, for
+    NaN or infinite inputs, passes here."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder as builder
+
+    keep_nan = int(tl.PropagateNan.ALL)
+
+    def num_clip(v, lo, hi):
+        return np.fmin(np.fmax(v, lo), hi)
+
+    def clampf(self, x, lo, hi, propagate_nan):
+        return self.ternary_op(x, lo, hi, np.clip if int(propagate_nan) == keep_nan else num_clip)
+
+    builder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
+    builder.create_minnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin)
+    builder.create_clampf = clampf
+
+
+if MODE == "interpret":
+    _interpret_with_gpu_nan_semantics()
+
+
 def _gpu_skip_reason() -> str | None:
     if MODE != "driver":
         return "GPU tests run in the main pytest process only"
@@ -55,6 +84,7 @@ def gpu_test(fn):
     return pytest.mark.gpu(pytest.mark.skipif(reason is not None, reason=str(reason))(fn))
 
 BITS = (2, 4, 8)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # every input dtype the kernels accept
 ROUNDINGS = ("nearest", "stochastic", "shift")
 SCHEMES = list(itertools.product(BITS, (True, False), ROUNDINGS))  # (bits, symmetric, rounding)
 
@@ -204,11 +234,13 @@ def _codec(bits, symmetric, rounding, group_size, hadamard_block=0):
     return RowCodec(bits=bits, group_size=group_size, symmetric=symmetric, rounding=rounding, hadamard_block=hadamard_block)
 
 
-def check_rows(device, rows, length, group_size, hadamard_block, scheme, launches=None, dtype=torch.float32):
-    """encode (Hadamard fused), decode, decode_into, decode_sum (inverse Hadamard fused)."""
+def check_rows(device, rows, length, group_size, hadamard_block, scheme, launches=None, dtype=torch.float32,
+               out_dtype=torch.bfloat16):
+    """encode (Hadamard fused) of ``dtype`` rows, decode, decode_into ``out_dtype`` rows,
+    decode_sum (inverse Hadamard fused)."""
     codec = _codec(*scheme, group_size, hadamard_block)
     x = data(rows * length, seed=length, dtype=dtype).view(rows, length)
-    base = torch.zeros(rows, length, dtype=torch.bfloat16)
+    base = torch.zeros(rows, length, dtype=out_dtype)
 
     def build(dev):
         buf = codec.encode(x.to(dev), seed=11)
@@ -220,18 +252,25 @@ def check_rows(device, rows, length, group_size, hadamard_block, scheme, launche
     compare(build, device, launches)
 
 
-def check_transformed(device, scheme, launches=None):
+def check_transformed(device, scheme, launches=None, dtype=torch.float32):
     """encode(transformed=True): rows already in the Hadamard domain are not transformed again."""
     codec = _codec(*scheme, 32, 32)
-    x = data(3 * 96, seed=5).view(3, 96)
+    x = data(3 * 96, seed=5, dtype=dtype).view(3, 96)
     compare(lambda dev: codec.encode(x.to(dev), seed=3, transformed=True), device, launches)
 
 
-def check_difference(device, rows, length, group_size, dtype, scheme, launches=None):
-    """The weight-difference gather: encode(shard - replica), replica += decode(all rows)."""
+def check_difference(device, rows, length, group_size, dtype, scheme, launches=None, shard_dtype=None):
+    """The weight-difference gather: encode(shard - replica), replica += decode(all rows). The
+    shard is in ``shard_dtype`` (default: the replica's ``dtype``); every value is finite."""
     codec = _codec(*scheme, group_size)
+    shard_dtype = shard_dtype or dtype
     replica = data(rows * length, seed=1, dtype=dtype).view(rows, length)
-    shard = (replica[1].float() + 0.01 * data(length, seed=2)).to(dtype).view(1, length)
+    # The update's huge-range elements only where both dtypes hold them (in fp16, 0.01 * 7e30
+    # is inf: non-finite shards have their own test).
+    narrow = torch.float16 in (dtype, shard_dtype)
+    update = data(length, seed=2, dtype=torch.float16 if narrow else torch.float32).float()
+    shard = (replica[1].float() + 0.01 * update).to(shard_dtype).view(1, length)
+    assert torch.isfinite(shard).all() and torch.isfinite(replica).all()
 
     def build(dev):
         rep = replica.to(dev, copy=True)
@@ -256,6 +295,49 @@ def check_middle(device, sources, dests, length, hop1, hop2, group_size, hadamar
         return mid, c2.decode_sum(mid, length, finish=True)
 
     compare(build, device, launches)
+
+
+def check_nonfinite_quantize(device, dtype, scheme, launches=None):
+    """NaN and infinite inputs: the same scales (non-finite in the same groups) and the same
+    codes in every group, finite or not."""
+    from qsdp.codecs import quantize
+
+    bits, symmetric, rounding = scheme
+    x = data(512, dtype=dtype)
+    x[5], x[100], x[300], x[301] = float("nan"), float("inf"), -float("inf"), float("inf")
+
+    def build(dev):
+        q = quantize(x.to(dev), bits=bits, group_size=64, symmetric=symmetric, rounding=rounding, seed=1,
+                     check_finite=False)
+        return q.codes, q.scales, q.zeros
+
+    compare(build, device, launches)
+
+
+def check_nonfinite_difference(device, dtype, scheme, launches=None):
+    """A shard holding an infinity and a NaN: the same bytes on the wire, and a replica update
+    that is NaN exactly where the reference's is and bit-identical elsewhere (a NaN's sign and
+    payload are the hardware's: x86's ``0 * inf`` is a negative NaN, CUDA's a positive one)."""
+    codec = _codec(*scheme, 64)
+    replica = data(2 * 300, seed=1, dtype=dtype).view(2, 300)
+    shard = replica[1:2].clone()
+    shard[0, 5], shard[0, 200] = float("inf"), float("nan")
+
+    def build(dev):
+        rep = replica.to(dev, copy=True)
+        send = codec.encode_difference(shard.to(dev), rep[1:2], seed=9)
+        codec.decode_into(send, 300, rep[1:2], add=True)
+        return send, rep.cpu()
+
+    with reference():
+        want_send, want_rep = build("cpu")
+    before = launches.n if launches is not None else 0
+    send, rep = build(device)
+    assert launches is None or launches.n > before, "the Triton kernels were not used"
+    same(send, want_send, "send")
+    nan = want_rep.isnan()
+    assert nan.any() and torch.equal(rep.isnan(), nan), "NaN positions differ"
+    same(rep[~nan], want_rep[~nan], "replica")
 
 
 # ----------------------------------------------------------------------------- the reference's fixed orders
@@ -300,6 +382,19 @@ def test_reference_zero_points_and_scales_of_signed_zeros_are_positive_zero():
     assert q.zeros.view(torch.int32).tolist() == [0, 0] and q.scales.view(torch.int32).tolist() == [0, 0]
 
 
+@pytest.mark.skipif(MODE == "interpret", reason="the interpreter sends CPU tensors to the kernels")
+def test_the_codecs_that_ran_are_recorded_per_process():
+    from qsdp.codecs import dequantize, quantize
+    from qsdp.codecs.usage import implementations_run
+
+    implementations_run(reset=True)
+    assert implementations_run() == "none"
+    q = quantize(data(300), bits=4, group_size=64, symmetric=True, rounding="nearest")
+    assert implementations_run() == "torch"  # CPU tensors: the reference
+    dequantize(q)
+    assert implementations_run(reset=True) == "torch" and implementations_run() == "none"
+
+
 # ----------------------------------------------------------------------------- interpreter tests
 
 FLAT_CASES = [  # (n, group_size, dtype)
@@ -340,24 +435,28 @@ def test_more_rows_than_a_grid_holds_are_launched_in_several_grids(launches, mon
 
 
 @interpret_only
-@pytest.mark.parametrize("scheme", [(4, True, "nearest"), (8, False, "stochastic")], ids=sid)
-def test_non_finite_inputs_give_the_same_non_finite_scales(scheme):
-    from qsdp.codecs import quantize
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scheme", [(4, True, "nearest"), (8, False, "stochastic"), (2, True, "shift")], ids=sid)
+def test_non_finite_inputs_give_the_same_scales_and_codes(launches, scheme, dtype):
+    check_nonfinite_quantize("cpu", dtype, scheme, launches)
 
-    bits, symmetric, rounding = scheme
-    x = data(512)
-    x[5], x[100], x[300] = float("nan"), float("inf"), -float("inf")
-    with reference():
-        r = quantize(x, bits=bits, group_size=64, symmetric=symmetric, rounding=rounding, seed=1, check_finite=False)
-    q = quantize(x, bits=bits, group_size=64, symmetric=symmetric, rounding=rounding, seed=1, check_finite=False)
-    for a, b in ((q.scales, r.scales), (q.zeros, r.zeros)):
-        if a is None:
-            continue
-        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
-        fin = torch.isfinite(b)
-        same(a[fin], b[fin])
-    good = torch.isfinite(r.scales).repeat_interleave(64 * bits // 8)
-    same(q.codes[good], r.codes[good])
+
+@interpret_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scheme", [(4, True, "stochastic"), (8, False, "shift")], ids=sid)
+def test_non_finite_shard_gives_the_same_difference_bytes_and_nan_replica(launches, scheme, dtype):
+    check_nonfinite_difference("cpu", dtype, scheme, launches)
+
+
+@interpret_only
+def test_a_kernel_run_is_recorded_as_triton(launches):
+    from qsdp.codecs.usage import implementations_run
+
+    implementations_run(reset=True)
+    check_quantize("cpu", 200, 64, torch.float32, (8, True, "nearest"), launches)  # the reference first
+    assert implementations_run(reset=True) == "torch+triton"
+    _codec(4, True, "nearest", 64).encode(data(128).view(1, 128), seed=1)
+    assert implementations_run() == "triton"
 
 
 @interpret_only
@@ -405,17 +504,27 @@ def test_row_codec_steps_match_the_reference(launches, scheme, rows, length, gro
 
 
 @interpret_only
-def test_low_precision_rows_and_pretransformed_rows(launches):
-    check_rows("cpu", 2, 150, 32, 32, (4, True, "stochastic"), launches, dtype=torch.bfloat16)
-    check_rows("cpu", 2, 150, 64, 0, (8, False, "shift"), launches, dtype=torch.float16)
-    check_transformed("cpu", (4, True, "stochastic"), launches)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_of_every_dtype_and_pretransformed_rows(launches, dtype):
+    check_rows("cpu", 2, 150, 32, 32, (4, True, "stochastic"), launches, dtype=dtype, out_dtype=dtype)
+    check_rows("cpu", 2, 150, 64, 0, (8, False, "shift"), launches, dtype=dtype, out_dtype=dtype)
+    check_transformed("cpu", (4, True, "stochastic"), launches, dtype=dtype)
+
+
+MIXED_DTYPES = [(torch.bfloat16, torch.float32), (torch.float32, torch.float16), (torch.float16, torch.bfloat16)]
 
 
 @interpret_only
 @pytest.mark.parametrize("scheme", [(4, True, "stochastic"), (8, False, "shift"), (2, True, "nearest")], ids=sid)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_weight_difference_and_replica_update_match_the_reference(launches, scheme, dtype):
     check_difference("cpu", 3, 333, 64, dtype, scheme, launches)
+
+
+@interpret_only
+@pytest.mark.parametrize("dtype,shard_dtype", MIXED_DTYPES, ids=str)
+def test_weight_difference_of_a_shard_and_replica_of_different_dtypes(launches, dtype, shard_dtype):
+    check_difference("cpu", 2, 200, 64, dtype, (4, True, "stochastic"), launches, shard_dtype=shard_dtype)
 
 
 @interpret_only
@@ -543,6 +652,8 @@ def test_kernels_compile_for_sm90_without_fma_approximate_division_or_ftz():
         assert not fma, f"{fn.__name__} {consts}: FMA contraction: {fma[:3]}"
         assert all(ln.startswith("div.rn.f32") for ln in div), f"{fn.__name__}: inexact division: {div[:3]}"
         assert not [ln for ln in lines if ".ftz" in ln and ".f32" in ln], f"{fn.__name__}: denormals flushed"
+        if fn is tk._quantize_kernel or consts["MODE"] == 1:  # the code clamp keeps NaN, as torch.clamp
+            assert [ln for ln in lines if ln.startswith(("min.NaN", "max.NaN"))], f"{fn.__name__}: the clamp drops NaN"
 
 
 # ----------------------------------------------------------------------------- GPU tests
@@ -575,6 +686,23 @@ def test_gpu_weight_difference_middle_step_and_transformed_rows(launches, dtype,
     check_difference("cuda", 4, 100_001, 2048, dtype, scheme, launches)
     check_middle("cuda", 4, 2, 4096, (8, True, "stochastic"), (4, True, "stochastic"), 128, 32, launches)
     check_transformed("cuda", scheme, launches)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@gpu_test
+def test_gpu_rows_of_every_dtype_and_mixed_dtype_differences(launches, dtype):
+    check_rows("cuda", 3, 50_000, 128, 32, (4, True, "stochastic"), launches, dtype=dtype, out_dtype=dtype)
+    check_transformed("cuda", (8, False, "shift"), launches, dtype=dtype)
+    check_difference("cuda", 4, 100_001, 2048, dtype, (4, True, "stochastic"), launches,
+                     shard_dtype=dict(MIXED_DTYPES)[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scheme", [(4, True, "stochastic"), (8, False, "shift"), (2, True, "nearest")], ids=sid)
+@gpu_test
+def test_gpu_non_finite_inputs_give_the_cpu_bytes(launches, scheme, dtype):
+    check_nonfinite_quantize("cuda", dtype, scheme, launches)
+    check_nonfinite_difference("cuda", dtype, scheme, launches)
 
 
 @gpu_test

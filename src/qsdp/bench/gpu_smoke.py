@@ -1,16 +1,18 @@
 """``python -m qsdp.bench.gpu_smoke``: the whole GPU check in one command (``make test-gpu``).
 
-On a CUDA machine where torch is preinstalled and no package registry is reachable (the package
-itself is installed with ``pip install --no-deps --no-build-isolation -e .``), in order:
+On a CUDA machine where torch, triton and pytest are preinstalled and no package registry is
+reachable (the package itself is installed with ``pip install --no-deps --no-build-isolation -e
+.``: none of its extras), in order:
 
-1. the ``gpu``-marked tests (pytest);
+1. the ``gpu``-marked tests (pytest, on the test files that declare some);
 2. ``qsdp bench kernels --json`` and ``qsdp bench codecs --json``, their JSON saved;
 3. ``qsdp train`` of each preset for a few steps as 4 ranks (2 emulated nodes x 2) sharing the
-   one GPU (gloo backend, CUDA tensors), once with the Triton kernels and once with
-   ``QSDP_DISABLE_TRITON=1``: the first run must report ``codec_kernels == "triton"`` for every
-   quantized preset, the second ``"torch"``, and the per-step losses of the two must agree
-   within ``--rtol`` (the kernels give the reference's bytes; only CUDA's own float
-   non-determinism can separate them);
+   one GPU (gloo backend, CUDA tensors) on the sample text shipped in the package with the byte
+   tokenizer (no extra needed), once with the Triton kernels and once with
+   ``QSDP_DISABLE_TRITON=1``: each run must report the codecs it used (``codec_kernels``):
+   ``"triton"`` then ``"torch"`` for a quantized preset, ``"none"`` for one that quantizes
+   nothing (``fsdp``), and the per-step losses of the two must agree within ``--rtol`` (the
+   kernels give the reference's bytes; only CUDA's own float non-determinism can separate them);
 4. the FSDP2 example under torchrun on the GPU.
 
 Results: ``gpu_smoke.json`` (each stage's command, exit code, seconds and output tail, the loss
@@ -37,12 +39,14 @@ from typing import Any
 
 import torch
 
-from qsdp.config import PRESETS
+from qsdp.config import PRESETS, resolve_config
+from qsdp.train.data import sample_corpus_path
 from qsdp.train.metrics import read_metrics, read_summary
 
 from .report import BENCH_PRESETS, meta
 
-__all__ = ["Stage", "compare_losses", "expected_kernels", "train_command", "parse_args", "main"]
+__all__ = ["Stage", "compare_losses", "expected_kernels", "quantizes", "gpu_test_files", "train_command",
+           "parse_args", "main"]
 
 STAGES = ("tests", "kernels", "codecs", "train", "example")
 ROOT = Path(__file__).resolve().parents[3]  # the repository, for the tests and the example
@@ -120,19 +124,30 @@ def _run(stage: Stage, timeout: float, env: dict[str, str] | None = None, stdout
 
 
 def train_command(preset: str, run_dir: Path, args: argparse.Namespace) -> list[str]:
-    """``qsdp train`` of one preset: ``nproc`` ranks sharing the device over gloo."""
+    """``qsdp train`` of one preset: ``nproc`` ranks sharing the device over gloo, on the sample
+    text with the byte tokenizer (nothing beyond torch needed)."""
     return [sys.executable, "-m", "qsdp.cli", "train", "--preset", preset, "--model", "tiny",
+            "--data", sample_corpus_path(), "--tokenizer", "byte",
             "--steps", str(args.steps), "--batch-size", "4", "--seq-len", "64", "--eval-every", "0",
             "--eval-batches", "4", "--ckpt-every", "0", "--keep-checkpoints", "1", "--no-progress",
             "--nproc", str(args.nproc), "--local-world-size", str(args.ranks_per_node),
             "--device", args.device, "--backend", "gloo", "--out", str(run_dir)]
 
 
+def quantizes(preset: str) -> bool:
+    """Whether a training run of ``preset`` (no ``--hsdp``, several nodes) quantizes anything:
+    its weights or its gradients travel quantized."""
+    config = resolve_config(preset)
+    return config.weights.mode != "plain" or config.grads.mode != "plain"
+
+
 def expected_kernels(preset: str, device: str, triton_disabled: bool) -> str:
-    """The ``codec_kernels`` a run must report: ``triton`` for a quantized preset on CUDA with
-    the kernels switched on, else ``torch`` (``fsdp`` moves no quantized data)."""
-    quantized = preset != "fsdp"
-    return "triton" if quantized and device == "cuda" and not triton_disabled else "torch"
+    """The ``codec_kernels`` a run must report, the codecs it used: ``none`` for a preset that
+    quantizes nothing (``fsdp``), ``triton`` for a quantized one on CUDA with the kernels
+    switched on, else ``torch``."""
+    if not quantizes(preset):
+        return "none"
+    return "triton" if device == "cuda" and not triton_disabled else "torch"
 
 
 def compare_losses(fused: Sequence[float], reference: Sequence[float], rtol: float) -> dict[str, Any]:
@@ -200,7 +215,7 @@ def run_stages(args: argparse.Namespace, out: Path) -> tuple[list[Stage], dict[s
     stages: list[Stage] = []
     comparison: dict[str, Any] = {}
     if "tests" not in skip:
-        command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", str(ROOT / "tests")]
+        command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *gpu_test_files()]
         stages.append(_run(Stage("gpu tests", command), args.stage_timeout))
     for name in ("kernels", "codecs"):
         if name not in skip:
@@ -212,6 +227,12 @@ def run_stages(args: argparse.Namespace, out: Path) -> tuple[list[Stage], dict[s
     if "example" not in skip:
         stages.append(_example_stage(args.stage_timeout))
     return stages, comparison
+
+
+def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:
+    """The test files that declare ``gpu`` tests. Only they are collected: the others may import
+    packages of the dev extra (hypothesis, transformers), which a bare GPU host lacks."""
+    return [str(p) for p in sorted(tests.glob("test_*.py")) if "pytest.mark.gpu" in p.read_text(encoding="utf-8")]
 
 
 def _device_words(device: str) -> str:

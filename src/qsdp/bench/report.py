@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from qsdp.config import PRESETS
+from qsdp.extras import require
 
 # The presets the benchmarks compare by default, in one order: the baseline first.
 BENCH_PRESETS: tuple[str, ...] = tuple(PRESETS)
@@ -62,6 +63,7 @@ def bar_chart(path: str, labels: list[str], series: dict[str, list[float]], *, y
               title: str) -> str:
     """Grouped bars, one group per label and one bar per series; written as a PNG."""
     # matplotlib costs a second to import: loaded only when a plot is drawn.
+    require("matplotlib", "a benchmark chart")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -5,6 +5,9 @@ reference otherwise (CPU tensors always; ``QSDP_DISABLE_TRITON=1`` forces it eve
 Both give the same bytes (the kernels are tested against the reference), so the choice is about
 speed only. ``QSDP_TRITON_ON_CPU=1`` together with ``TRITON_INTERPRET=1`` (both read once, at
 import) also sends CPU tensors to the kernels, run by Triton's interpreter: for tests only.
+
+What did run is recorded per process in :mod:`qsdp.codecs.usage`, so a run reports the codecs
+it used rather than the ones it would have chosen.
 """
 
 from __future__ import annotations
@@ -16,8 +19,6 @@ import warnings
 import torch
 
 _ON_CPU = os.environ.get("QSDP_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the codec step on tensor ``t`` should run the fused Triton kernel."""
     if not (t.is_cuda or _ON_CPU):

@@ -29,6 +29,7 @@ import torch
 from . import rng
 from .dispatch import use_triton
 from .pack import SUPPORTED_BITS, pack_codes, packed_nbytes, unpack_codes
+from .usage import record_run
 
 ROUNDINGS = ("nearest", "stochastic", "shift")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -262,6 +263,7 @@ def quantize_reference(
 
     On CPU it runs over cache-sized chunks of whole groups: no full-size float temporary, only
     the unpacked uint8 codes (one byte per element) before packing."""
+    record_run("torch")
     if rounding != "nearest" and seed is None:
         seed = rng.fresh_seed()
     n, dev = flat.numel(), flat.device
@@ -303,6 +305,7 @@ def dequantize(q: QTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tenso
 def dequantize_reference(q: QTensor) -> torch.Tensor:
     """The torch reference of :func:`dequantize` (non-empty ``q``): flat float32 values, computed
     in place over cache-sized chunks of whole groups (the output is the only float tensor)."""
+    record_run("torch")
     n, gs = q.numel, q.group_size
     codes = unpack_codes(q.codes, q.bits, n)
     vals = torch.empty(q.n_groups, gs, dtype=torch.float32, device=codes.device)

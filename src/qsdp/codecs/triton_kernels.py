@@ -32,7 +32,10 @@ padded flat tensor for ``stochastic``, group index for ``shift``); the Hadamard 
 reference's butterfly order; sums of rows go left to right as ``RowCodec``'s reference does;
 bf16 rounding is done on the bits (round to nearest even, NaN -> 0x7FC0, as torch); kernels are
 compiled with ``enable_fp_fusion=False`` so that no multiply-add is contracted into an FMA. NaN and
-infinite inputs give NaN / infinite scales as in the reference (their codes are unspecified).
+infinite inputs give NaN / infinite scales as in the reference, and the same codes: the clamp
+keeps NaN as ``torch.clamp`` does and a NaN becomes code 0 as in torch's conversion. Decoding such
+a group gives NaN where the reference does, with the sign and payload the hardware gives (an x86
+CPU's ``0 * inf`` is a negative NaN, CUDA's a positive one: the reference itself differs there).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import triton
 import triton.language as tl
 
 from . import rng
+from .usage import record_run
 from .pack import SUPPORTED_BITS, packed_nbytes
 
 # Largest group (in elements) one program keeps in registers; larger groups are chunked.
@@ -180,13 +184,17 @@ def _codes(v, scale, zero, e_idx, g_idx, key, BITS: tl.constexpr, SYMMETRIC: tl.
         r = _floor(t + _uniform(e_idx.to(tl.uint32), key))
     else:
         r = _floor(t + _uniform(g_idx.to(tl.uint32), key)[:, None])
+    # The reference's clamp keeps a NaN quotient (inf / inf in a group with an infinite scale);
+    # Triton's default min/max (PTX max.f32) would return the bound instead, on the GPU only
+    # (Triton's interpreter keeps NaN either way). A NaN code is 0: what the reference's
+    # float-to-uint8 conversion gives (x86, ARM and CUDA all convert NaN to 0 in the low byte).
     if SYMMETRIC:
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-        r = tl.minimum(tl.maximum(r, -QMAX * 1.0), QMAX * 1.0) + (QMAX + 1) * 1.0
+        r = tl.clamp(r, -QMAX * 1.0, QMAX * 1.0, propagate_nan=tl.PropagateNan.ALL) + (QMAX + 1) * 1.0
     else:
         LEVELS: tl.constexpr = (1 << BITS) - 1
-        r = tl.minimum(tl.maximum(r, 0.0), LEVELS * 1.0)
-    return r.to(tl.int32)
+        r = tl.clamp(r, 0.0, LEVELS * 1.0, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(r == r, r, 0.0).to(tl.int32)
 
 
 @triton.jit
@@ -495,6 +503,7 @@ def quantize_into(
     groups = padded // group_size
     if rows == 0 or groups == 0:
         return
+    record_run("triton")
     hb = hadamard_block
     bg, gpp, nch = _checked_tile(group_size, groups, hb)
     key = _rounding_key(seed, rounding)
@@ -538,6 +547,7 @@ def dequantize_into(
     symmetric, rounding, seed)``, quantized again with the same groups into ``dst``."""
     if outputs == 0 or groups == 0:
         return
+    record_run("triton")
     hb = inverse_block
     bg, gpp, nch = _checked_tile(group_size, groups, hb)
     if requantize is None:

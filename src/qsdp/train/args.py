@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from qsdp.config import ConfigError, QuantConfig, is_int, resolve_config
+from qsdp.extras import MissingExtraError
 from qsdp.train.checkpoint import CheckpointError
 from qsdp.train.data import TOKENIZER_KINDS, DataError
 from qsdp.train.model import MODEL_SIZES
@@ -46,8 +47,8 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective waited longer than ``timeout_s``: a peer stopped answering."""
 
 
-# Errors that are the user's input, not a bug: reported as one line, exit code 2.
-USER_ERRORS = (TrainError, DataError, ConfigError, CheckpointError)
+# Errors that are the user's input (or install), not a bug: reported as one line, exit code 2.
+USER_ERRORS = (TrainError, DataError, ConfigError, CheckpointError, MissingExtraError)
 
 
 @dataclass

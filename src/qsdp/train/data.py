@@ -1,7 +1,9 @@
 """Text corpora, tokenizers and deterministic batches for language-model training.
 
 - ``load_corpus(None)`` is the embedded default: the conversations shipped inside the
-  ``chitchat-dataset`` package (about 12.7 M characters), so a demo needs no download.
+  ``chitchat-dataset`` package (about 12.7 M characters; ``pip install 'qsdp[train]'``), so a
+  demo needs no download. ``sample_corpus_path()`` is a few kilobytes of text shipped inside
+  qsdp itself, for short runs that must need nothing else.
 - ``ByteTokenizer`` (256 ids, one per byte) is the default tokenizer; ``train_bpe_tokenizer``
   trains a byte-level BPE with the ``tokenizers`` library and caches it as JSON.
 - ``TokenDataset`` holds the token ids once, splits them into train (first 90 %) and
@@ -23,11 +25,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from qsdp.extras import require
+
 from .files import atomic_write
 
 __all__ = [
     "DataError",
     "load_corpus",
+    "sample_corpus_path",
     "Tokenizer",
     "ByteTokenizer",
     "BPETokenizer",
@@ -77,10 +82,17 @@ def load_corpus(path: str | os.PathLike | None = None) -> str:
     return text.removeprefix("\ufeff")
 
 
+def sample_corpus_path() -> str:
+    """A UTF-8 text file of a few kilobytes shipped inside the package, needing no extra: enough
+    for a few training steps end to end (``qsdp train --data PATH``), as the GPU smoke runs."""
+    return str(importlib.resources.files("qsdp.train").joinpath("sample.txt"))
+
+
 @functools.lru_cache(maxsize=1)
 def _default_corpus() -> str:
     # Read the package's data file directly: its own loader leaves the file open and joins the
     # utterances of a turn with spaces. Cached: a process may ask several times (text, tokenizer).
+    require("chitchat_dataset", "the default corpus", "or pass --data FILE.txt")
     resource = importlib.resources.files("chitchat_dataset").joinpath("dataset.json")
     conversations = json.loads(resource.read_text(encoding="utf-8"))
     parts = []
@@ -141,6 +153,7 @@ class BPETokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> BPETokenizer:
         """Load a tokenizer saved as ``tokenizers`` JSON."""
+        require("tokenizers", "the BPE tokenizer")
         from tokenizers import Tokenizer as HFTokenizer  # only the BPE tokenizer loads the library
 
         json_str = Path(path).read_text(encoding="utf-8")
@@ -177,6 +190,7 @@ class BPETokenizer:
 def _train_bpe(text: str, vocab_size: int):
     """Train a byte-level BPE ``tokenizers.Tokenizer`` on ``text`` (no special tokens)."""
     # Only the BPE tokenizer loads the library (the byte tokenizer, the default, needs nothing).
+    require("tokenizers", "the BPE tokenizer", "or use the byte tokenizer")
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qsdp.extras import require
 from qsdp.launch import under_torchrun
 from qsdp.text_table import aligned
 from qsdp.train.args import TrainArgs
@@ -94,6 +95,7 @@ def main(ns: argparse.Namespace) -> int:
     """Run the demo (arguments from :func:`add_arguments`); returns the exit code."""
     if under_torchrun():
         raise UsageError("qsdp demo launches its own workers; run it without torchrun")
+    require("matplotlib", "drawing the demo's loss curves")  # drawn at the end: checked before training
     opts = {**DEMO_DEFAULTS, **({"steps": ns.steps} if ns.steps is not None else {})}
     dtype, why = ns.param_dtype, "as asked"
     if dtype == "auto":

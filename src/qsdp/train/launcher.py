@@ -31,7 +31,7 @@ from qsdp.train.args import USER_ERRORS, PeerError, TrainArgs, validate_args
 from qsdp.train.data import load_corpus
 from qsdp.train.files import atomic_write
 from qsdp.train.loop import train_worker
-from qsdp.train.preflight import Plan, preflight, prepare_dataset
+from qsdp.train.preflight import Plan, preflight, prepare_dataset, require_packages
 
 __all__ = ["UsageError", "WorkerFailure", "EXIT_USAGE", "run_training", "launch", "plan_run",
            "check_writable", "quiet_elastic_logs", "root_cause"]
@@ -92,6 +92,7 @@ def plan_run(args: TrainArgs, nproc: int | None, *, prepare_data: bool,
     also builds the dataset (and its caches) here, in the launching process, so the workers
     only read them."""
     config = validate_args(args)
+    require_packages(args)
     world = _world_size(args, nproc, max_restarts)
     lws = args.local_world_size
     if lws is not None and world % lws:

@@ -20,13 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from qsdp.config import QuantConfig
+from qsdp.extras import require
+from qsdp.hsdp import quantizes_only_replicas
 from qsdp.train.args import TrainArgs, TrainError, validate_args
 from qsdp.train.checkpoint import latest_checkpoint, read_meta
 from qsdp.train.data import TokenDataset, get_tokenizer, load_corpus
 from qsdp.train.metrics import METRICS_FILE
 
 __all__ = [
-    "Plan", "preflight", "prepare_dataset", "open_dataset", "check_out_dir", "check_resume",
+    "Plan", "preflight", "require_packages", "prepare_dataset", "open_dataset", "check_out_dir", "check_resume",
     "run_identity", "restart_count", "default_cache_dir", "hsdp_layout",
 ]
 
@@ -54,6 +56,18 @@ def restart_count() -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     except ValueError:
         return 0
+
+
+def require_packages(args: TrainArgs) -> None:
+    """Raise :class:`qsdp.extras.MissingExtraError` (one line naming ``qsdp[train]``) when the
+    run needs an optional package that is not installed: the embedded corpus (no ``--data``),
+    the BPE tokenizer, the progress bar."""
+    if args.data is None:
+        require("chitchat_dataset", "the default corpus", "or pass --data FILE.txt")
+    if args.tokenizer == "bpe":
+        require("tokenizers", "--tokenizer bpe", "or use --tokenizer byte")
+    if args.progress:
+        require("tqdm", "the progress bar", "or pass --no-progress")
 
 
 def default_cache_dir() -> str:
@@ -193,6 +207,9 @@ def preflight(args: TrainArgs, world_size: int, data_id: str | None = None,
         config = validate_args(args)
     if args.hsdp:
         hsdp_layout(args, config, world_size)
+    elif quantizes_only_replicas(config):
+        raise TrainError(f"--preset {config.name} quantizes only the gradient all-reduce across HSDP "
+                         "replicas: add --hsdp (without it the run is plain FSDP at full precision)")
     restarted = restart_count() > 0
     resume_from = None
     if restarted:  # the elastic agent restarted the group: continue from the last good checkpoint

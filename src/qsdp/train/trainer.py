@@ -49,9 +49,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from tqdm import tqdm
 
 import qsdp
+from qsdp.extras import require
 from qsdp.train.args import (
     PARAM_DTYPES,
     CollectiveTimeoutError,
@@ -196,6 +196,7 @@ class Trainer:
             args, plan, dataset.vocab_size, device)
         self.optimizer = make_optimizer(self.model, args)
         qsdp.comm_stats(reset=True)
+        codec_kernels(reset=True)  # the summary reports the codecs this run's steps used
         self.state = RunState()
         self.start_step = 0
         if plan.resume_from is not None:
@@ -210,9 +211,13 @@ class Trainer:
         self.bar = self._progress_bar()
         self.postfix: dict[str, str] = {}  # progress bar: loss, tokens/s, bits/element on the wire
 
-    def _progress_bar(self) -> tqdm | None:
+    def _progress_bar(self) -> Any:
+        """rank 0's tqdm bar, or ``None`` (other ranks, ``--no-progress``)."""
         if self.rank != 0 or not self.args.progress:
             return None
+        require("tqdm", "the progress bar", "or pass --no-progress")
+        from tqdm import tqdm  # an optional package (qsdp[train]): loaded only for the bar
+
         return tqdm(total=self.args.steps, initial=self.start_step, desc=self.comms.config.name,
                     unit="step", dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 5.0)
 
@@ -379,5 +384,5 @@ class Trainer:
             "vocab_size": self.dataset.vocab_size, "data_id": self.plan.data_id,
             "torch_version": torch.__version__, "qsdp_version": qsdp.__version__,
             "device": device_name(self.device), "backend": str(dist.get_backend()),
-            "codec_kernels": codec_kernels(self.device),
+            "codec_kernels": codec_kernels(),
         }
