@@ -54,6 +54,20 @@ def test_the_command_prints_json_with_the_recommendation(capsys):
     assert out["meta"]["command"].startswith("qsdp advise --params 2.7B")
 
 
+def test_sdp4bit_state_per_gpu_exceeds_fsdps_by_its_replica(capsys):
+    assert cli_main(["advise", "--params", "6.86B", "--nodes", "16", "--ranks-per-node", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {(r["layout"], r["preset"]): r for r in out["rows"]}
+    fsdp, sdp4bit = rows["fsdp", "fsdp"], rows["fsdp", "sdp4bit"]
+    for p in ("fsdp", "qsdp", "zeropp"):  # no replica
+        assert rows["fsdp", p]["replica_gb_per_gpu"] == 0 and rows["fsdp", p]["state_gb_per_gpu"] == fsdp["state_gb_per_gpu"]
+    assert sdp4bit["state_gb_per_gpu"] == pytest.approx(fsdp["state_gb_per_gpu"] + sdp4bit["replica_gb_per_gpu"])
+    # node replicas: 1/M of the model, bf16, on every GPU
+    assert sdp4bit["replica_gb_per_gpu"] == pytest.approx(2 * out["params"] / 8 / 1e9, rel=0.05)
+    # HSDP shards inside the node: the weight differences keep the whole model on every GPU
+    assert rows["hsdp", "sdp4bit"]["replica_gb_per_gpu"] == pytest.approx(2 * out["params"] / 1e9, rel=0.05)
+
+
 def test_a_hugging_face_config_gives_the_shape(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,

@@ -1,6 +1,7 @@
-"""`qsdp bench simulate`: the byte model against the real byte meter, the JSON schema, and the
-time model's limits (a slow inter-node link, an infinitely fast one). The errors against the
-paper are reported by the benchmark, not asserted here."""
+"""`qsdp bench simulate` and the performance model under it: the byte and replica model against
+the real byte meter and replicas, the JSON schema, and the time model's limits (a slow inter-node
+link, an infinitely fast one). The errors against the paper are reported by the benchmark, not
+asserted here."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import qsdp
 from distributed import run_world
 import fsdp_models as fm
+from qsdp import perfmodel as pm
 from qsdp.bench import simulate as sim
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,6 +41,11 @@ def _fsdp_shard_sizes(model, world: int) -> list[int]:
             n += -(-shape[0] // world) * math.prod(shape[1:])
         sizes.append(n)
     return sizes
+
+
+def _replica_numel(handle) -> int:
+    """Elements of the weight-difference replica rows this rank holds, over its groups."""
+    return sum(r.numel() for ag in handle.all_gathers if ag.holds_replicas() for r in ag.replica_rows().values())
 
 
 def _record_calls(handle, log: list):
@@ -77,6 +84,7 @@ def _one_step_per_preset(rank, world, presets):
             "sizes": _fsdp_shard_sizes(model, world),
             "log": list(log),
             "meter": {k: {lv: stats[k][lv]["bytes"] for lv in ("intra", "inter")} for k in ("weights", "grads")},
+            "replica": _replica_numel(handle),
         }
     return out
 
@@ -98,27 +106,36 @@ def test_step_bytes_equals_the_byte_meter_of_a_real_2x2_training_step(metered, p
         gathers = [sum(1 for op, j, _ in r["log"] if op == "ag" and j == i) for i in range(len(sizes))]
         scatters = [sum(1 for op, j, _ in r["log"] if op == "rs" and j == i) for i in range(len(sizes))]
         assert gathers == [2, 2, 2] and scatters == [1, 1, 1]  # ZeRO-3: forward + backward gathers
-        predicted = sim.step_bytes(preset, sizes, nodes=2, ranks_per_node=2, zero3=True,
-                                   param_bytes=4, grad_bytes=4)
+        predicted = pm.step_bytes(preset, sizes, nodes=2, ranks_per_node=2, zero3=True,
+                                  param_bytes=4, grad_bytes=4)
         assert predicted == r["meter"]
         assert predicted["grads"]["inter"] > 0 and predicted["weights"]["inter"] > 0
+
+
+@pytest.mark.parametrize("preset", METERED_PRESETS)
+def test_replica_elements_equal_the_replica_rows_a_real_rank_holds(metered, preset):
+    for res in metered:
+        r = res[preset]
+        assert pm.replica_elements(preset, r["sizes"], nodes=2, ranks_per_node=2) == r["replica"]
+        # node replicas: the rows of the D = 2 ranks sharing this local rank, in every group
+        assert r["replica"] == (2 * sum(r["sizes"]) if preset == "sdp4bit" else 0)
 
 
 def test_step_bytes_bits_per_element_at_scale():
     s = 1 << 20
     full = qsdp.resolve_config("sdp4bit", {"weights.replica": "full"})
-    b = sim.step_bytes(full, [s], nodes=4, ranks_per_node=8, zero3=False)
+    b = pm.step_bytes(full, [s], nodes=4, ranks_per_node=8, zero3=False)
     assert b["weights"]["inter"] == pytest.approx(24 * s * (4 + 32 / 2048) / 8)  # 24 inter peers
-    node = sim.step_bytes("sdp4bit", [s], nodes=4, ranks_per_node=8, zero3=False)  # node replicas
+    node = pm.step_bytes("sdp4bit", [s], nodes=4, ranks_per_node=8, zero3=False)  # node replicas
     assert node["weights"]["inter"] == pytest.approx(3 * s * (4 + 32 / 2048) / 8)  # 3 holders of my rows
     assert node["weights"]["intra"] == 7 * 4 * s * 2  # the node's rows, bf16, to 7 local peers
     assert b["grads"]["intra"] == pytest.approx(7 * 4 * s * 8.25 / 8)  # D rows to each local peer
     assert b["grads"]["inter"] == pytest.approx(3 * s * 4.25 / 8)
     # ZeRO-3: direct gathers twice, weight differences once.
-    z = sim.step_bytes("zeropp", [s], nodes=4, ranks_per_node=8, zero3=True)
-    d = sim.step_bytes(full, [s], nodes=4, ranks_per_node=8, zero3=True)
+    z = pm.step_bytes("zeropp", [s], nodes=4, ranks_per_node=8, zero3=True)
+    d = pm.step_bytes(full, [s], nodes=4, ranks_per_node=8, zero3=True)
     assert z["weights"]["inter"] == 2 * d["weights"]["inter"]
-    f = sim.step_bytes("fsdp", [s], nodes=4, ranks_per_node=8, zero3=False)
+    f = pm.step_bytes("fsdp", [s], nodes=4, ranks_per_node=8, zero3=False)
     assert f["weights"]["inter"] == 24 * s * 2 and f["grads"]["inter"] == 24 * s * 4
 
 

@@ -4,9 +4,11 @@ Given the model size, the nodes, the ranks per node, the GPU type and the inter-
 (stated, taken from the GPU type's description, or measured with ``--measure`` by a real
 all-gather between the nodes of the current torchrun world), it predicts the step time of fully
 sharded FSDP2 and of HSDP (shard inside the node, replicate across nodes), unquantized and with
-each preset, with the analytic model of :mod:`qsdp.bench.simulate` (and the kernel speeds of
-``qsdp bench kernels --save`` when given), and recommends the fastest; a quantized setup is
-recommended only when it is predicted at least ``--margin`` faster than the best unquantized one.
+each preset, with the performance model :mod:`qsdp.perfmodel` (the one ``qsdp bench simulate``
+stands on; with the kernel speeds of ``qsdp bench kernels --save`` when given), and recommends the
+fastest; a quantized setup is recommended only when it is predicted at least ``--margin`` faster
+than the best unquantized one. The state per GPU is the sharded training state plus the
+weight-difference replicas a preset keeps.
 """
 
 from __future__ import annotations
@@ -14,25 +16,28 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import re
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from .bench import simulate as sim
-from .train.model import GPTConfig, n_params
+from .gpt_shape import n_params
+from .perfmodel import (
+    GPT2_VOCAB,
+    HARDWARE,
+    SEQ_LEN,
+    ShapeSetup,
+    gpt_shape,
+    load_kernels,
+    simulate_hsdp_step,
+    simulate_step,
+)
 
 FLAT_PRESETS = ("fsdp", "qsdp", "zeropp", "sdp4bit")
 HSDP_PRESETS = ("fsdp", "hsdp8", "hsdp4", "sdp4bit")
-# (parameters, layers) of the GPT-3 family: a model of N parameters gets the depth of the
-# nearest size and the width that gives N.
-_DEPTHS = ((125e6, 12), (350e6, 24), (1.3e9, 24), (2.7e9, 32), (6.7e9, 32), (13e9, 40),
-           (30e9, 48), (65e9, 80), (175e9, 96))
 STATE_BYTES_PER_PARAM = 16  # fp32 master weights, gradients and two Adam moments
 
 
@@ -46,20 +51,6 @@ def parse_params(text: str) -> int:
     if n < 1e6:
         raise ValueError(f"--params={text!r}: {n} parameters is too small to be worth sharding")
     return n
-
-
-def gpt_shape(params: int) -> dict[str, int]:
-    """A GPT shape of about ``params`` parameters (embeddings included): the depth of the
-    nearest GPT-3 size, the width (a multiple of 128, 128 per head) whose count is closest."""
-    n_layer = min(_DEPTHS, key=lambda d: abs(math.log(d[0] / params)))[1]
-    guess = max(1, round(math.sqrt(params / (12 * n_layer)) / 128))
-
-    def count(units: int) -> int:
-        return n_params(GPTConfig(vocab_size=sim.GPT2_VOCAB, block_size=sim.SEQ_LEN, n_layer=n_layer,
-                                  n_embd=128 * units, n_head=units))
-
-    units = min(range(max(1, guess - 3), guess + 4), key=lambda u: abs(count(u) - params))
-    return {"n_layer": n_layer, "n_embd": 128 * units, "n_head": units}
 
 
 def shape_from_config(path: str) -> dict[str, int]:
@@ -81,32 +72,18 @@ def shape_from_config(path: str) -> dict[str, int]:
     return {"n_layer": pick("n_layer", "num_hidden_layers", "num_layers"),
             "n_embd": pick("n_embd", "hidden_size", "d_model"),
             "n_head": pick("n_head", "num_attention_heads"),
-            "vocab_size": cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else sim.GPT2_VOCAB}
-
-
-@dataclass(frozen=True)
-class ShapeSetup(sim.Setup):
-    """A data-parallel FSDP2 job (no tensor or pipeline parallelism) of a given GPT shape."""
-
-    n_layer: int = 24
-    n_embd: int = 2048
-    n_head: int = 16
-    vocab_size: int = sim.GPT2_VOCAB
-
-    def gpt(self) -> GPTConfig:
-        return GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=self.n_layer,
-                         n_embd=self.n_embd, n_head=self.n_head)
+            "vocab_size": cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else GPT2_VOCAB}
 
 
 def advise(params: int | None, nodes: int, ranks_per_node: int, gpu: str = "h800", *,
            shape: Mapping[str, int] | None = None, inter_gbps: float | None = None,
-           kernels: Mapping[str, float] | None = None, seq_len: int = sim.SEQ_LEN, micro_batch: int = 1,
+           kernels: Mapping[str, float] | None = None, seq_len: int = SEQ_LEN, micro_batch: int = 1,
            overlap: float = 0.0, margin: float = 0.05) -> dict[str, Any]:
     """The predictions and the recommendation as a JSON-ready dict (times in ms), for a model
     of ``params`` parameters (a GPT shape is chosen) or of the given ``shape``."""
     if nodes < 1 or ranks_per_node < 1:
         raise ValueError(f"nodes={nodes} and ranks_per_node={ranks_per_node} must be positive")
-    hw = dataclasses.replace(sim.HARDWARE[gpu], gpus_per_node=ranks_per_node,
+    hw = dataclasses.replace(HARDWARE[gpu], gpus_per_node=ranks_per_node,
                              **({"inter_gbps": inter_gbps} if inter_gbps else {}))
     shape = dict(shape) if shape is not None else gpt_shape(int(params or 0))
     setup = ShapeSetup("custom", gpu, nodes * ranks_per_node, 1, 1, seq_len=seq_len,
@@ -114,21 +91,24 @@ def advise(params: int | None, nodes: int, ranks_per_node: int, gpu: str = "h800
     params = n_params(setup.gpt())
     rows = []
     for p in FLAT_PRESETS:
-        r = sim.simulate_step(setup, p, hw, overlap=overlap, kernels=kernels)
+        r = simulate_step(setup, p, hw, overlap=overlap, kernels=kernels)
         rows.append(_row("fsdp", p, r, params / (nodes * ranks_per_node)))
     if nodes > 1:
         for p in HSDP_PRESETS:
-            r = sim.simulate_hsdp_step(setup, p, hw, overlap=overlap, kernels=kernels)
+            r = simulate_hsdp_step(setup, p, hw, overlap=overlap, kernels=kernels)
             rows.append(_row("hsdp", p, r, params / ranks_per_node))
     return {"params": params, "shape": shape, "nodes": nodes, "ranks_per_node": ranks_per_node,
             "gpu": gpu, "inter_gbps_per_gpu": hw.inter_gbps, "seq_len": seq_len, "micro_batch": micro_batch,
             "overlap": overlap, "rows": rows, "recommendation": _recommend(rows, margin)}
 
 
-def _row(layout: str, preset: str, r: Mapping[str, float], params_per_gpu: float) -> dict[str, Any]:
+def _row(layout: str, preset: str, r: Mapping[str, Any], params_per_gpu: float) -> dict[str, Any]:
+    # The replicas of weight differences (sdp4bit) stay in memory next to the sharded state.
+    replica = r["replica_bytes"]
     return {"layout": layout, "preset": preset, "quantized": preset != "fsdp",
             "step_ms": 1e3 * r["step_s"], "compute_ms": 1e3 * r["compute_s"], "comm_ms": 1e3 * r["comm_s"],
-            "state_gb_per_gpu": STATE_BYTES_PER_PARAM * params_per_gpu / 1e9}
+            "state_gb_per_gpu": (STATE_BYTES_PER_PARAM * params_per_gpu + replica) / 1e9,
+            "replica_gb_per_gpu": replica / 1e9}
 
 
 def _recommend(rows: Sequence[Mapping[str, Any]], margin: float) -> dict[str, Any]:
@@ -190,8 +170,9 @@ def format_text(result: Mapping[str, Any]) -> str:
         lines.append(f"{_name(r):<18}{r['step_ms']:>10.1f}{r['comm_ms']:>10.1f}{r['state_gb_per_gpu']:>14.2f}")
     rec = result["recommendation"]
     lines += ["", f"recommended: {_name(rec)} ({rec['reason']})",
-              "predictions of the analytic model of `qsdp bench simulate` (no tensor/pipeline parallelism, "
-              f"weights gathered twice per step, {100 * result['overlap']:.0f}% of compute hides communication)"]
+              "predictions of the performance model behind `qsdp bench simulate` (no tensor/pipeline parallelism, "
+              f"weights gathered twice per step, {100 * result['overlap']:.0f}% of compute hides communication); "
+              "state: fp32 weights, gradients and Adam moments, sharded, plus weight-difference replicas"]
     if "measured_inter_gbps" in result:
         lines.append(f"inter-node bandwidth measured by an all-gather between the nodes: {result['measured_inter_gbps']:.2f} GB/s per GPU")
     return "\n".join(lines)
@@ -204,11 +185,11 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--config", metavar="FILE", help="a model config JSON (nanoGPT or Hugging Face names)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: from the torchrun world with --measure)")
     p.add_argument("--ranks-per-node", type=int, default=None, help="GPUs per node (default: the GPU type's)")
-    p.add_argument("--gpu", choices=sorted(sim.HARDWARE), default="h800", help="GPU type and its cluster")
+    p.add_argument("--gpu", choices=sorted(HARDWARE), default="h800", help="GPU type and its cluster")
     p.add_argument("--inter-gbps", type=float, default=None, help="inter-node bandwidth per GPU, GB/s (stated)")
     p.add_argument("--measure", action="store_true", help="measure it: run under torchrun on the nodes")
     p.add_argument("--kernels", metavar="FILE", help="kernel speeds (qsdp bench kernels --save FILE)")
-    p.add_argument("--seq-len", type=int, default=sim.SEQ_LEN)
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step")
     p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
     p.add_argument("--margin", type=float, default=0.05, help="how much faster a quantized setup must be")
@@ -222,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         params = parse_params(args.params) if args.params else None
         shape = shape_from_config(args.config) if args.config else None
-        kernels = sim.load_kernels(args.kernels) if args.kernels else None
+        kernels = load_kernels(args.kernels) if args.kernels else None
     except (OSError, ValueError) as e:
         p.error(str(e))
     for name in ("nodes", "ranks_per_node", "inter_gbps", "seq_len", "micro_batch"):
@@ -237,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.nodes, args.ranks_per_node = args.nodes or nodes, args.ranks_per_node or per_node
     if args.nodes is None:
         p.error("--nodes is required (or --measure under torchrun)")
-    per_node = args.ranks_per_node or sim.HARDWARE[args.gpu].gpus_per_node
+    per_node = args.ranks_per_node or HARDWARE[args.gpu].gpus_per_node
     result = advise(params, args.nodes, per_node, args.gpu, shape=shape, inter_gbps=measured or args.inter_gbps,
                     kernels=kernels, seq_len=args.seq_len, micro_batch=args.micro_batch,
                     overlap=args.overlap, margin=args.margin)

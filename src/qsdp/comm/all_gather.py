@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.rng import derive_seed
-from ..config import QuantConfig, WeightComm
+from ..config import QuantConfig
 from .base import WeightAllGather
+from .difference import DifferenceAllGather
 from .topology import Topology
 from .versions import ChangeTracker, versions
-from .wire import RowCodec
+from .weight_codec import weight_codec
 
 
 class PlainAllGather(WeightAllGather):
@@ -34,10 +35,6 @@ class PlainAllGather(WeightAllGather):
         self.check_group(group)
         self.plain(output_tensor, input_tensor, group)
         return None
-
-
-def weight_codec(w: WeightComm) -> RowCodec:
-    return RowCodec(bits=w.bits, group_size=w.group_size, symmetric=w.symmetric, rounding=w.rounding)
 
 
 class QuantizedAllGather(WeightAllGather):
@@ -88,7 +85,5 @@ class QuantizedAllGather(WeightAllGather):
         self.version = int(state.get("version", 0))
         self._seen = None if state.get("changed", True) else self._token()
 
-
-from .difference import DifferenceAllGather  # noqa: E402  (it needs weight_codec)
 
 __all__ = ["PlainAllGather", "QuantizedAllGather", "DifferenceAllGather", "weight_codec"]

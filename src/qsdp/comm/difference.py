@@ -28,11 +28,11 @@ import torch.distributed as dist
 
 from ..codecs.rng import derive_seed
 from ..config import QuantConfig
-from .all_gather import weight_codec
 from .base import WeightAllGather
 from .collectives import all_gather_flat
 from .topology import Topology
 from .versions import ChangeTracker
+from .weight_codec import weight_codec
 
 
 def replica_layout(choice: str, nodes: int, ranks_per_node: int) -> str:

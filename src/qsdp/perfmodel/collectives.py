@@ -1,0 +1,259 @@
+"""The collectives of one training step, as the comm objects run them, and their bytes.
+
+:func:`step_collectives` lists every collective one rank runs in a step, with the exact per-peer
+wire size of each, computed with ``RowCodec.row_nbytes`` and the same codecs, slices and padding
+as :mod:`qsdp.comm.all_gather` and :mod:`qsdp.comm.reduce_scatter`. :func:`step_bytes` sums them
+the way the byte meter does (a buffer of ``B`` bytes to ``k`` peers counts ``k * B``, split
+intra/inter node); tests check it against the meter of real runs. :func:`replica_elements` is
+the memory the weight-difference replicas hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..comm.difference import replica_layout
+from ..comm.hsdp import chunk_len, hsdp_codec
+from ..comm.reduce_scatter import grad_codec, pipeline_slices_bounds, real_elements
+from ..comm.weight_codec import weight_codec
+from ..config import QuantConfig, resolve_config
+
+_DTYPES = {4: torch.float32, 2: torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call of one rank.
+
+    ``row_bytes`` is what this rank sends to *each* peer (the meter records
+    ``row_bytes * intra_peers`` and ``row_bytes * inter_peers``); ``elements`` the elements that
+    buffer carries. ``algo``: ``ring`` (an NCCL all-gather / reduce-scatter over the whole group,
+    ``row_bytes`` is one rank's chunk), ``a2a`` (all-to-all over the whole group), ``a2a_intra``
+    (among the ``M`` ranks of the node), ``a2a_inter`` (among the ``D`` ranks with this local
+    rank) or ``allreduce`` (a tiny control all-reduce). ``quantize`` / ``dequantize``: elements
+    this rank encodes and decodes for it (``hp_bytes`` bytes each on the high-precision side).
+    ``pipeline``/``hop``: slices of one pipelined two-level reduce-scatter share a pipeline id.
+    """
+
+    kind: str
+    algo: str
+    row_bytes: int
+    elements: int
+    intra_peers: int
+    inter_peers: int
+    quantize: int = 0
+    dequantize: int = 0
+    hp_bytes: int = 4
+    hadamard: bool = False
+    pipeline: int | None = None
+    hop: int = 0
+
+
+def _gathers_per_group(gathers: int | Sequence[int] | None, n_groups: int, zero3: bool) -> list[int]:
+    if gathers is None:
+        return [2 if zero3 else 1] * n_groups
+    if isinstance(gathers, int):
+        return [gathers] * n_groups
+    if len(gathers) != n_groups:
+        raise ValueError(f"gathers has {len(gathers)} entries for {n_groups} FSDP groups")
+    return list(gathers)
+
+
+def _difference_gathers(layout: str, quant: Collective, plain: Collective, calls: int,
+                        d: int, m: int) -> list[Collective]:
+    """A group's weight-difference gathers in one step: one carries the change, the others only
+    fill the output from the replica (see :mod:`qsdp.comm.difference`)."""
+    if layout == "full":
+        return [quant] if calls else []
+    if layout == "exact":
+        return [plain] * calls
+    # node replicas: the change among the D holders of my rows, then every gather fills the
+    # output with the node's rows, exactly
+    n, pb = quant.elements, plain.hp_bytes
+    between = dataclasses.replace(quant, algo="a2a_inter", intra_peers=0, inter_peers=d - 1, dequantize=d * n)
+    inside = dataclasses.replace(plain, algo="a2a_intra", row_bytes=d * n * pb, elements=d * n,
+                                 intra_peers=m - 1, inter_peers=0)
+    return ([between] if calls else []) + [inside] * calls
+
+
+def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: int, grad_bytes: int) -> list[Collective]:
+    """The gradient reduce-scatters (qsdp.comm.reduce_scatter) of one step, one per group, on
+    ``d`` nodes x ``m`` ranks."""
+    world = m * d
+    intra, inter = m - 1, world - m  # Topology.peers()
+    g = cfg.grads
+    thresh = max(1, cfg.min_shard_numel)
+    out: list[Collective] = []
+    raw = _DTYPES[grad_bytes]
+    for gi, s in enumerate(shard_sizes):
+        if g.mode == "plain" or s < thresh:
+            out.append(Collective("grads", "ring", s * grad_bytes, s, intra, inter, hp_bytes=grad_bytes))
+            continue
+        if g.mode == "one_level" or d == 1 or m == 1:
+            bits = g.bits if g.mode == "one_level" else (g.bits_intra if d == 1 else g.bits_inter)
+            codec = grad_codec(g, bits, raw)
+            inter_only = g.mode != "one_level" and d > 1
+            out.append(Collective(
+                "grads", "a2a", codec.row_nbytes(s), s, 0 if inter_only else intra, inter,
+                quantize=world * codec.padded_len(s), dequantize=world * codec.padded_len(s),
+                hp_bytes=grad_bytes, hadamard=bool(codec.hadamard_block and not codec.exact),
+            ))
+            continue
+        hop1 = grad_codec(g, g.bits_intra, raw)
+        hop2 = grad_codec(g, g.bits_inter, torch.float32)
+        lp = hop1.padded_len(s)
+        for a, b in pipeline_slices_bounds(lp, hop1, g.pipeline_slices, g.pipeline_min_slice):
+            width = b - a
+            out.append(Collective(
+                "grads", "a2a_intra", d * hop1.row_nbytes(width), d * real_elements(a, b, s), m - 1, 0,
+                quantize=world * width, dequantize=world * width, hp_bytes=grad_bytes,
+                hadamard=bool(hop1.hadamard_block and not hop1.exact), pipeline=gi, hop=1,
+            ))
+            out.append(Collective(
+                "grads", "a2a_inter", hop2.row_nbytes(width), real_elements(a, b, s), 0, d - 1,
+                quantize=d * width, dequantize=d * width, hp_bytes=4, pipeline=gi, hop=2,
+            ))
+    return out
+
+
+def step_collectives(
+    config: str | QuantConfig,
+    shard_sizes: Sequence[int],
+    nodes: int,
+    ranks_per_node: int,
+    *,
+    zero3: bool = True,
+    gathers: int | Sequence[int] | None = None,
+    param_bytes: int = 2,
+    grad_bytes: int = 4,
+) -> list[Collective]:
+    """Every collective one rank runs in one steady-state training step (after the warm-up step
+    that establishes weight-difference replicas), for FSDP groups whose per-rank shard (the
+    all-gather input = the reduce-scatter output) has ``shard_sizes[i]`` elements.
+
+    ``zero3``: weights are gathered before forward and again before backward (FSDP2's
+    ``reshard_after_forward=True``); otherwise once per step (ZeRO-2 / Megatron's distributed
+    optimizer). ``gathers`` overrides the count per group. A weight-difference gather whose shard
+    did not change (the second gather of a step) sends no difference (node replicas still fill
+    the output inside the node); the difference gathers agree once per step. ``param_bytes``: the
+    all-gather dtype's size; ``grad_bytes``: the reduce dtype's size.
+    """
+    cfg = resolve_config(config)
+    if grad_bytes not in _DTYPES or param_bytes not in _DTYPES:
+        raise ValueError(f"param_bytes={param_bytes}, grad_bytes={grad_bytes}: each must be 2 (bf16) or 4 (fp32)")
+    if nodes < 1 or ranks_per_node < 1:
+        raise ValueError(f"nodes={nodes} and ranks_per_node={ranks_per_node} must be positive")
+    m, d = ranks_per_node, nodes
+    world = m * d
+    intra, inter = m - 1, world - m  # Topology.peers()
+    w = cfg.weights
+    thresh = max(1, cfg.min_shard_numel)
+    out: list[Collective] = []
+    per_group = _gathers_per_group(gathers, len(shard_sizes), zero3)
+
+    def plain_gather(n: int) -> Collective:
+        return Collective("weights", "ring", n * param_bytes, n, intra, inter, hp_bytes=param_bytes)
+
+    # Weight all-gathers (qsdp.comm.all_gather).
+    for n, calls in zip(shard_sizes, per_group):
+        if w.mode == "plain" or n < thresh:
+            out += [plain_gather(n) for _ in range(calls)]
+            continue
+        codec = weight_codec(w)
+        quant = Collective("weights", "ring", codec.row_nbytes(n), n, intra, inter,
+                           quantize=n, dequantize=world * n, hp_bytes=param_bytes)
+        if w.mode == "direct":
+            out += [quant] * calls
+        else:
+            out += _difference_gathers(replica_layout(w.replica, d, m), quant, plain_gather(n), calls, d, m)
+    if w.mode == "difference":  # one agreement per step: 2 int32 flags per group
+        out.append(Collective("control", "allreduce", 8 * len(shard_sizes), 0, intra, inter))
+
+    out += _grad_collectives(cfg, shard_sizes, d, m, grad_bytes)
+    return out
+
+
+def collective_bytes(collectives: Sequence[Collective]) -> dict[str, dict[str, int]]:
+    """Bytes on the wire as the byte meter counts them, ``{"weights": {"intra", "inter"},
+    "grads": {"intra", "inter"}}`` (control flags are not included)."""
+    res = {k: {"intra": 0, "inter": 0} for k in ("weights", "grads")}
+    for c in collectives:
+        if c.kind in res:
+            res[c.kind]["intra"] += c.row_bytes * c.intra_peers
+            res[c.kind]["inter"] += c.row_bytes * c.inter_peers
+    return res
+
+
+def step_bytes(
+    config: str | QuantConfig,
+    shard_sizes: Sequence[int],
+    nodes: int,
+    ranks_per_node: int,
+    *,
+    zero3: bool = True,
+    gathers: int | Sequence[int] | None = None,
+    param_bytes: int = 2,
+    grad_bytes: int = 4,
+) -> dict[str, dict[str, int]]:
+    """Bytes one rank puts on the wire in one steady-state step, as the byte meter counts them:
+    ``{"weights": {"intra", "inter"}, "grads": {"intra", "inter"}}``. Arguments as in
+    :func:`step_collectives` (control flags are not included)."""
+    return collective_bytes(step_collectives(config, shard_sizes, nodes, ranks_per_node, zero3=zero3,
+                                             gathers=gathers, param_bytes=param_bytes, grad_bytes=grad_bytes))
+
+
+def replica_elements(config: str | QuantConfig, shard_sizes: Sequence[int], nodes: int, ranks_per_node: int) -> int:
+    """Elements (in the parameter dtype) of the weight-difference replicas one rank holds, for
+    FSDP groups of per-rank shards ``shard_sizes`` on ``nodes`` x ``ranks_per_node`` ranks: the
+    rows of every group its layout keeps (``full``: all ``D * M``, ``node``: the ``D`` of its
+    local rank, ``exact``: none; see :class:`qsdp.comm.difference.DifferenceAllGather`); 0 for
+    presets without weight differences."""
+    cfg = resolve_config(config)
+    w = cfg.weights
+    if w.mode != "difference":
+        return 0
+    layout = replica_layout(w.replica, nodes, ranks_per_node)
+    rows = {"full": nodes * ranks_per_node, "node": nodes, "exact": 0}[layout]
+    thresh = max(1, cfg.min_shard_numel)
+    return sum(rows * n for n in shard_sizes if n >= thresh)
+
+
+def hsdp_collectives(
+    config: str | QuantConfig,
+    shard_sizes: Sequence[int],
+    nodes: int,
+    ranks_per_node: int,
+    *,
+    zero3: bool = True,
+    param_bytes: int = 2,
+    grad_bytes: int = 4,
+) -> list[Collective]:
+    """Every collective one rank runs in one steady-state HSDP step (FSDP2 shards inside the
+    node, the nodes hold replicas: :mod:`qsdp.comm.hsdp`): the config's gathers and
+    reduce-scatters over the ``ranks_per_node`` ranks of the node (``shard_sizes``: per-rank
+    shards of that group), then the all-reduce across the ``nodes`` replicas as ``config.hsdp``
+    says: ``plain`` is a reduce-scatter and an all-gather of fp32 chunks (FSDP2's native HSDP,
+    as a ring), ``quantized`` the two all-to-all phases of :class:`qsdp.comm.hsdp.ReplicaAllReduce`."""
+    cfg = resolve_config(config)
+    out = step_collectives(cfg, shard_sizes, 1, ranks_per_node, zero3=zero3,
+                           param_bytes=param_bytes, grad_bytes=grad_bytes)
+    d = nodes
+    if d == 1:
+        return out
+    for s in shard_sizes:
+        if cfg.hsdp.mode == "plain" or s < max(1, cfg.min_shard_numel):
+            chunk = -(-s // d)
+            out += [Collective("grads", "a2a_inter", chunk * 4, chunk, 0, d - 1)] * 2
+            continue
+        codec = hsdp_codec(cfg.hsdp)
+        length = chunk_len(s, d, codec)
+        row = codec.row_nbytes(length)
+        out.append(Collective("grads", "a2a_inter", row, length, 0, d - 1, quantize=d * length,
+                              dequantize=d * length, hadamard=bool(codec.hadamard_block)))
+        out.append(Collective("grads", "a2a_inter", row, length, 0, d - 1, quantize=length,
+                              dequantize=d * length))
+    return out

@@ -1,0 +1,104 @@
+"""Communication time of a step's collectives: an alpha-beta model of the links plus the codec
+time of each collective.
+
+Plain and quantized all-gathers and the plain reduce-scatter are NCCL rings: each GPU sends
+``(P - 1)`` chunks over NVLink, and each node sends ``(P - 1)`` chunks across its boundary per
+data-parallel group, shared by its ``M`` ranks of that group. All-to-alls are direct: every byte
+the meter counts as inter-node crosses the NIC. Every GPU of a node runs its collective at the
+same time (each tensor-parallel rank has its own data-parallel group), so a GPU gets ``1/G`` of
+its node's NIC bandwidth (``G`` GPUs per node; the same as one NIC per GPU as in DGX boxes) and
+all of its own NVLink bandwidth. A ring step costs the latency ``alpha`` of the slowest link it
+crosses; an all-to-all costs ``alpha`` per peer. The two-level reduce-scatter's
+``pipeline_slices`` run as a 5-stage pipeline (quantize, intra all-to-all,
+dequantize+requantize, inter all-to-all, dequantize).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+from .codec_time import kernel_times
+from .collectives import Collective
+from .hardware import Hardware
+
+
+def wire_parts(c: Collective, hw: Hardware, nodes: int, m: int) -> tuple[float, float, float, float]:
+    """Seconds of one collective of a rank in a D x M group, in parts: ``(intra, inter,
+    inter_copy, latency)``: its bytes over the intra-node link, over its share of the inter-node
+    link, the same inter-node bytes at the intra-node (host copy) rate, and the latency of its
+    steps. ``ring_allreduce`` is a reduce-scatter run as a ring all-reduce (twice a ring's bytes
+    and steps; gloo's plain reduce-scatter)."""
+    p = nodes * m
+    bi, be = hw.intra_gbps * 1e9, hw.inter_gbps * 1e9
+    ai, ae = hw.intra_latency_us * 1e-6, hw.inter_latency_us * 1e-6
+    b = c.row_bytes
+    if c.algo in ("ring", "ring_allreduce"):
+        if p == 1:
+            return 0.0, 0.0, 0.0, 0.0
+        k = 2 if c.algo == "ring_allreduce" else 1
+        inter_bytes = k * (p - 1) * b / m if nodes > 1 else 0.0
+        return (k * (p - 1) * b / bi if m > 1 else 0.0, inter_bytes / be, inter_bytes / bi,
+                k * (p - 1) * (ae if nodes > 1 else ai))
+    if c.algo in ("a2a", "a2a_intra", "a2a_inter"):
+        intra = c.intra_peers if c.algo != "a2a_inter" else 0
+        inter = c.inter_peers if c.algo != "a2a_intra" else 0
+        return intra * b / bi, inter * b / be, inter * b / bi, intra * ai + inter * ae
+    if c.algo == "allreduce":
+        return 0.0, 0.0, 0.0, 2 * math.ceil(math.log2(max(p, 2))) * (ae if nodes > 1 else ai)
+    raise ValueError(f"unknown collective algorithm {c.algo!r}")
+
+
+def wire_time(c: Collective, hw: Hardware, nodes: int, m: int) -> float:
+    """Seconds on the wire (alpha-beta) of one collective of a rank in a D x M group: the
+    slower of its two links (or, ``hw.host_staged``, the host's copies of all its bytes and
+    the inter-node link), plus its latency."""
+    intra, inter, inter_copy, latency = wire_parts(c, hw, nodes, m)
+    if hw.host_staged:
+        return max(intra + inter_copy, inter) + latency
+    return max(intra, inter) + latency
+
+
+def comm_time(collectives: Sequence[Collective], hw: Hardware, nodes: int, ranks_per_node: int,
+              kernels: Mapping[str, float] | None = None) -> dict[str, float]:
+    """Seconds of communication per kind (``weights``, ``grads``, ``control``), of the
+    quantization kernels included in them (``kernels``) and of the inter-node link apart
+    (``link``, host-staged only). Non-pipelined collectives run their quantize, transfer and
+    dequantize one after the other; the slices of a pipelined two-level reduce-scatter flow
+    through 5 stages: ``sum / S + (S - 1) / S * max`` of the stage totals.
+
+    ``hw.host_staged``: each kind holds the host's work alone (codecs, the copies of all bytes,
+    latency), serial, and ``link`` the inter-node link's own time, which runs alongside the
+    host (the caller decides how much of it overlaps: see ``host_staged_step``)."""
+    res = {"weights": 0.0, "grads": 0.0, "control": 0.0, "kernels": 0.0, "link": 0.0}
+    pipes: dict[int, list[Collective]] = {}
+    for c in collectives:
+        tq, tdq = kernel_times(c, hw, kernels)
+        res["kernels"] += tq + tdq
+        if hw.host_staged:
+            intra, inter, inter_copy, latency = wire_parts(c, hw, nodes, ranks_per_node)
+            res[c.kind] += tq + intra + inter_copy + latency + tdq
+            res["link"] += inter
+        elif c.pipeline is not None:
+            pipes.setdefault(c.pipeline, []).append(c)
+        else:
+            res[c.kind] += tq + wire_time(c, hw, nodes, ranks_per_node) + tdq
+    for parts in pipes.values():
+        stages = [0.0] * 5
+        for c in parts:
+            tq, tdq = kernel_times(c, hw, kernels)
+            first = 0 if c.hop == 1 else 2
+            stages[first] += tq
+            stages[first + 1] += wire_time(c, hw, nodes, ranks_per_node)
+            stages[first + 2] += tdq
+        s = max(1, sum(1 for c in parts if c.hop == 1))
+        res[parts[0].kind] += sum(stages) / s + (s - 1) / s * max(stages)
+    return res
+
+
+def host_staged_step(host_s: float, link_s: float, pieces: int) -> float:
+    """Seconds of a step whose host work (compute, codecs, copies: ``host_s``) runs alongside
+    the inter-node link's own time (``link_s``, in ``pieces`` collectives; prefetched gathers
+    and asynchronous reduce-scatters): the busier of the two, plus one piece of the other that
+    cannot overlap (as a pipeline fills and drains)."""
+    return max(host_s, link_s) + min(host_s, link_s) / max(1, pieces)

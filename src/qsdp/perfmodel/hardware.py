@@ -1,0 +1,92 @@
+"""GPU types and their clusters: compute, memory and link speeds the performance model prices with."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU type and its cluster. Bandwidths are effective (achieved by NCCL), per GPU, one
+    direction; ``inter_gbps`` is a GPU's share of its node's NIC bandwidth.
+
+    ``codec_call_us``: the fixed cost of one codec call (dispatch and the small steps around the
+    kernels), paid on top of its bytes over the kernel speed; it dominates for small shards.
+    ``host_staged``: the transfers are copies by the same processors that run the codecs (gloo
+    on CPUs): a rank's codec time, its intra-node bytes and its inter-node bytes (at
+    ``intra_gbps``, the host's copy rate) add up, and only the inter-node link's own time (a
+    shaped link slower than that copy) runs alongside them."""
+
+    name: str
+    gpus_per_node: int
+    tflops: float
+    mfu: float
+    hbm_gbps: float
+    intra_gbps: float
+    inter_gbps: float
+    intra_latency_us: float
+    inter_latency_us: float
+    quant_hbm_fraction: float = 0.5
+    codec_call_us: float = 0.0
+    host_staged: bool = False
+    notes: tuple[str, ...] = ()
+
+    @property
+    def quant_gbps(self) -> float:
+        return self.quant_hbm_fraction * self.hbm_gbps
+
+
+HARDWARE: dict[str, Hardware] = {
+    "a100": Hardware(
+        name="a100", gpus_per_node=4, tflops=312.0, mfu=0.40, hbm_gbps=1555.0,
+        intra_gbps=200.0, inter_gbps=3.36, intra_latency_us=3.0, inter_latency_us=8.0,
+        notes=(
+            "4 A100-SXM4 per node: the authors' README says their A100 nodes hold 4 GPUs (so 128 "
+            "GPUs = 32 nodes), and sets TP/PP so that TP stays inside a node",
+            "NVLink3 inside the node, 200 GB/s per GPU per direction effective",
+            "inter-node 13.4 GB/s per node (~107 Gb/s, 3.36 GB/s per GPU) effective: the paper "
+            "does not name this network; this is what its Table 4 implies (the fp32 ring "
+            "reduce-scatter of GPT-1.3B on 32 A100 took 379.3 ms), the only measurement of it",
+            "312 TFLOP/s bf16 peak, MFU 0.40 (assumed), HBM 1555 GB/s (40 GB part)",
+        ),
+    ),
+    "h800": Hardware(
+        name="h800", gpus_per_node=8, tflops=989.0, mfu=0.40, hbm_gbps=3350.0,
+        intra_gbps=160.0, inter_gbps=40.0, intra_latency_us=3.0, inter_latency_us=8.0,
+        notes=(
+            "8 H800-SXM5 per node (the authors' README)",
+            "NVLink 160 GB/s per GPU effective (H800's 400 GB/s NVLink; the achieved figure "
+            "DeepSeek-V3's report gives for H800 nodes)",
+            "inter-node one 400 Gb/s InfiniBand NIC per GPU (8 per node, the usual HGX H800 "
+            "build; assumed) at 80% efficiency: 40 GB/s per GPU",
+            "989 TFLOP/s bf16 dense peak, MFU 0.40 (assumed), HBM 3350 GB/s",
+        ),
+    ),
+}
+
+
+def cluster_hardware(gpu: str = "h800", ranks_per_node: int | None = None, *, link_gbit: float | None = None,
+                     link_latency_us: float | None = None, intra_gbps: float | None = None) -> Hardware:
+    """``HARDWARE[gpu]`` with nodes of ``ranks_per_node`` GPUs (default: the type's) and, where
+    given, the measured or shaped links: ``link_gbit`` is one node's inter-node link in Gbit/s per
+    direction (shared by its GPUs: each gets ``link_gbit / 8 / ranks_per_node`` GB/s),
+    ``link_latency_us`` its latency per step, ``intra_gbps`` a GPU's intra-node GB/s."""
+    if gpu not in HARDWARE:
+        raise ValueError(f"gpu={gpu!r}; known: {', '.join(HARDWARE)}")
+    hw = HARDWARE[gpu]
+    m = hw.gpus_per_node if ranks_per_node is None else ranks_per_node
+    given = {"ranks_per_node": m, "link_gbit": link_gbit, "intra_gbps": intra_gbps}
+    for name, value in given.items():
+        if value is not None and value <= 0:
+            raise ValueError(f"{name}={value} must be positive")
+    if link_latency_us is not None and link_latency_us < 0:
+        raise ValueError(f"link_latency_us={link_latency_us} must not be negative")
+    changes: dict[str, float] = {"gpus_per_node": m}
+    if link_gbit is not None:
+        changes["inter_gbps"] = link_gbit / 8 / m
+    if link_latency_us is not None:
+        changes["inter_latency_us"] = link_latency_us
+    if intra_gbps is not None:
+        changes["intra_gbps"] = intra_gbps
+    return dataclasses.replace(hw, **changes)

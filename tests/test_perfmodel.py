@@ -1,0 +1,110 @@
+"""The performance model's entry point, ``predict_step``: the step of the functions it stands on
+(and of ``qsdp advise``), the inter-node link given per node in Gbit/s, a measured compute
+time in place of the FLOPs model, and its argument errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from qsdp import perfmodel as pm
+from qsdp.advise import advise
+from qsdp.gpt_shape import GPTConfig, n_params
+
+
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_predict_step_is_the_simulated_step_of_the_job_it_describes(hsdp):
+    r = pm.predict_step("sdp4bit", int(1.3e9), 4, 8, gpu="h800", hsdp=hsdp)
+    setup = pm.ShapeSetup("custom", "h800", 32, 1, 1, layout="layer", zero3=True, **pm.gpt_shape(int(1.3e9)))
+    hw = dataclasses.replace(pm.HARDWARE["h800"], gpus_per_node=8)
+    expected = (pm.simulate_hsdp_step if hsdp else pm.simulate_step)(setup, "sdp4bit", hw)
+    assert {k: v for k, v in r.items() if k not in ("params", "inter_gbps_per_gpu")} == expected
+    assert r["params"] == n_params(setup.gpt()) and r["inter_gbps_per_gpu"] == 40.0
+
+
+def test_advise_predicts_the_steps_of_predict_step():
+    rows = advise(int(2.7e9), 4, 8, "h800", inter_gbps=12.5)["rows"]
+    for row in rows:
+        r = pm.predict_step(row["preset"], int(2.7e9), 4, 8, gpu="h800", link_gbit=12.5 * 8 * 8,
+                            hsdp=row["layout"] == "hsdp")
+        assert row["step_ms"] == pytest.approx(1e3 * r["step_s"], rel=1e-12)
+
+
+def test_a_nodes_link_is_shared_by_its_ranks():
+    hw = pm.cluster_hardware("a100", 4, link_gbit=100.0, link_latency_us=1000.0, intra_gbps=5.0)
+    assert (hw.gpus_per_node, hw.inter_gbps, hw.inter_latency_us, hw.intra_gbps) == (4, 100.0 / 8 / 4, 1000.0, 5.0)
+    slow, fast = (pm.predict_step("fsdp", int(1e9), 4, 4, gpu="a100", link_gbit=g)["comm_s"] for g in (10.0, 100.0))
+    assert slow > 5 * fast
+
+
+def test_a_measured_compute_time_replaces_the_flops_model():
+    r = pm.predict_step("qsdp", int(1e9), 2, 4, compute_s=2.0, overlap=0.5)
+    assert r["compute_s"] == 2.0
+    assert r["step_s"] == pytest.approx(2.0 + max(0.0, r["comm_s"] - 1.0))
+
+
+def test_a_given_shape_on_an_fp32_wire():
+    shape = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256}
+    r = pm.predict_step("sdp4bit", shape=shape, nodes=2, ranks_per_node=2, seq_len=64, micro_batch=4,
+                        param_bytes=4, grad_bytes=4)
+    assert r["params"] == n_params(GPTConfig(block_size=64, **shape))
+    assert r["replica_bytes"] > 0 and r["bytes"]["weights"]["inter"] > 0
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"params": None}, "give either params or shape"),
+    ({"shape": {"n_layer": 2, "n_embd": 64, "n_head": 4}}, "give either params or shape"),
+    ({"link_gbit": 0.0}, "link_gbit=0.0 must be positive"),
+    ({"gpu": "v100"}, "gpu='v100'; known: a100, h800"),
+    ({"nodes": 0}, "nodes=0 and ranks_per_node=4 must be positive"),
+    ({"overlap": 2.0}, "overlap=2.0 must be in [0, 1]"),
+])
+def test_bad_arguments_are_named(change, words):
+    args = {"params": int(1e9), "nodes": 2, "ranks_per_node": 4, **change}
+    with pytest.raises(ValueError, match=re.escape(words)):
+        pm.predict_step("fsdp", **args)
+
+
+def _host_cluster(**changes) -> pm.Hardware:
+    """A CPU cluster of 2 ranks per node: 1 GB/s host copies, 1 ms per step, a 0.1 GB/s link."""
+    return dataclasses.replace(pm.HARDWARE["a100"], gpus_per_node=2, intra_gbps=1.0, inter_gbps=0.1,
+                               intra_latency_us=1000.0, inter_latency_us=1000.0, **changes)
+
+
+def test_every_codec_call_pays_its_fixed_cost():
+    c = pm.Collective("grads", "a2a", 1000, 10**6, 1, 2, quantize=10**6, dequantize=4 * 10**6)
+    plain = pm.kernel_times(c, _host_cluster(), {"quantize": 1.0, "dequantize": 2.0})
+    called = pm.kernel_times(c, _host_cluster(codec_call_us=500.0), {"quantize": 1.0, "dequantize": 2.0})
+    assert plain == pytest.approx((4e-3, 8e-3))
+    assert called == pytest.approx((4.5e-3, 8.5e-3))
+    assert pm.kernel_times(dataclasses.replace(c, quantize=0, dequantize=0), _host_cluster(codec_call_us=500.0),
+                           None) == (0.0, 0.0)
+
+
+def test_a_reduce_scatter_run_as_a_ring_all_reduce_costs_twice_a_ring():
+    ring = pm.Collective("grads", "ring", 10**6, 250_000, 1, 2)
+    twice = dataclasses.replace(ring, algo="ring_allreduce")
+    hw = _host_cluster()
+    assert pm.wire_parts(twice, hw, 2, 2) == pytest.approx(tuple(2 * x for x in pm.wire_parts(ring, hw, 2, 2)))
+    # a ring over 2 x 2 ranks: 3 chunks in and out of each rank, 3 across the node's boundary (2 ranks)
+    assert pm.wire_parts(ring, hw, 2, 2) == pytest.approx((3e-3, 3e6 / 2 / 0.1e9, 3e6 / 2 / 1e9, 3e-3))
+
+
+def test_host_staged_copies_add_up_and_the_link_runs_alongside():
+    c = pm.Collective("weights", "a2a", 10**6, 250_000, 1, 2)
+    dedicated, staged = _host_cluster(), _host_cluster(host_staged=True)
+    # dedicated links: the slower of the two; host-staged: every byte is copied by the host ...
+    assert pm.wire_time(c, dedicated, 2, 2) == pytest.approx(max(1e-3, 2e-2) + 3e-3)
+    assert pm.wire_time(c, staged, 2, 2) == pytest.approx(max(1e-3 + 2e-3, 2e-2) + 3e-3)
+    # ... and comm_time keeps the link's own time apart, for the step to overlap
+    ct = pm.comm_time([c], staged, 2, 2)
+    assert (ct["weights"], ct["link"]) == pytest.approx((1e-3 + 2e-3 + 3e-3, 2e-2))
+    assert pm.comm_time([c], dedicated, 2, 2)["link"] == 0.0
+
+
+def test_a_host_staged_step_overlaps_host_and_link_but_for_one_piece():
+    assert pm.host_staged_step(1.0, 0.2, 4) == pytest.approx(1.05)
+    assert pm.host_staged_step(0.2, 1.0, 4) == pytest.approx(1.05)
+    assert pm.host_staged_step(1.0, 0.0, 4) == 1.0
