@@ -1,7 +1,8 @@
 """`qsdp bench cluster`: emulated nodes in network namespaces joined by a shaped veth link.
 
-The end-to-end tests need root and iproute2 (`ip`, `tc`) and are skipped, with the reason, where
-either is missing; the requirement checks themselves run everywhere.
+The end-to-end tests need root and pyroute2 and are skipped, with the reason, where either is
+missing; they run with `ip` and `tc` off the PATH (the benchmark speaks netlink itself). The
+requirement checks run everywhere.
 """
 
 import json
@@ -14,18 +15,26 @@ import time
 
 import pytest
 
+import torch
+
 from distributed import run_world
+from qsdp.bench import netns
 from qsdp.bench.cluster import (
+    Job,
     _job_args,
     baseline_row,
+    format_rates_table,
     format_table,
     ideal_speedup,
     main,
     missing_requirements,
+    parse_rate,
     select_rows,
     train_result,
 )
+from qsdp.bench.workload import default_vocab
 from qsdp.train.loop import TrainArgs, train_worker
+from qsdp.train.model import GPTConfig, MODEL_SIZES, n_params
 
 _MISSING = missing_requirements()
 needs_netns = pytest.mark.skipif(
@@ -34,45 +43,46 @@ _RUN_MAIN = "from qsdp.bench.cluster import main; raise SystemExit(main(sys.argv
 
 
 def _ours(pid: int) -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(f"qsdp-{pid}-")]
+    return [ns for ns in netns.list_namespaces() if ns.startswith(f"qsdp-{pid}-")]
 
 
-def _cluster_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-c", "import sys; " + _RUN_MAIN, *args]
+def _cluster_cmd(*args: str, prelude: str = "") -> list[str]:
+    return [sys.executable, "-c", "import sys; " + prelude + _RUN_MAIN, *args]
+
+
+def _env_without_iproute2() -> dict[str, str]:
+    """This environment with a PATH that has the interpreter's directory alone (no `ip`, `tc`)."""
+    path = os.path.dirname(sys.executable)
+    assert shutil.which("ip", path=path) is None and shutil.which("tc", path=path) is None
+    return dict(os.environ, PATH=path)
 
 
 @needs_netns
-@pytest.mark.timeout(240)
-def test_quick_cluster_run_reports_schema_and_fewer_inter_node_bytes(tmp_path):
-    save = tmp_path / "cluster.json"
+@pytest.mark.timeout(300)
+def test_quick_sweep_without_iproute2_has_a_row_per_rate_and_preset_and_a_plot(tmp_path):
+    save = tmp_path / "sweep.json"
     proc = subprocess.Popen(
-        _cluster_cmd("--presets", "fsdp", "sdp4bit", "--steps", "1", "--rate", "1000", "--delay-ms", "0",
-                     "--no-unlimited", "--timeout", "200", "--json", "--save", str(save)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=230)
+        _cluster_cmd("--presets", "fsdp", "sdp4bit", "--rates", "1gbit", "unlimited", "--steps", "1",
+                     "--unlimited-steps", "1", "--delay-ms", "0", "--no-advise", "--timeout", "200", "--json", "--save", str(save)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env_without_iproute2())
+    out, err = proc.communicate(timeout=290)
     assert proc.returncode == 0, err[-3000:]
     assert _ours(proc.pid) == []  # namespaces (and their veths) are gone
     data = json.loads(out)
     assert data == json.loads(save.read_text())
-    assert data["link"]["rate_mbit"] == 1000 and data["link"]["delay_ms"] == 0
-    assert data["nodes"] == 2 and data["ranks_per_node"] == 2
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    assert data["rates_mbit"] == [1000.0, 0.0] and data["nodes"] == 2 and data["ranks_per_node"] == 2
     assert set(data["meta"]) >= {"command", "torch", "date", "device"}
-    keys = {"step_time_s", "tokens_per_s", "speedup_vs_fsdp", "ideal_speedup", "inter_bytes_per_step",
-            "intra_bytes_per_step"}
-    for name in ("fsdp", "sdp4bit"):
-        r = data["presets"][name]
-        assert set(r) >= keys, name
-        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
-        assert r["inter_bytes_per_step"] > 0 and r["intra_bytes_per_step"] > 0
-        assert r["link_tx_bytes_per_run"] > 0  # traffic really crossed the veth link
-    fsdp, sdp = data["presets"]["fsdp"], data["presets"]["sdp4bit"]
-    assert fsdp["speedup_vs_fsdp"] == 1.0
-    assert sdp["inter_bytes_per_step"] * 5 < fsdp["inter_bytes_per_step"]
-    for r in (fsdp, sdp):  # timings on a shared machine: only their consistency is checked
-        assert r["ideal_speedup"] > 0
-        assert r["realised_fraction_of_ideal"] == pytest.approx(r["speedup_vs_fsdp"] / r["ideal_speedup"])
-    assert "sdp4bit" in format_table(data)
+    rows = {(r["rate_mbit"], r["preset"]): r for r in data["rows"]}
+    assert set(rows) == {(1000.0, "fsdp"), (1000.0, "sdp4bit"), (0.0, "fsdp"), (0.0, "sdp4bit")}
+    assert rows[1000.0, "fsdp"]["qdisc"] == "tbf" and rows[0.0, "fsdp"]["qdisc"] == "none"
+    for r in rows.values():
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["link_tx_bytes_per_run"] > 0
+        assert r["speedup_vs_fsdp"] == pytest.approx(rows[r["rate_mbit"], "fsdp"]["step_time_s"] / r["step_time_s"])
+    for rate in (1000.0, 0.0):  # the bytes do not depend on the link
+        assert rows[rate, "sdp4bit"]["inter_bytes_per_step"] * 5 < rows[rate, "fsdp"]["inter_bytes_per_step"]
+    table = format_rates_table(data)
+    assert "1 Gbit/s" in table and "unlimited" in table and "sdp4bit" in table
 
 
 @needs_netns
@@ -81,7 +91,7 @@ def test_interrupt_removes_namespaces():
     # A shell's background job inherits SIGINT ignored (no job control): give the child the
     # default disposition, so that Python installs its KeyboardInterrupt handler, as in a terminal.
     proc = subprocess.Popen(_cluster_cmd("--presets", "fsdp", "--steps", "50", "--rate", "1", "--delay-ms", "0"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env_without_iproute2(),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
@@ -106,31 +116,62 @@ def test_stale_namespaces_of_dead_runs_are_removed():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     name = f"qsdp-{dead.pid}-n0"
-    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    netns.create_namespace(name)
     try:
-        assert name in remove_stale_namespaces(shutil.which("ip"))
+        assert name in remove_stale_namespaces()
         assert _ours(dead.pid) == []
     finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        netns.remove_namespace(name)
 
 
-def test_missing_tools_and_root_are_named():
-    problems = missing_requirements(path="/nonexistent", euid=1000)
+def test_missing_root_and_netlink_package_are_named():
+    problems = missing_requirements(euid=1000, package=netns.missing_package() or "pyroute2: pip install 'qsdp[bench]'")
     text = "\n".join(problems)
-    assert "root" in text and "`ip`" in text and "`tc`" in text
+    assert "root" in text and "pyroute2" in text and "qsdp[bench]" in text
+    assert missing_requirements(euid=0, package=None) == []
 
 
 @pytest.mark.timeout(60)
-def test_missing_tc_gives_clear_error_and_nonzero_exit(tmp_path):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    if shutil.which("ip"):
-        (bindir / "ip").symlink_to(shutil.which("ip"))  # ip present, tc absent
-    env = dict(os.environ, PATH=str(bindir))
-    out = subprocess.run(_cluster_cmd("--presets", "fsdp"), env=env, capture_output=True, text=True, timeout=50)
-    assert out.returncode != 0
-    assert "`tc`" in out.stderr and "lacks" in out.stderr
+def test_without_pyroute2_the_error_names_the_package_and_the_extra():
+    # pyroute2 made unimportable in the child, as on a machine where the extra is not installed.
+    out = subprocess.run(_cluster_cmd("--presets", "fsdp", prelude="sys.modules['pyroute2'] = None; "),
+                         capture_output=True, text=True, timeout=50)
+    assert out.returncode == 2
+    assert "package pyroute2" in out.stderr and "qsdp[bench]" in out.stderr and "lacks" in out.stderr
     assert out.stdout == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.timeout(60)
+def test_device_cuda_without_cuda_is_refused_before_any_namespace_exists():
+    proc = subprocess.run(_cluster_cmd("--presets", "fsdp", "--device", "cuda"), capture_output=True, text=True,
+                          timeout=50)
+    assert proc.returncode == 2
+    assert "--device cuda" in proc.stderr and "torch.cuda.is_available() is False" in proc.stderr
+    assert "stale" not in proc.stderr and "Mbit/s" not in proc.stderr  # nothing was set up
+
+
+def test_rates_are_read_in_mbit_per_second():
+    assert [parse_rate(r) for r in ("20mbit", "100Mbit", "1gbit", "10gbit", "500kbit", "250", "unlimited")] == \
+        [20.0, 100.0, 1000.0, 10000.0, 0.5, 250.0, 0.0]
+    for bad in ("fast", "0mbit", "40gbit", "-5"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+
+
+def test_a_bad_rate_or_an_hsdp_row_in_a_sweep_is_refused_before_any_network_is_touched(capsys):
+    for argv in (["--rates", "20mbit", "quick"], ["--rates", "20mbit", "--hsdp"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["--presets", "fsdp", *argv])
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "rate 'quick'" in err and "HSDP rows are measured at one --rate" in err
+
+
+def test_the_gpt2_125m_size_has_over_100m_parameters_with_its_default_vocabulary():
+    cfg = GPTConfig(vocab_size=default_vocab("gpt2-125m"), block_size=64, **MODEL_SIZES["gpt2-125m"])
+    assert n_params(cfg) > 100e6
+    assert default_vocab("tiny") == 256
 
 
 def test_serial_ideal_speedup_subtracts_the_saved_link_time():
@@ -149,11 +190,13 @@ def test_quick_hsdp_rows_run_qsdp_train_hsdp_and_send_fewer_inter_node_bytes(tmp
     proc = subprocess.Popen(
         _cluster_cmd("--presets", "hsdp:fsdp", "hsdp:sdp4bit", "--steps", "2", "--warmup", "1", "--rate", "1000",
                      "--delay-ms", "0", "--no-unlimited", "--timeout", "240", "--json"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env_without_iproute2())
     out, err = proc.communicate(timeout=290)
     assert proc.returncode == 0, err[-3000:]
     assert _ours(proc.pid) == []
-    rows = json.loads(out)["presets"]
+    data = json.loads(out)
+    assert "hsdp:sdp4bit" in format_table(data)
+    rows = data["presets"]
     exact, quantized = rows["hsdp:fsdp"], rows["hsdp:sdp4bit"]
     assert exact["baseline"] == quantized["baseline"] == "hsdp:fsdp" and exact["speedup_vs_fsdp"] == 1.0
     assert len(quantized["step_times_s"]) == 2 and quantized["step_time_s"] > 0
@@ -180,13 +223,21 @@ def test_a_bad_hsdp_row_is_refused_before_any_network_is_touched(capsys):
 
 
 def test_an_hsdp_row_runs_the_training_job_with_hsdp_and_a_plain_row_the_workload(tmp_path):
-    hsdp = _job_args("hsdp:sdp4bit", 2, 3, 1, "tiny", 64, 4, str(tmp_path / "run"), str(tmp_path))
+    hsdp = _job_args("hsdp:sdp4bit", Job(), 3, str(tmp_path / "run"), str(tmp_path))
     assert hsdp[:4] == ["-m", "qsdp.cli", "train", "--hsdp"]
     for flag, value in (("--preset", "sdp4bit"), ("--local-world-size", "2"), ("--steps", "4"),
                         ("--device", "cpu"), ("--backend", "gloo")):
         assert hsdp[hsdp.index(flag) + 1] == value
-    plain = _job_args("sdp4bit", 2, 3, 1, "tiny", 64, 4, str(tmp_path / "r.json"), str(tmp_path))
+    plain = _job_args("sdp4bit", Job(), 3, str(tmp_path / "r.json"), str(tmp_path))
     assert plain[:2] == ["-m", "qsdp.bench.workload"] and "--hsdp" not in plain
+
+
+def test_a_cuda_job_runs_every_rank_on_the_gpu_in_bf16(tmp_path):
+    job = Job(model="gpt2-125m", device="cuda", param_dtype="bfloat16")
+    for row in ("sdp4bit", "hsdp:sdp4bit"):
+        args = _job_args(row, job, 3, str(tmp_path / "r"), str(tmp_path))
+        for flag, value in (("--device", "cuda"), ("--param-dtype", "bfloat16"), ("--model", "gpt2-125m")):
+            assert args[args.index(flag) + 1] == value
 
 
 def _train(rank, world, args):
@@ -220,3 +271,87 @@ def test_an_hsdp_rows_result_has_its_timed_steps_and_keeps_weights_inside_the_no
 def test_an_hsdp_rows_inter_node_gradients_shrink_with_4_bit_hsdp(hsdp_runs):
     exact, quantized = (hsdp_runs[p]["stats"]["grads"]["inter"]["bytes"] for p in ("fsdp", "sdp4bit"))
     assert 5 * quantized < exact  # 4.25 b/elt against 32
+
+
+def _bf16_steps(rank, world):
+    from qsdp.bench.workload import run_steps
+
+    return run_steps("sdp4bit", 1, "tiny", seq_len=16, batch_size=2, ranks_per_node=1, param_dtype="bfloat16")
+
+
+@pytest.mark.timeout(120)
+def test_the_workload_trains_in_bf16_and_reports_its_size_dtype_and_kernels():
+    res = run_world(_bf16_steps, 2, timeout=100)[0]
+    assert res["param_dtype"] == "bfloat16" and res["device"] == "cpu" and res["codec_kernels"] == "torch"
+    assert res["n_params"] > 0 and res["step_time_s"] > 0
+    assert res["stats"]["weights"]["inter"]["bytes"] > 0
+
+
+# --------------------------------------------------------------------------- the advisor in the sweep
+
+
+def _sweep_result(step_times: dict[tuple[float, str], float]) -> dict:
+    rows = []
+    for (rate, preset), t in step_times.items():
+        rows.append({"rate_mbit": rate, "preset": preset, "step_time_s": t, "tokens_per_s": 1024 / t,
+                     "inter_bytes_per_step": 1e6, "speedup_vs_fsdp": step_times[rate, "fsdp"] / t})
+    return {"nodes": 2, "ranks_per_node": 2, "model": "tiny", "seq_len": 64, "batch_size": 4,
+            "param_dtype": "float32", "rows": rows}
+
+
+def test_every_sweep_row_gets_the_models_prediction_its_error_and_the_advisors_pick():
+    from qsdp.bench.cluster_advice import ModelInputs, predict_rows
+
+    inputs = ModelInputs(compute_s=0.05, intra_gbps=1.0, latency_us=100.0,
+                         kernels={"quantize": 0.5, "hadamard_quantize": 0.4, "dequantize": 1.0})
+    result = _sweep_result({(20.0, "fsdp"): 5.0, (20.0, "sdp4bit"): 0.5, (0.0, "fsdp"): 0.1, (0.0, "sdp4bit"): 0.2})
+    summary = predict_rows(result, inputs)
+    rows = {(r["rate_mbit"], r["preset"]): r for r in result["rows"]}
+    # fsdp sends its ~10 MB of fp32 weights and gradients per node and step over 20 Mbit/s: > 3 s.
+    assert rows[20.0, "fsdp"]["predicted_step_s"] > 3.0 > rows[20.0, "sdp4bit"]["predicted_step_s"]
+    assert rows[20.0, "fsdp"]["predicted_step_s"] > rows[0.0, "fsdp"]["predicted_step_s"]
+    for r in rows.values():
+        base = rows[r["rate_mbit"], "fsdp"]["predicted_step_s"]
+        assert r["predicted_speedup"] == pytest.approx(base / r["predicted_step_s"])
+        assert r["prediction_error"] == pytest.approx(r["predicted_speedup"] / r["speedup_vs_fsdp"] - 1)
+        assert r["fastest_measured"] == ("sdp4bit" if r["rate_mbit"] == 20.0 else "fsdp")
+    assert rows[20.0, "sdp4bit"]["advisor_pick"] == "sdp4bit"
+    assert summary["picks"][0] == {"rate_mbit": 20.0, "pick": "sdp4bit", "fastest_measured": "sdp4bit",
+                                   "pick_ok": True, "pick_slower_by": 0.0}
+    errors = [abs(rows[rate, "sdp4bit"]["prediction_error"]) for rate in (20.0, 0.0)]
+    assert summary["mean_abs_error"] == pytest.approx(sum(errors) / 2)
+    assert result["advisor"] is summary and summary["inputs"]["latency_us"] == 100.0
+    assert "advisor pick" in format_rates_table({**result, "device": "cpu", "topology": "veth pair", "steps": 1,
+                                                 "unlimited_steps": 1, "warmup_steps": 1, "n_params": None})
+
+
+@pytest.mark.slow  # 4 spawned ranks: about 40 s on a loaded 2-core machine
+@pytest.mark.timeout(180)
+def test_the_models_inputs_are_measured_by_as_many_ranks_as_the_emulation_has():
+    from qsdp.bench.cluster_advice import CODEC_STEPS, measure_inputs
+
+    inputs = measure_inputs(2, 2, model="tiny", seq_len=16, batch_size=2, gather_mb=0.5, codec_elements=1 << 14)
+    assert inputs.compute_s > 0 and inputs.intra_gbps > 0 and inputs.latency_us > 0
+    assert set(inputs.kernels) == set(CODEC_STEPS) and all(v > 0 for v in inputs.kernels.values())
+
+
+def test_gloo_gathers_in_a_ring_and_reduce_scatters_by_a_ring_all_reduce():
+    from qsdp.bench.cluster_advice import gloo_collectives
+    from qsdp.perfmodel import step_collectives
+
+    for preset in ("fsdp", "qsdp"):
+        colls = step_collectives(preset, [4096, 8192], 2, 2, param_bytes=4, grad_bytes=4)
+        algos = {(c.kind, c.algo) for c in gloo_collectives(colls, 2, 2)}
+        if preset == "fsdp":
+            assert algos == {("weights", "ring"), ("grads", "ring_allreduce")}
+        else:  # the quantized reduce-scatter is an all-to-all of its own
+            assert algos == {("weights", "ring"), ("grads", "a2a")}
+
+
+def test_an_unshaped_link_costs_only_the_hosts_copy():
+    from qsdp.bench.cluster_advice import ModelInputs, emulated_hardware
+
+    inputs = ModelInputs(compute_s=0.05, intra_gbps=0.2, latency_us=1000.0, kernels={}, codec_call_us=300.0)
+    hw = emulated_hardware(inputs, 0.0, 2)
+    assert hw.host_staged and hw.codec_call_us == 300.0 and hw.inter_gbps == float("inf")
+    assert emulated_hardware(inputs, 80.0, 2).inter_gbps == pytest.approx(80 / 8e3 * 1448 / 1514 / 2)

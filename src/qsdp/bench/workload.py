@@ -16,10 +16,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import qsdp
-from qsdp.train.model import make_gpt, transformer_blocks
+from qsdp.train.model import count_params, make_gpt, transformer_blocks
+from qsdp.train.runtime import codec_kernels
+
+from .step_phases import phase_times
+
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def default_vocab(model_name: str) -> int:
+    """The vocabulary of the random tokens: GPT-2's 50257 for the ``gpt2-*`` sizes (their
+    published parameter counts include it), else 256 (bytes)."""
+    return 50257 if model_name.startswith("gpt2") else 256
 
 
 def run_steps(
@@ -31,23 +42,35 @@ def run_steps(
     ranks_per_node: int | None = None,
     warmup: int = 1,
     profile: bool = False,
+    device: str = "cpu",
+    param_dtype: str = "float32",
+    vocab: int | None = None,
 ) -> dict[str, Any]:
     """``warmup`` + ``steps`` optimizer steps on random tokens; returns rank-local step times and
     the byte meter over the timed steps (and, with ``profile``, the host time per phase of the
     timed steps: see :mod:`qsdp.bench.phases`). Initializes (and destroys) the process group
-    from the environment if none exists."""
+    from the environment if none exists. ``device="cuda"``: the ranks share the GPUs (rank on
+    GPU ``LOCAL_RANK % count``, gloo carrying CUDA tensors); ``param_dtype``: FSDP2's mixed
+    precision (gradients reduced in fp32); ``vocab``: default :func:`default_vocab`."""
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo")
     try:
         rank = dist.get_rank()
         torch.manual_seed(0)
-        vocab = 256
-        model = make_gpt(model_name, vocab, seq_len)
+        vocab = vocab or default_vocab(model_name)
+        model = make_gpt(model_name, vocab, seq_len).to(dev)
+        n_params = count_params(model)
+        dtype = PARAM_DTYPES[param_dtype]
+        policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+                  if dtype != torch.float32 else MixedPrecisionPolicy())
         for block in transformer_blocks(model):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         overrides = {} if ranks_per_node is None else {"local_world_size": ranks_per_node}
         qsdp.quantize_comms(model, preset, overrides=overrides)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -57,15 +80,18 @@ def run_steps(
         for step in range(warmup + steps):
             if step == warmup:
                 qsdp.comm_stats(reset=True)
+                codec_kernels(reset=True)  # like the meter: the codecs of the timed steps
                 if profiler is not None:
                     profiler.start()
             dist.barrier()
             started = time.perf_counter()
-            tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=generator)
+            tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=generator).to(dev)
             _, loss = model(tokens[:, :-1], tokens[:, 1:])
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()  # the step's kernels are done before its time is taken
             dist.barrier()
             if step >= warmup:
                 times.append(time.perf_counter() - started)
@@ -76,11 +102,13 @@ def run_steps(
             "step_times_s": times,
             "step_time_s": statistics.median(times) if times else 0.0,
             "tokens_per_step": batch_size * seq_len * dist.get_world_size(),
+            "n_params": n_params,
+            "device": dev.type,
+            "param_dtype": param_dtype,
+            "codec_kernels": codec_kernels(),
         }
         if profiler is not None:
             profiler.stop()
-            from .phases import phase_times
-
             result["phases_s"] = phase_times(profiler.key_averages(), sum(times), steps)
         return result
     finally:
@@ -97,11 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--ranks-per-node", type=int, default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--param-dtype", choices=tuple(PARAM_DTYPES), default="float32")
+    parser.add_argument("--vocab", type=int, default=None, help="default: 50257 for gpt2-* sizes, else 256")
     parser.add_argument("--out", help="rank 0 writes its result here as JSON")
     args = parser.parse_args(argv)
 
     result = run_steps(args.preset, args.steps, args.model, args.seq_len, args.batch_size,
-                       args.ranks_per_node, args.warmup)
+                       args.ranks_per_node, args.warmup, device=args.device,
+                       param_dtype=args.param_dtype, vocab=args.vocab)
     if args.out and os.environ.get("RANK", "0") == "0":
         with open(args.out, "w") as f:
             json.dump(result, f)
