@@ -272,7 +272,14 @@ def _error(rank, world, case):
     elif case == "overlap-on-one-rank":
         kwargs = {"group": groups.shard_group,
                   "replicate_group": groups.shard_group if rank == 0 else groups.replicate_group}
-    elif case == "no-shard-group":
+    elif case == "no-shard-mesh":  # nothing sharded names a mesh, so group= is needed
+        model = torch.nn.Sequential(torch.nn.ReLU())
+        fully_shard(model, mesh=groups.shard_mesh)
+        kwargs = {"replicate_group": groups.replicate_group}
+    elif case == "sharded-over-the-world":  # the group taken from the model holds the replicas
+        torch.manual_seed(0)
+        model = fm.TinyNet()
+        fully_shard(model)
         kwargs = {"replicate_group": groups.replicate_group}
     else:  # "inconsistent": rank 0 (slot 0 of its node) paired with rank 3 (slot 1 of its node)
         bad, _ = dist.new_subgroups_by_enumeration([[0, 3], [1, 2]])
@@ -290,7 +297,8 @@ def _error(rank, world, case):
     ("native-2d-mesh", "native HSDP"),
     ("overlap", "must share exactly this rank"),
     ("overlap-on-one-rank", "rank 0: the replicate group"),
-    ("no-shard-group", "needs group="),
+    ("no-shard-mesh", "needs group="),
+    ("sharded-over-the-world", "must share exactly this rank"),
     ("inconsistent", "inconsistent HSDP groups"),
 ])
 def test_bad_hsdp_setups_raise_a_clear_error_before_any_data_moves(case, words):
@@ -298,6 +306,55 @@ def test_bad_hsdp_setups_raise_a_clear_error_before_any_data_moves(case, words):
         assert message is not None and words in message
         assert "replicate_group=groups.replicate_group" in message  # the recipe
         assert moved == 0
+
+
+def _shard_group_from_the_model(rank, world):
+    """The same model trained twice: with ``group=`` the shard mesh's group, and without it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
+    out = []
+    for explicit in (True, False):
+        torch.manual_seed(0)
+        model = fm.TinyNet()
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        kw = {"group": mesh["shard"].get_group()} if explicit else {}
+        handle = qsdp.quantize_comms(model, "sdp4bit", replicate_group=mesh["replicate"].get_group(), **kw)
+        losses = fm.train(model, 2, rank)
+        out.append((dist.get_process_group_ranks(handle.topology.group), losses, _local_shards(model)))
+        handle.close()
+    return out
+
+
+def test_the_shard_group_is_taken_from_the_model_when_group_is_not_given():
+    for rank, ((ranks, losses, shards), (ranks_, losses_, shards_)) in enumerate(
+            run_world(_shard_group_from_the_model, 4, local_world_size=PER_NODE)):
+        node = rank // PER_NODE
+        assert ranks == ranks_ == [node * PER_NODE + j for j in range(PER_NODE)]
+        assert losses == losses_
+        assert all(torch.equal(a, b) for a, b in zip(shards, shards_))
+
+
+def _without_replicate_group(rank, world, presets):
+    messages = {}
+    for preset in presets:
+        try:
+            qsdp.quantize_comms(fm.build(), preset)
+            messages[preset] = None
+        except qsdp.ConfigError as e:
+            messages[preset] = str(e)
+    return messages
+
+
+def test_a_config_that_quantizes_only_the_replica_all_reduce_needs_a_replicate_group():
+    presets = ("hsdp4", "hsdp8")
+    for messages in run_world(_without_replicate_group, 2, presets, timeout=60):
+        for preset in presets:
+            message = messages[preset]
+            assert message is not None and repr(preset) in message
+            assert "without replicate_group=" in message and "plain FSDP" in message
 
 
 # ------------------------------------------------------------------ non-finite gradients

@@ -6,7 +6,7 @@ Two lines on top of an FSDP2 script::
     qsdp.quantize_comms(model, "sdp4bit")   # after fully_shard, before the first step
 """
 
-from .comm.meter import comm_stats
+from .comm.meter import comm_stats, format_stats
 from .config import (
     PRESETS,
     ConfigError,
@@ -23,7 +23,7 @@ from .hsdp import HsdpGroups, hsdp_groups
 __version__ = "0.1.0"
 
 __all__ = [
-    "quantize_comms", "QuantizedComms", "comm_stats",
+    "quantize_comms", "QuantizedComms", "comm_stats", "format_stats",
     "QuantConfig", "WeightComm", "GradComm", "ConfigError",
     "PRESETS", "preset_names", "resolve_config", "__version__",
     "hsdp_groups", "HsdpGroups", "HsdpComm",

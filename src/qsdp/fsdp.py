@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -31,7 +32,8 @@ class QuantizedComms:
     """What :func:`quantize_comms` attached: the config, the topology and, per FSDP parameter
     group (one ``fully_shard`` call, in ``module.modules()`` order), its all-gather and
     reduce-scatter objects; ``meter`` counts the bytes of this handle's comms only
-    (:meth:`comm_stats`), and passes them on to the process-wide meter (:func:`qsdp.comm_stats`)."""
+    (:meth:`comm_stats`), and passes them on to the process-wide meter (:func:`qsdp.comm_stats`).
+    ``replicas``: HSDP's replicate group size (1 without HSDP). Printed, it is one line."""
 
     config: QuantConfig
     topology: Topology
@@ -40,8 +42,16 @@ class QuantizedComms:
     reduce_scatters: list[GradReduceScatter] = field(default_factory=list)
     tracker: ChangeTracker = field(default_factory=ChangeTracker)
     meter: ByteMeter = field(default_factory=lambda: ByteMeter(parent=METER))
+    replicas: int = 1
 
     _hooks: list[Any] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        # The dataclass repr would print every module tree and process group it holds.
+        t = self.topology
+        hsdp = f", HSDP over {self.replicas} replicas" if self.replicas > 1 else ""
+        return (f"QuantizedComms({self.config.name!r}, {len(self.modules)} FSDP groups, "
+                f"{t.world_size} ranks = {t.nodes} nodes x {t.ranks_per_node}{hsdp})")
 
     def nonfinite_gradients(self) -> bool:
         """Collective: ``True`` on every rank if any rank reduced a NaN/Inf gradient since the
@@ -134,6 +144,29 @@ def _shard_groups(fsdp_modules: list[nn.Module]) -> list[list[nn.Module]]:
     return list(groups.values())
 
 
+def _no_fsdp2_module(module: nn.Module) -> ValueError:
+    """The error for a ``module`` with no FSDP2 module under it, naming the likely cause."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    what = f"no FSDP2 module under {type(module).__name__}"
+    if isinstance(module, DistributedDataParallel):
+        what += f" (it replicates {type(module.module).__name__} with DDP instead of sharding it)"
+    # Accelerate (and the HF Trainer through it) keep their setup in PartialState's shared dict;
+    # read only if the program imported it.
+    accelerate_state = getattr(sys.modules.get("accelerate.state"), "PartialState", None)
+    distributed_type = getattr(accelerate_state, "_shared_state", {}).get("distributed_type")
+    distributed_type = getattr(distributed_type, "value", distributed_type)
+    if distributed_type is not None and distributed_type != "FSDP":
+        return ValueError(
+            f"{what}: Accelerate did not enable FSDP: no accelerator? (distributed_type={distributed_type}; "
+            "Accelerate drops the FSDP plugin on a machine without one: see the CPU workaround in docs/recipes.md)"
+        )
+    if distributed_type is not None:
+        return ValueError(f"{what}: Accelerate enabled FSDP, but this model was not prepared: call quantize_comms "
+                          "on the model accelerator.prepare returned")
+    return ValueError(f"{what}: call torch.distributed.fsdp.fully_shard on its blocks and on the root first")
+
+
 def quantize_comms(
     module: nn.Module,
     config: str | QuantConfig = "sdp4bit",
@@ -149,26 +182,28 @@ def quantize_comms(
         module: the root of a model whose submodules were wrapped with ``fully_shard``.
         config: a preset name (``fsdp``, ``qsdp``, ``sdp4bit``, ``zeropp`` or a variant, see
             :func:`qsdp.preset_names`) or a :class:`QuantConfig`.
-        overrides: field overrides, e.g. ``{"weights.bits": 8}``.
-        group: the FSDP shard process group (default: the world).
+        overrides: field overrides, e.g. ``{"weights.bits": 8}``; ``{"local_world_size": M}``
+            sets the ranks per node where ``LOCAL_WORLD_SIZE`` does not (emulated nodes).
+        group: the FSDP shard process group (default: the world; with ``replicate_group``, the
+            group of the 1-D mesh the parameters were sharded over).
         replicate_group: HSDP: the ranks (one per node) holding the same shard as this rank;
             the gradient all-reduce across them travels as ``config.hsdp`` says, and their
-            initial weights are made identical (see :mod:`qsdp.hsdp`). Needs ``group``.
+            initial weights are made identical (see :mod:`qsdp.hsdp`). Required by configs that
+            quantize nothing else (``hsdp4``, ``hsdp8``).
 
     The config is validated first and then compared across ranks with one collective; both
-    raise :class:`qsdp.ConfigError` naming the problem before any data moves.
+    raise :class:`qsdp.ConfigError` naming the problem before any data moves. On one node
+    (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
     """
     cfg = resolve_config(config, overrides)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("quantize_comms needs an initialized process group (torch.distributed.init_process_group)")
     fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not fsdp_modules:
-        raise ValueError(
-            f"no FSDP2 module under {type(module).__name__}: call torch.distributed.fsdp.fully_shard "
-            "on its blocks and on the root first"
-        )
+        raise _no_fsdp2_module(module)
     _hsdp.reject_native_hsdp(module)
     if replicate_group is None:
+        _hsdp.require_replicate_group(cfg)
         check_same_config(cfg, group)
         topology = build_topology(group, cfg.local_world_size)
     else:
@@ -176,7 +211,9 @@ def quantize_comms(
     if topology.world_size == 1 and replicate_group is None:
         warnings.warn("qsdp: the FSDP group has one rank; FSDP2 calls no custom collective on it, "
                       "so nothing is quantized or metered", stacklevel=2)
-    handle = QuantizedComms(cfg, topology)
+    elif replicate_group is None and topology.rank == 0 and (unused := _unused_on_one_node(cfg, topology)):
+        warnings.warn(unused, stacklevel=2)
+    handle = QuantizedComms(cfg, topology, replicas=1 if replicate_group is None else replicate_group.size())
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
     for i, members in enumerate(_shard_groups(fsdp_modules)):
         m = members[0]
@@ -201,6 +238,26 @@ def quantize_comms(
     if cfg.weights.mode != "plain":
         _watch_parameter_changes(handle)
     return handle
+
+
+def _unused_on_one_node(cfg: QuantConfig, topology: Topology) -> str | None:
+    """What ``cfg`` sets for traffic between nodes that a one-node ``topology`` leaves unused,
+    as a warning naming the override that emulates nodes, or ``None``."""
+    if topology.nodes > 1 or topology.world_size == 1:
+        return None
+    unused = []
+    if cfg.grads.mode == "two_level":
+        unused.append(f"gradients take one {cfg.grads.bits_intra}-bit hop (grads.bits_inter={cfg.grads.bits_inter} unused)")
+    if cfg.weights.mode == "difference" and cfg.weights.replica != "full":
+        unused.append("weights are gathered exactly" if cfg.weights.replica == "node"
+                      else "every rank holds a full weight-difference replica")
+    if not unused:
+        return None
+    m = topology.ranks_per_node
+    return (f"qsdp: {cfg.name}: the {topology.world_size} ranks are one node of {m} (local_world_size from the "
+            f"config, else LOCAL_WORLD_SIZE), so nothing crosses nodes: {'; '.join(unused)}. To emulate D "
+            "nodes of M ranks on one machine (torchrun sets LOCAL_WORLD_SIZE to the ranks it starts there), "
+            "pass overrides={'local_world_size': M}")
 
 
 def _watch_parameter_changes(handle: QuantizedComms) -> None:

@@ -7,8 +7,10 @@ The recipe (``D`` nodes x ``M`` ranks, torchrun numbering)::
     for block in model.blocks:
         fully_shard(block, mesh=groups.shard_mesh)      # 1-D FSDP2 inside the node
     fully_shard(model, mesh=groups.shard_mesh)
-    qsdp.quantize_comms(model, "sdp4bit", group=groups.shard_group,
-                        replicate_group=groups.replicate_group)
+    qsdp.quantize_comms(model, "sdp4bit", replicate_group=groups.replicate_group)
+
+``group`` (the shard group) may be left out: it is then the group of the 1-D mesh the model's
+parameters were sharded over, which ``fully_shard(mesh=...)`` already named.
 """
 
 from __future__ import annotations
@@ -79,6 +81,24 @@ def reject_native_hsdp(module: nn.Module) -> None:
                 f"{name} was sharded with fully_shard(mesh=<2-D mesh>) (FSDP2's native HSDP), whose "
                 "inter-node all-reduce qsdp cannot replace; instead " + RECIPE
             )
+
+
+def quantizes_only_replicas(config: QuantConfig) -> bool:
+    """Whether ``config`` quantizes nothing but the gradient all-reduce across HSDP replicas (the
+    ``hsdp4`` / ``hsdp8`` variants): without a replicate group it would run as plain FSDP."""
+    return config.hsdp.mode != "plain" and config.weights.mode == "plain" and config.grads.mode == "plain"
+
+
+def require_replicate_group(config: QuantConfig) -> None:
+    """Raise :class:`ConfigError` if :func:`quantizes_only_replicas`: called when
+    ``quantize_comms`` was given no ``replicate_group``."""
+    if quantizes_only_replicas(config):
+        raise ConfigError(
+            f"config {config.name!r} quantizes only the gradient all-reduce across HSDP replicas "
+            f"(hsdp.mode={config.hsdp.mode!r}, weights and grads plain): without replicate_group= it "
+            "would run as plain FSDP at full precision; pass replicate_group= (the ranks, one per node, "
+            "holding this rank's shard): " + RECIPE
+        )
 
 
 def layout_problem(group: dist.ProcessGroup, replicate_group: dist.ProcessGroup) -> str | None:
@@ -159,12 +179,36 @@ def hsdp_reduce_scatter(
     return rs
 
 
+def shard_group_of(module: nn.Module) -> dist.ProcessGroup:
+    """The process group of the one 1-D mesh that ``fully_shard`` sharded ``module``'s parameters
+    over (read from the parameters, FSDP2's DTensors; local, no collective). Raises
+    :class:`ConfigError` asking for ``group=`` when there is no such mesh: no sharded parameter,
+    a mesh of more than one dimension, or parameters sharded over different meshes."""
+    from torch.distributed.tensor import DTensor
+
+    meshes = {}
+    for p in module.parameters():
+        if isinstance(p, DTensor):
+            meshes.setdefault(id(p.device_mesh), p.device_mesh)
+    need = "replicate_group needs group= the shard group (the ranks FSDP2 shards over)"
+    if not meshes:
+        raise ConfigError(f"{need}: no parameter of {type(module).__name__} was sharded by fully_shard; " + RECIPE)
+    if any(m.ndim != 1 for m in meshes.values()):
+        dims = sorted({m.ndim for m in meshes.values()})
+        raise ConfigError(f"{need}: the parameters were sharded over a mesh of {dims[-1]} dimensions, not one; " + RECIPE)
+    groups = {tuple(dist.get_process_group_ranks(m.get_group())): m.get_group() for m in meshes.values()}
+    if len(groups) > 1:
+        raise ConfigError(f"{need}: the parameters were sharded over different ranks {sorted(groups)}; " + RECIPE)
+    return next(iter(groups.values()))
+
+
 def prepare(module: nn.Module, config: QuantConfig, group: dist.ProcessGroup | None,
             replicate_group: dist.ProcessGroup) -> Topology:
     """Check the two groups (locally, then across the world), make the replicas' weights
-    identical, and return the topology of the shard group."""
+    identical, and return the topology of the shard group (``group``, default: the group of the
+    mesh the module was sharded over, :func:`shard_group_of`)."""
     if group is None:
-        raise ConfigError("replicate_group needs group= the shard group (the ranks FSDP2 shards over); " + RECIPE)
+        group = shard_group_of(module)
     check_same_layout(config, group, replicate_group)
     broadcast_replicas(module, replicate_group)
     # The shard group is one node: every exchange inside it stays on the fast links.

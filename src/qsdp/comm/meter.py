@@ -17,6 +17,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..text_table import aligned
+
 KINDS = ("weights", "grads", "control")
 LEVELS = ("intra", "inter")
 
@@ -93,6 +95,20 @@ class ByteMeter:
 
 
 METER = ByteMeter()
+
+
+def format_stats(stats: Stats) -> str:
+    """:func:`comm_stats` (or a handle's) as a plain-text table: one row per kind and link
+    (``intra``, ``inter``, ``total``) with bytes, elements and bits per element; the
+    ``control`` rows only when control messages were sent."""
+    rows = [["kind", "link", "bytes", "elements", "bits/elt"]]
+    for kind, levels in stats.items():
+        if kind == "control" and not levels["total"]["bytes"]:
+            continue
+        for level, c in levels.items():
+            bits = f"{c['bits_per_element']:.3f}" if c["elements"] else "-"
+            rows.append([kind, level, f"{int(c['bytes']):,}", f"{int(c['elements']):,}", bits])
+    return "\n".join(aligned(rows, rule=True))
 
 
 def comm_stats(reset: bool = True) -> Stats:
