@@ -1,16 +1,17 @@
 """The Accelerate recipe (examples/recipes/accelerate_fsdp2.py): qsdp after
 ``accelerator.prepare(model, optimizer)`` with Accelerate's FSDP2 plugin, on a two-layer Llama.
 
-Accelerate turns FSDP on only for accelerator backends (its state keeps ``MULTI_CPU``/``NO`` on a
-CPU-only machine and drops the plugin), so these tests hand the FSDP2 plugin to the accelerator
-state the way Accelerate does on GPUs; ``prepare`` then runs its real FSDP2 path (auto-wrapped
-layers, embeddings, grouped tail, root, optimizer remapped by name). Checkpoints go through
+Accelerate turns FSDP on only for accelerator backends (its state keeps ``MULTI_CPU`` on a CPU-only
+machine and drops the plugin), so the recipe's ``restore_fsdp_plugin`` hands the FSDP2 plugin to the
+accelerator state the way Accelerate does on GPUs; ``prepare`` then runs its real FSDP2 path
+(auto-wrapped layers, embeddings, grouped tail, root, optimizer remapped by name). Checkpoints go through
 Accelerate's FSDP checkpoint functions (``save_fsdp_model`` / ``load_fsdp_model``, what
 ``save_state`` / ``load_state`` call under FSDP), sharded with DCP.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -30,14 +31,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _accelerator():
-    from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedType
+    from accelerate import Accelerator
 
     plugin = recipe.fsdp2_plugin("LlamaDecoderLayer")
-    accelerator = Accelerator()
-    # What Accelerate's state sets itself on an accelerator backend (both shared states).
-    accelerator.state.fsdp_plugin = plugin
-    accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
+    recipe.restore_fsdp_plugin(accelerator, plugin)
     assert accelerator.is_fsdp2
     return accelerator, plugin
 
@@ -61,6 +59,8 @@ def _prepared(rank, world):
     torch.manual_seed(0)
     model = recipe.tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with pytest.raises(ValueError, match="Accelerate enabled FSDP, but this model was not prepared"):
+        recipe.qsdp.quantize_comms(model, "sdp4bit")
     model, optimizer = accelerator.prepare(model, optimizer)
     before = [id(p) for p in model.parameters()]
     handle = recipe.qsdp.quantize_comms(model, "sdp4bit")
@@ -75,6 +75,7 @@ def _prepared(rank, world):
 
 
 def test_every_fsdp_module_accelerate_made_is_covered_and_no_parameter_replaced():
+    # (and quantize_comms called before prepare says so)
     for r in run_world(_prepared, 2):
         assert r == dict(covered=True, same_parameters=True, optimizer_trains_them=True)
 
@@ -140,4 +141,33 @@ def _without_fsdp(rank, world):
 
 
 def test_an_accelerator_without_fsdp2_is_rejected_before_prepare():
-    assert "fsdp_version=2" in run_world(_without_fsdp, 1)[0]
+    message = run_world(_without_fsdp, 1)[0]
+    assert "fsdp_version=2" in message and "restore_fsdp_plugin" in message
+
+
+def _ddp_wrapped(rank, world):
+    from accelerate import Accelerator
+
+    # the plugin given but not restored: on CPU, Accelerate drops it and prepare wraps in DDP
+    accelerator = Accelerator(fsdp_plugin=recipe.fsdp2_plugin(), cpu=True)
+    model = accelerator.prepare(recipe.tiny_llama())
+    with pytest.raises(ValueError, match="Accelerate did not enable FSDP: no accelerator") as err:
+        recipe.qsdp.quantize_comms(model, "sdp4bit")
+    return type(model).__name__, str(err.value)
+
+
+def test_quantize_comms_on_the_ddp_model_accelerate_made_on_cpu_says_why():
+    for wrapper, message in run_world(_ddp_wrapped, 2):
+        assert wrapper == "DistributedDataParallel"
+        assert "replicates LlamaForCausalLM with DDP" in message and "docs/recipes.md" in message
+
+
+def _script(rank, world):
+    return recipe.main(["--steps", "8"])
+
+
+def test_the_recipe_script_trains_on_cpu_as_written():
+    # main() is the script: Accelerator(cpu=True), restore_fsdp_plugin, prepare_with_qsdp, the loop
+    for losses in run_world(_script, 2):
+        assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+        assert losses[-1] < 0.9 * losses[0]

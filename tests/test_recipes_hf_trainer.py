@@ -2,13 +2,14 @@
 in ``on_train_begin`` to the Trainer's FSDP2 model, after ``resume_from_checkpoint`` was loaded.
 
 The Trainer enables FSDP through Accelerate, which does so only on accelerator backends: on a
-CPU-only machine the test Trainer hands Accelerate's state the FSDP2 plugin the Trainer built
-from its own ``fsdp_config`` (what Accelerate does on GPUs). Everything else is the Trainer's:
+CPU-only machine the recipe's ``Fsdp2Trainer`` hands Accelerate's state the FSDP2 plugin the Trainer
+built from its own ``fsdp_config`` (what Accelerate does on GPUs). Everything else is the Trainer's:
 ``accelerator.prepare``, the training loop, FSDP checkpoints and resume.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -26,23 +27,11 @@ from accelerate_fsdp2 import tiny_llama  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
-def _trainer(out: str, init_seed: int, callbacks: list, steps: int = 6):
-    from accelerate import FullyShardedDataParallelPlugin, PartialState
-    from accelerate.utils import DistributedType
-    from transformers import Trainer
-
-    class CpuFsdpTrainer(Trainer):
-        def create_accelerator_and_postprocess(self):
-            super().create_accelerator_and_postprocess()
-            state = self.accelerator.state
-            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
-            self.is_fsdp_enabled = True
-
+def _trainer(out: str, init_seed: int, callbacks: list, steps: int = 6, trainer_cls=recipe.Fsdp2Trainer):
     args = recipe.fsdp2_arguments(out, max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-2,
-                                  logging_steps=1, save_steps=3, use_cpu=True, disable_tqdm=True, seed=0)
+                                  logging_steps=1, save_steps=3, disable_tqdm=True, seed=0)
     torch.manual_seed(init_seed)
-    return CpuFsdpTrainer(model=tiny_llama(), args=args, train_dataset=recipe.TokenDataset(), callbacks=callbacks)
+    return trainer_cls(model=tiny_llama(), args=args, train_dataset=recipe.TokenDataset(), callbacks=callbacks)
 
 
 def _losses(trainer) -> list[float]:
@@ -123,3 +112,32 @@ def _without_fsdp(rank, world, out):
 
 def test_a_trainer_without_fsdp2_is_rejected_at_train_begin(tmp_path):
     assert "fsdp=True" in run_world(_without_fsdp, 1, str(tmp_path))[0]
+
+
+def _plain_trainer_on_cpu(rank, world, out):
+    from transformers import Trainer
+
+    trainer = _trainer(out, init_seed=0, callbacks=[recipe.QsdpCallback("sdp4bit")], trainer_cls=Trainer)
+    with pytest.raises(ValueError, match="Accelerate did not enable FSDP: no accelerator") as from_callback:
+        trainer.train()
+    # what a callback of one's own that calls quantize_comms directly meets
+    with pytest.raises(ValueError, match="Accelerate did not enable FSDP: no accelerator") as from_qsdp:
+        recipe.qsdp.quantize_comms(trainer.model, "sdp4bit")
+    return str(from_callback.value), str(from_qsdp.value)
+
+
+def test_the_plain_trainer_on_cpu_is_told_that_accelerate_dropped_fsdp(tmp_path):
+    for from_callback, from_qsdp in run_world(_plain_trainer_on_cpu, 2, str(tmp_path)):
+        assert "Fsdp2Trainer" in from_callback
+        assert "no FSDP2 module under LlamaForCausalLM" in from_qsdp and "docs/recipes.md" in from_qsdp
+
+
+def _script(rank, world, out):
+    return recipe.main(["--steps", "6", "--output-dir", out])
+
+
+def test_the_recipe_script_trains_on_cpu_as_written(tmp_path):
+    # main() is the script: fsdp2_arguments, Fsdp2Trainer, QsdpCallback, trainer.train()
+    for losses in run_world(_script, 2, str(tmp_path / "out")):
+        assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+        assert max(losses[-3:]) < losses[0]  # learning, at the script's lr decaying to 0 over 6 steps

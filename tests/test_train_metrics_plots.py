@@ -8,18 +8,21 @@ import numpy as np
 import pytest
 
 from qsdp.train.metrics import MetricsWriter, read_metrics, read_summary, write_summary
-from qsdp.train.plots import ema_smooth, plot_runs
+from qsdp.train.plots import LOSS_VS_BYTES, ema_smooth, loss_figures, plot_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _fake_run(run_dir, name, bytes_per_step, n_steps=30, val_every=10):
-    """A run directory as the training loop writes it, with a synthetic decaying loss."""
+def _fake_run(run_dir, name, bytes_per_step, n_steps=30, val_every=10, inter_per_step=0.0):
+    """A run directory as the training loop writes it, with a synthetic decaying loss;
+    ``inter_per_step`` of the bytes go between nodes, half weights, half gradients."""
     with MetricsWriter(run_dir) as w:
         for step in range(1, n_steps + 1):
             w.write({"step": step, "loss": 5.5 * math.exp(-step / 20) + 1.0, "lr": 1e-3,
                      "step_time_s": 0.1, "tokens_per_s": 1e4,
-                     "wire_bytes_total": step * bytes_per_step})
+                     "wire_bytes_total": step * bytes_per_step,
+                     "wire_bytes_weights_inter": step * inter_per_step / 2,
+                     "wire_bytes_grads_inter": step * inter_per_step / 2, "wire_bytes_control_inter": 0})
             if step % val_every == 0:
                 w.write({"step": step, "val_loss": 5.5 * math.exp(-step / 20) + 1.1})
     write_summary(run_dir, {"config": {"name": name}, "final_loss": 1.5})
@@ -94,6 +97,28 @@ def test_plots_are_written_as_png(tmp_path):
         with open(p, "rb") as f:
             assert f.read(8) == PNG_MAGIC
         assert os.path.getsize(p) > 10_000
+
+
+def _curve_ends(ax) -> dict[str, float]:
+    return {line.get_label(): float(line.get_xdata()[-1]) for line in ax.lines
+            if line.get_label().endswith(" train")}
+
+
+def test_loss_vs_bytes_has_a_panel_for_inter_node_bytes_and_one_for_all_bytes(tmp_path):
+    # 30 steps; fsdp: 4 MB a step, 2 MB of them between nodes; sdp4bit: 3 MB, 0.2 MB between nodes
+    _fake_run(tmp_path / "fsdp", "fsdp", bytes_per_step=4e6, inter_per_step=2e6)
+    _fake_run(tmp_path / "sdp4bit", "sdp4bit", bytes_per_step=3e6, inter_per_step=0.2e6)
+    inter, total = loss_figures([str(tmp_path / "fsdp"), str(tmp_path / "sdp4bit")])[LOSS_VS_BYTES].axes
+    assert inter.get_xlabel() == "bytes between nodes (MB, cumulative)"
+    assert total.get_xlabel() == "bytes on all links, inside and between nodes (MB, cumulative)"
+    assert _curve_ends(inter) == pytest.approx({"fsdp train": 60.0, "sdp4bit train": 6.0})
+    assert _curve_ends(total) == pytest.approx({"fsdp train": 120.0, "sdp4bit train": 90.0})
+
+
+def test_runs_on_one_node_get_only_the_all_bytes_panel(tmp_path):
+    _fake_run(tmp_path / "run", "qsdp", bytes_per_step=1e6)  # nothing between nodes
+    (total,) = loss_figures([str(tmp_path / "run")])[LOSS_VS_BYTES].axes
+    assert total.get_xlabel().startswith("bytes on all links")
 
 
 def test_plot_errors_name_the_run(tmp_path):

@@ -1,6 +1,8 @@
 """Loss curves of one or more runs: against the step and against the bytes put on the wire.
 
-The second plot is the point of quantized communication: at equal loss, how many fewer bytes.
+The second plot is the point of quantized communication: at equal loss, how many fewer bytes. Its
+first panel counts the bytes between nodes, the scarce links and the ones ``qsdp demo``'s table
+reports; its second all the bytes, inside the nodes too (where ``sdp4bit`` gathers exact weights).
 Uses matplotlib's object-oriented API with the Agg canvas, so it needs no display and does not
 switch the global pyplot backend of the calling program.
 """
@@ -10,12 +12,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from qsdp.comm.meter import KINDS
+from qsdp.extras import require
 from qsdp.train.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics, read_summary
 
-__all__ = ["plot_runs", "ema_smooth", "LOSS_VS_STEP", "LOSS_VS_BYTES"]
+if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn
+    from matplotlib.figure import Figure
+
+__all__ = ["plot_runs", "loss_figures", "ema_smooth", "LOSS_VS_STEP", "LOSS_VS_BYTES"]
 
 LOSS_VS_STEP = "loss_vs_step.png"
 LOSS_VS_BYTES = "loss_vs_bytes.png"
@@ -27,6 +35,7 @@ class _Run:
     steps: np.ndarray  # [n] train steps, increasing
     loss: np.ndarray  # [n] train loss
     wire_bytes: np.ndarray | None  # [n] cumulative bytes on the wire, None if not recorded
+    inter_bytes: np.ndarray | None  # [n] cumulative bytes between nodes, None if not recorded
     val_steps: np.ndarray  # [m]
     val_loss: np.ndarray  # [m]
 
@@ -77,12 +86,15 @@ def _load_run(run_dir: str) -> _Run:
         if name:
             label = str(name)
     has_bytes = all("wire_bytes_total" in r for r in train.values())
+    has_levels = all(f"wire_bytes_{kind}_inter" in r for r in train.values() for kind in ("weights", "grads"))
     return _Run(
         label=label,
         steps=np.array(list(train), dtype=np.int64),
         loss=np.array([r["loss"] for r in train.values()], dtype=np.float64),
         wire_bytes=(np.array([r["wire_bytes_total"] for r in train.values()], dtype=np.float64)
                     if has_bytes else None),
+        inter_bytes=(np.array([sum(r.get(f"wire_bytes_{kind}_inter", 0) for kind in KINDS)
+                               for r in train.values()], dtype=np.float64) if has_levels else None),
         val_steps=np.array(list(val), dtype=np.int64),
         val_loss=np.array([r["val_loss"] for r in val.values()], dtype=np.float64),
     )
@@ -95,16 +107,56 @@ def _byte_unit(max_bytes: float) -> tuple[float, str]:
     return 1.0, "bytes"
 
 
-def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
-    """Plot the runs' loss curves into ``out_dir``; returns the paths of the PNGs written.
+@dataclass(frozen=True)
+class _Axis:
+    field: str  # the _Run array the x axis reads
+    label: str  # x label; "{unit}" is replaced by the byte unit
+    title: str
 
-    Writes ``loss_vs_step.png`` (smoothed train loss, faint raw loss, validation loss as markers)
-    and ``loss_vs_bytes.png`` (the same against ``wire_bytes_total``, cumulative bytes on the
-    wire). Each run is labelled by ``config.name`` of its summary.json, else its directory name.
-    Raises FileNotFoundError for a run without metrics.jsonl, ValueError for a run without
-    training records or without ``wire_bytes_total``.
+
+_STEP_AXIS = _Axis("steps", "step", "loss vs step")
+_INTER_AXIS = _Axis("inter_bytes", "bytes between nodes ({unit}, cumulative)",
+                    "loss vs inter-node bytes (the scarce links)")
+_TOTAL_AXIS = _Axis("wire_bytes", "bytes on all links, inside and between nodes ({unit}, cumulative)",
+                    "loss vs all bytes communicated")
+
+
+def _draw(ax, runs: list[_Run], labels: list[str], axis: _Axis) -> None:
+    """One panel: each run's raw and smoothed train loss and its validation losses against ``axis``."""
+    scale, unit = 1.0, ""
+    if axis is not _STEP_AXIS:
+        scale, unit = _byte_unit(max(float(getattr(r, axis.field).max()) for r in runs))
+    for i, (run, label) in enumerate(zip(runs, labels)):
+        color = f"C{i % 10}"
+        x = getattr(run, axis.field) / scale
+        # x at each validation step, read off the train records' (cumulative, increasing) curve.
+        xv = np.interp(run.val_steps, run.steps, x)
+        ax.plot(x, run.loss, color=color, alpha=0.2, linewidth=0.8)
+        ax.plot(x, ema_smooth(run.loss), color=color, linewidth=1.6, label=f"{label} train")
+        if len(run.val_steps):
+            ax.plot(xv, run.val_loss, color=color, linestyle="none", marker="o", markersize=4,
+                    label=f"{label} val")
+    ax.set_xlabel(axis.label.format(unit=unit))
+    ax.set_ylabel("loss (cross entropy, nats)")
+    ax.set_title(axis.title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def loss_figures(run_dirs: list[str]) -> dict[str, Figure]:
+    """The runs' loss curves as matplotlib figures (Agg canvas), by file name:
+
+    - ``loss_vs_step.png``: smoothed train loss, faint raw loss, validation loss as markers;
+    - ``loss_vs_bytes.png``: the same against cumulative bytes, in two labelled panels: the bytes
+      between nodes (``wire_bytes_{kind}_inter`` summed over kinds; left out when no run recorded
+      any, as on one node) and all bytes (``wire_bytes_total``).
+
+    Each run is labelled by ``config.name`` of its summary.json, else its directory name. Raises
+    FileNotFoundError for a run without metrics.jsonl, ValueError for a run without training
+    records or without ``wire_bytes_total``.
     """
     # matplotlib costs a second to import: loaded only when a plot is drawn.
+    require("matplotlib", "plotting loss curves")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -121,32 +173,26 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
         if labels.count(run.label) > 1:
             labels[i] = f"{run.label} ({Path(d).resolve().name})"
 
-    os.makedirs(out_dir, exist_ok=True)
-    scale, unit = _byte_unit(max(float(r.wire_bytes.max()) for r in runs))
-    paths = []
-    for filename, use_bytes in ((LOSS_VS_STEP, False), (LOSS_VS_BYTES, True)):
-        fig = Figure(figsize=(7, 4.5), dpi=120)
+    between_nodes = all(r.inter_bytes is not None for r in runs) and any(r.inter_bytes.max() > 0 for r in runs)
+    figures = {}
+    for filename, axes in ((LOSS_VS_STEP, [_STEP_AXIS]),
+                           (LOSS_VS_BYTES, [_INTER_AXIS, _TOTAL_AXIS] if between_nodes else [_TOTAL_AXIS])):
+        fig = Figure(figsize=(7 * len(axes), 4.5), dpi=120)
         FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        for i, (run, label) in enumerate(zip(runs, labels)):
-            color = f"C{i % 10}"
-            if use_bytes:
-                x = run.wire_bytes / scale
-                # Bytes at each validation step, read off the train records' cumulative curve.
-                xv = np.interp(run.val_steps, run.steps, run.wire_bytes) / scale
-            else:
-                x, xv = run.steps, run.val_steps
-            ax.plot(x, run.loss, color=color, alpha=0.2, linewidth=0.8)
-            ax.plot(x, ema_smooth(run.loss), color=color, linewidth=1.6, label=f"{label} train")
-            if len(run.val_steps):
-                ax.plot(xv, run.val_loss, color=color, linestyle="none", marker="o",
-                        markersize=4, label=f"{label} val")
-        ax.set_xlabel(f"bytes on the wire ({unit}, cumulative)" if use_bytes else "step")
-        ax.set_ylabel("loss (cross entropy, nats)")
-        ax.set_title("loss vs bytes communicated" if use_bytes else "loss vs step")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        for k, axis in enumerate(axes, start=1):
+            _draw(fig.add_subplot(1, len(axes), k), runs, labels, axis)
         fig.tight_layout()
+        figures[filename] = fig
+    return figures
+
+
+def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
+    """Write :func:`loss_figures` of the runs into ``out_dir`` as PNGs; returns their paths
+    (``loss_vs_step.png``, ``loss_vs_bytes.png``). Raises as :func:`loss_figures` does."""
+    figures = loss_figures(run_dirs)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for filename, fig in figures.items():
         path = os.path.join(out_dir, filename)
         fig.savefig(path)
         paths.append(path)
