@@ -61,7 +61,7 @@ BENCHMARKS = {
     "phases": "qsdp.bench.phases",
 }
 # `qsdp advise ARGS...` dispatches like a benchmark: its module parses its own arguments.
-_MODULES = {**BENCHMARKS, "advise": "qsdp.advise"}
+_MODULES = {**BENCHMARKS, "advise": "qsdp.advise", "presets": "qsdp.preset_table", "check": "qsdp.check.cli"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -279,6 +279,16 @@ def _parser() -> _Parser:
                        add_help=False, prefix_chars="\0")  # every argument goes to qsdp.advise
     a.add_argument("advise_args", nargs=argparse.REMAINDER)
     a.set_defaults(func=lambda ns: _cmd_bench(argparse.Namespace(bench="advise", bench_args=ns.advise_args)))
+
+    pr = sub.add_parser("presets", help="every preset's fields and bits per element on each link",
+                        add_help=False, prefix_chars="\0")  # every argument goes to qsdp.preset_table
+    pr.add_argument("presets_args", nargs=argparse.REMAINDER)
+    pr.set_defaults(func=lambda ns: _cmd_bench(argparse.Namespace(bench="presets", bench_args=ns.presets_args)))
+
+    c = sub.add_parser("check", help="will a preset hurt this model: gradient and weight errors per layer",
+                       add_help=False, prefix_chars="\0")  # every argument goes to qsdp.check.cli
+    c.add_argument("check_args", nargs=argparse.REMAINDER)
+    c.set_defaults(func=lambda ns: _cmd_bench(argparse.Namespace(bench="check", bench_args=ns.check_args)))
 
     b = sub.add_parser("bench", help="benchmarks", description="Benchmarks of qsdp.")
     b.add_argument("bench", choices=sorted(BENCHMARKS), help="which benchmark")
