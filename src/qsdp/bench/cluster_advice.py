@@ -11,15 +11,19 @@ processes at once, so they share the CPUs or the GPU as the emulated ranks do) e
   host): the intra-node bandwidth per rank from a large gather and the per-collective latency
   from a one-element gather;
 * time the codec steps on the device (quantize, Hadamard quantize, dequantize-accumulate):
-  the codec speeds, GB/s of the fp32 side.
+  the codec speeds, GB/s of the fp32 side (on 1M elements), and the fixed cost of one codec
+  call (the intercept of calls on 16K and 64K elements).
 
 :func:`predict_rows` then prices every row with the performance model (:func:`predict_step_s`):
 the measured compute plus :func:`qsdp.perfmodel.comm_time` of the step's collectives
 (:func:`qsdp.perfmodel.step_collectives`, the bytes the comm objects send), as gloo runs them
-(every chunk straight to every peer, not a ring), no overlap. The link is the row's rate per node
-and direction, of which the TCP payload share of an Ethernet frame is usable (an unlimited veth:
-the intra-node bandwidth, both being the kernel's own copy); every collective pays the measured
-latency per peer; the shape is the bench's model. Each row gets the predicted speedup over
+(all-gathers as rings, the plain reduce-scatter as a ring all-reduce, all-to-alls direct), on
+host-staged hardware: the codecs (bytes over the speed plus the fixed cost per call), the
+copies of every byte sent (at the intra-node bandwidth) and the latency of every step are the
+host's, serial with the compute; the link's own time (the row's rate per node and direction, of
+which the TCP payload share of an Ethernet frame is usable; an unlimited veth adds nothing to
+the host's copy) runs alongside the host (prefetched gathers, asynchronous reduce-scatters):
+:func:`qsdp.perfmodel.host_staged_step`. The shape is the bench's model. Each row gets the predicted speedup over
 ``fsdp`` at its rate, the error ``predicted / measured - 1``, the preset the advisor picks at
 that rate (``qsdp advise``'s rule: a quantized preset only when predicted at least the margin
 faster than ``fsdp``) and the fastest preset measured there.
@@ -212,7 +216,8 @@ def predict_step_s(preset: str, inputs: ModelInputs, rate_mbit: float, *, nodes:
                    model: str, seq_len: int, batch_size: int, param_dtype: str) -> float:
     """The model's step time of ``preset`` for the bench's job on the emulated cluster: the
     measured compute plus the collectives of :func:`qsdp.perfmodel.step_collectives` as gloo
-    runs them, priced by :func:`qsdp.perfmodel.comm_time` (wire, latency, codec), no overlap."""
+    runs them, priced by :func:`qsdp.perfmodel.comm_time` (host: copies, latency, codec; the
+    link apart), host and link overlapped by :func:`qsdp.perfmodel.host_staged_step`."""
     setup = ShapeSetup("custom", "emulated", nodes * ranks_per_node, 1, 1, seq_len=seq_len, micro_batch=batch_size,
                        layout="layer", zero3=True, vocab_size=default_vocab(model), **MODEL_SIZES[model])
     hw = emulated_hardware(inputs, rate_mbit, ranks_per_node)
@@ -257,7 +262,9 @@ def predict_rows(result: dict[str, Any], inputs: ModelInputs, margin: float = 0.
                "max_abs_error": max(errors) if errors else None,
                "picks": picks, "picks_ok": sum(p["pick_ok"] for p in picks), "rates": len(picks),
                "model": "measured compute + qsdp.perfmodel.comm_time of the step's collectives as gloo runs "
-                        "them (direct exchange; alpha-beta, codec time), no overlap; inputs measured on this "
+                        "them (ring gathers, all-reduce reduce-scatter, direct all-to-alls), host-staged "
+                        "(codecs with a fixed cost per call, copies and latency on the host, serial), the "
+                        "link alongside the host; inputs measured on this "
                         "machine apart from the sweep"}
     result["advisor"] = summary
     return summary

@@ -10,7 +10,13 @@ its node's NIC bandwidth (``G`` GPUs per node; the same as one NIC per GPU as in
 all of its own NVLink bandwidth. A ring step costs the latency ``alpha`` of the slowest link it
 crosses; an all-to-all costs ``alpha`` per peer. The two-level reduce-scatter's
 ``pipeline_slices`` run as a 5-stage pipeline (quantize, intra all-to-all,
-dequantize+requantize, inter all-to-all, dequantize).
+dequantize+requantize, inter all-to-all, dequantize). A ``ring_allreduce`` (a reduce-scatter
+run as an all-reduce, as gloo does) costs twice a ring's bytes and steps.
+
+Host-staged hardware (``Hardware.host_staged``: gloo on CPUs) has no engine apart from the
+host but the inter-node link itself: the codecs, the copies of every byte a rank sends and the
+latency of every step add up, and only the link's own time (a shaper slower than the host's
+copy) is reported apart, for :func:`host_staged_step` to overlap with the host's work.
 """
 
 from __future__ import annotations
