@@ -32,9 +32,8 @@ from qsdp.bench.cluster import (
     select_rows,
     train_result,
 )
-from qsdp.bench.workload import default_vocab
 from qsdp.train.loop import TrainArgs, train_worker
-from qsdp.train.model import GPTConfig, MODEL_SIZES, n_params
+from qsdp.train.model import MODEL_SIZES, GPTConfig, default_vocab, n_params
 
 _MISSING = missing_requirements()
 needs_netns = pytest.mark.skipif(

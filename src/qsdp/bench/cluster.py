@@ -33,7 +33,7 @@ root and the ``pyroute2`` package (the ``bench`` extra).
 ``--device cuda``: the ranks of all emulated nodes share this machine's GPUs (rank on GPU
 ``LOCAL_RANK % count``; gloo carries the CUDA tensors through the host, as in the GPU smoke),
 the Triton codec kernels on; the parameters in bf16 by default (``--param-dtype``). ``--model
-gpt2-125m`` (GPT-2's vocabulary, 124M parameters) is a size at which GPU compute matters.
+gpt2-125m`` (GPT-2's vocabulary and an untied head, 162M parameters) is a size at which GPU compute matters.
 
 ``--rates R1 R2 ...`` (e.g. ``20mbit 100mbit 1gbit 10gbit unlimited``): a sweep. Every preset runs
 at every rate on one set of namespaces, rate by rate; one table and JSON ``rows`` with a row per
@@ -779,7 +779,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="timed steps per preset on the unlimited link (cheap; more steps, less noise)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--model", default="tiny", choices=tuple(MODEL_SIZES),
-                        help="GPT size (gpt2-*: GPT-2's vocabulary, e.g. gpt2-125m has 124M parameters)")
+                        help="GPT size (gpt2-*: GPT-2's vocabulary, e.g. gpt2-125m has 162M parameters with its untied head)")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

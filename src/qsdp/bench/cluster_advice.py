@@ -43,9 +43,8 @@ import torch
 
 from qsdp.perfmodel import (Collective, Hardware, ShapeSetup, comm_time, host_staged_step, shard_sizes,
                             step_collectives)
-from qsdp.train.model import MODEL_SIZES
+from qsdp.train.model import MODEL_SIZES, default_vocab
 
-from .workload import default_vocab
 
 # The codec steps of qsdp bench codecs that stand for the model's three kernel speeds.
 CODEC_STEPS = {"quantize": "quantize_stochastic", "hadamard_quantize": "hadamard_quantize",

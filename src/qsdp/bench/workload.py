@@ -19,18 +19,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import qsdp
-from qsdp.train.model import count_params, make_gpt, transformer_blocks
+from qsdp.train.model import count_params, default_vocab, make_gpt, transformer_blocks
 from qsdp.train.runtime import codec_kernels
 
 from .step_phases import phase_times
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def default_vocab(model_name: str) -> int:
-    """The vocabulary of the random tokens: GPT-2's 50257 for the ``gpt2-*`` sizes (their
-    published parameter counts include it), else 256 (bytes)."""
-    return 50257 if model_name.startswith("gpt2") else 256
 
 
 def run_steps(

@@ -2,7 +2,9 @@
 
 A model is named in one of three ways:
 
-* a built-in GPT size (a key of :data:`qsdp.train.model.MODEL_SIZES`), with the byte vocabulary;
+* a built-in GPT size (a key of :data:`qsdp.train.model.MODEL_SIZES`), with the vocabulary of
+  :func:`qsdp.train.model.default_vocab` (GPT-2's for the ``gpt2-*`` sizes, an untied head: ``gpt2-125m``
+  has 162M parameters; the byte tokens use its first 256 ids), else the byte vocabulary;
 * a Hugging Face config JSON (a local file with a ``model_type``), built randomly initialised
   with ``AutoModelForCausalLM.from_config`` (nothing is downloaded);
 * ``module:function`` (``package.module:function`` or ``path/to/file.py:function``): a
@@ -26,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..train.model import GPT, MODEL_SIZES, make_gpt
+from ..train.model import GPT, MODEL_SIZES, default_vocab, make_gpt
 
 
 class ModelError(ValueError):
@@ -49,7 +51,7 @@ def build_model(spec: str, *, vocab_size: int, seq_len: int, seed: int) -> nn.Mo
     """The model ``spec`` names (see the module doc), initialised from ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
     if spec in MODEL_SIZES:
-        return make_gpt(spec, vocab_size, seq_len)
+        return make_gpt(spec, max(vocab_size, default_vocab(spec)), seq_len)
     if spec.endswith(".json"):
         return _hf_model(spec, vocab_size, seq_len)
     if ":" in spec:

@@ -165,6 +165,13 @@ MODEL_SIZES: dict[str, dict] = {
 }
 
 
+def default_vocab(model_name: str) -> int:
+    """The vocabulary a named size is built with where no tokenizer fixes it (benchmarks on random
+    tokens, ``qsdp check``): GPT-2's 50257 for the ``gpt2-*`` sizes (their published parameter
+    counts include it), else 256 (bytes)."""
+    return 50257 if model_name.startswith("gpt2") else 256
+
+
 def make_gpt(name: str, vocab_size: int, block_size: int) -> GPT:
     """Build the GPT of the named size (a key of ``MODEL_SIZES``) on the current device.
 
