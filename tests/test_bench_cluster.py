@@ -340,7 +340,7 @@ def test_gloo_gathers_in_a_ring_and_reduce_scatters_by_a_ring_all_reduce():
 
     for preset in ("fsdp", "qsdp"):
         colls = step_collectives(preset, [4096, 8192], 2, 2, param_bytes=4, grad_bytes=4)
-        algos = {(c.kind, c.algo) for c in gloo_collectives(colls, 2, 2)}
+        algos = {(c.kind, c.algo) for c in gloo_collectives(colls)}
         if preset == "fsdp":
             assert algos == {("weights", "ring"), ("grads", "ring_allreduce")}
         else:  # the quantized reduce-scatter is an all-to-all of its own

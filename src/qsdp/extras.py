@@ -6,6 +6,7 @@ alone. The applications' packages come with extras:
 * ``qsdp[train]``: ``chitchat-dataset`` (the embedded default corpus), ``tokenizers`` (the BPE
   tokenizer), ``matplotlib`` (loss plots, benchmark charts), ``tqdm`` (the progress bar);
 * ``qsdp[bench]``: ``train`` plus ``pyroute2`` (the cluster benchmark's network namespaces).
+* ``qsdp[hf]``: ``transformers`` (Hugging Face models, e.g. ``qsdp check`` on a config JSON).
 
 Each optional package is imported only where it is used; a command that needs a missing one
 stops before any work with :class:`MissingExtraError`, whose message is one line naming what
@@ -25,6 +26,7 @@ EXTRA_OF: dict[str, tuple[str, str]] = {
     "matplotlib": ("matplotlib", "train"),
     "tqdm": ("tqdm", "train"),
     "pyroute2": ("pyroute2", "bench"),
+    "transformers": ("transformers", "hf"),
 }
 
 

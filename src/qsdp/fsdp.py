@@ -156,11 +156,14 @@ def _no_fsdp2_module(module: nn.Module) -> ValueError:
     accelerate_state = getattr(sys.modules.get("accelerate.state"), "PartialState", None)
     distributed_type = getattr(accelerate_state, "_shared_state", {}).get("distributed_type")
     distributed_type = getattr(distributed_type, "value", distributed_type)
-    if distributed_type is not None and distributed_type != "FSDP":
+    if distributed_type == "MULTI_CPU":
         return ValueError(
             f"{what}: Accelerate did not enable FSDP: no accelerator? (distributed_type={distributed_type}; "
             "Accelerate drops the FSDP plugin on a machine without one: see the CPU workaround in docs/recipes.md)"
         )
+    if distributed_type is not None and distributed_type != "FSDP":
+        return ValueError(f"{what}: Accelerate did not enable FSDP (distributed_type={distributed_type}): give "
+                          "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...))")
     if distributed_type is not None:
         return ValueError(f"{what}: Accelerate enabled FSDP, but this model was not prepared: call quantize_comms "
                           "on the model accelerator.prepare returned")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GPTConfig", "n_params", "flops_per_token"]
+__all__ = ["GPT2_VOCAB", "GPTConfig", "n_params", "flops_per_token"]
+
+GPT2_VOCAB = 50257  # GPT-2's BPE vocabulary
 
 
 @dataclass

@@ -102,6 +102,7 @@ import torch
 
 from qsdp.comm.meter import KINDS, LEVELS
 from qsdp.config import ConfigError, resolve_config
+from qsdp.extras import require
 from qsdp.text_table import aligned
 from qsdp.train.metrics import read_metrics, read_summary
 from qsdp.train.model import MODEL_SIZES
@@ -869,6 +870,7 @@ def plot(result: dict[str, Any], path: str) -> str:
 def plot_rates(result: dict[str, Any], path: str) -> str:
     """Measured speedup over ``fsdp`` against the link rate (log axis), one line per preset; the
     unlimited link is drawn one decade right of the fastest limited rate."""
+    require("matplotlib", "the sweep's chart")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

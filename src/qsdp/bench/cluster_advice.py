@@ -202,7 +202,7 @@ def emulated_hardware(inputs: ModelInputs, rate_mbit: float, ranks_per_node: int
                     inter_latency_us=inputs.latency_us, codec_call_us=inputs.codec_call_us, host_staged=True)
 
 
-def gloo_collectives(collectives: Sequence[Collective], nodes: int, ranks_per_node: int) -> list[Collective]:
+def gloo_collectives(collectives: Sequence[Collective]) -> list[Collective]:
     """The step's collectives as gloo runs them: an all-gather is a ring (each node's boundary
     carries ``P - 1`` chunks, not the ``M * (P - M)`` the meter counts: the veth's byte counter
     of the quantized gathers says so); the plain reduce-scatter is a ring all-reduce (twice a
@@ -222,7 +222,7 @@ def predict_step_s(preset: str, inputs: ModelInputs, rate_mbit: float, *, nodes:
     hw = emulated_hardware(inputs, rate_mbit, ranks_per_node)
     colls = step_collectives(preset, shard_sizes(setup), nodes, ranks_per_node, zero3=True,
                              param_bytes=2 if param_dtype == "bfloat16" else 4, grad_bytes=4)
-    colls = gloo_collectives(colls, nodes, ranks_per_node)
+    colls = gloo_collectives(colls)
     ct = comm_time(colls, hw, nodes, ranks_per_node, inputs.kernels)
     host = inputs.compute_s + ct["weights"] + ct["grads"] + ct["control"]
     return host_staged_step(host, ct["link"], len(colls))

@@ -19,12 +19,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import qsdp
+from qsdp.train.args import PARAM_DTYPES
 from qsdp.train.model import count_params, default_vocab, make_gpt, transformer_blocks
 from qsdp.train.runtime import codec_kernels
 
 from .step_phases import phase_times
-
-PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def run_steps(

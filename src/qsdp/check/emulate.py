@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import torch
 
 from ..codecs.rng import derive_seed
-from ..comm.all_gather import weight_codec
 from ..comm.difference import replica_layout
 from ..comm.reduce_scatter import destination_major, grad_codec, pipeline_slices_bounds
+from ..comm.weight_codec import weight_codec
 from ..comm.wire import RowCodec, sum_rows
 from ..config import QuantConfig
 

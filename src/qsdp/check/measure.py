@@ -33,6 +33,7 @@ import torch
 from ..config import QuantConfig
 from ..train.args import PARAM_DTYPES
 from ..train.data import ByteTokenizer, TokenDataset, load_corpus
+from ..train.trainer import adamw
 from . import emulate
 from .models import Group, build_model, fsdp_groups, lm_loss
 
@@ -119,10 +120,7 @@ def _sq(x: torch.Tensor) -> float:
 
 
 def _optimizer(model: torch.nn.Module, spec: CheckSpec) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": spec.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
+    return adamw((p for p in model.parameters() if p.requires_grad), spec.lr, spec.weight_decay)
 
 
 class _WeightPath:

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..extras import missing
 from ..train.model import GPT, MODEL_SIZES, default_vocab, make_gpt
 
 
@@ -70,10 +71,10 @@ def _hf_model(path: str, vocab_size: int, seq_len: int) -> nn.Module:
         raise ModelError(f"model config {path!r} is not readable JSON: {e}") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise ModelError(f"model config {path!r} has no model_type: not a Hugging Face config")
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        raise ModelError("a Hugging Face config needs the transformers package: pip install 'qsdp[hf]'") from None
+    problem = missing("transformers", "a Hugging Face config")
+    if problem:
+        raise ModelError(problem)
+    from transformers import AutoConfig, AutoModelForCausalLM
     fields = dict(fields)
     try:
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)

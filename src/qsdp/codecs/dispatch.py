@@ -19,6 +19,8 @@ import warnings
 import torch
 
 _ON_CPU = os.environ.get("QSDP_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the codec step on tensor ``t`` should run the fused Triton kernel."""
     if not (t.is_cuda or _ON_CPU):

@@ -47,8 +47,8 @@ import triton
 import triton.language as tl
 
 from . import rng
-from .usage import record_run
 from .pack import SUPPORTED_BITS, packed_nbytes
+from .usage import record_run
 
 # Largest group (in elements) one program keeps in registers; larger groups are chunked.
 MAX_TILE = 4096

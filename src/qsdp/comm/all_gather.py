@@ -86,4 +86,4 @@ class QuantizedAllGather(WeightAllGather):
         self._seen = None if state.get("changed", True) else self._token()
 
 
-__all__ = ["PlainAllGather", "QuantizedAllGather", "DifferenceAllGather", "weight_codec"]
+__all__ = ["PlainAllGather", "QuantizedAllGather", "DifferenceAllGather"]

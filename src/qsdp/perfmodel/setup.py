@@ -6,9 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..gpt_shape import GPTConfig, n_params
+from ..gpt_shape import GPT2_VOCAB, GPTConfig, n_params
 
-GPT2_VOCAB = 50257
 SEQ_LEN = 2048
 MICRO_BATCH = 1
 MICRO_BATCHES = 1

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..gpt_shape import GPTConfig, flops_per_token, n_params
+from ..gpt_shape import GPT2_VOCAB, GPTConfig, flops_per_token, n_params
 
 __all__ = [
     "GPTConfig",
@@ -169,7 +169,7 @@ def default_vocab(model_name: str) -> int:
     """The vocabulary a named size is built with where no tokenizer fixes it (benchmarks on random
     tokens, ``qsdp check``): GPT-2's 50257 for the ``gpt2-*`` sizes (their published parameter
     counts include it), else 256 (bytes)."""
-    return 50257 if model_name.startswith("gpt2") else 256
+    return GPT2_VOCAB if model_name.startswith("gpt2") else 256
 
 
 def make_gpt(name: str, vocab_size: int, block_size: int) -> GPT:

@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -126,13 +127,18 @@ def shard_and_quantize(
     return model, dtype_name, comms, (nodes, per_node)
 
 
-def make_optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.Optimizer:
+def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """The training job's AdamW (betas 0.9/0.95, eps 1e-8) over ``params``, with ``weight_decay``
+    on the matrices only."""
+    params = list(params)
     # No weight decay on biases, norms and other 1-D parameters (GPT-2 / nanoGPT practice).
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def make_optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.Optimizer:
+    return adamw(model.parameters(), args.lr, args.weight_decay)
 
 
 def clip_grads(model: torch.nn.Module, max_norm: float) -> float:
