@@ -198,6 +198,40 @@ def test_a_peer_that_stops_answering_ends_the_collective_within_the_timeout():
     assert elapsed < 10 and "timed out" in msg.lower()
 
 
+def _subgroup_timeouts(rank, world):
+    from qsdp.comm import build_topology
+    from qsdp.comm.topology import group_timeout
+
+    topo = build_topology(ranks_per_node=2)
+    return [group_timeout(g).total_seconds() for g in (topo.group, topo.intra_group, topo.inter_group)]
+
+
+def test_node_subgroups_keep_the_timeout_the_world_was_created_with():
+    # torch's new_subgroups_* default to the backend's 30 minutes, not the world's timeout.
+    assert run_world(_subgroup_timeouts, 4, local_world_size=2, pg_timeout=7) == [[7.0, 7.0, 7.0]] * 4
+
+
+def _silent_inter_node_peer(rank, world):
+    from qsdp.comm import build_topology
+    import torch.distributed as dist
+
+    topo = build_topology(ranks_per_node=2)
+    if rank == 3:
+        time.sleep(12)  # the peer on the other node stops answering (longer than the 3 s timeout)
+        return None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8), group=topo.inter_group)
+    except RuntimeError as e:
+        return time.monotonic() - start, str(e)
+    return None
+
+
+def test_a_silent_peer_on_another_node_ends_the_inter_node_collective_within_the_timeout():
+    elapsed, msg = run_world(_silent_inter_node_peer, 4, local_world_size=2, pg_timeout=3, timeout=40)[1]
+    assert elapsed < 10 and "timed out" in msg.lower()
+
+
 def _losses(rank, world, preset):
     model = fm.build()
     qsdp.quantize_comms(model, preset)

@@ -8,9 +8,11 @@ same local rank.
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
@@ -24,6 +26,20 @@ def local_world_size_from_env(world_size: int) -> int:
         return int(value)
     except ValueError:
         raise ConfigError(f"LOCAL_WORLD_SIZE={value!r} is not an integer") from None
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The collective timeout ``group`` was created with (``None`` where this torch does not
+    say). Subgroups must be given it explicitly: ``new_group`` and ``new_subgroups_*`` default
+    to the backend's own timeout (30 minutes on gloo), not the one the default group was
+    initialised with, so a stalled peer in a subgroup would hang for half an hour."""
+    device = torch.device("cuda" if "nccl" in str(dist.get_backend(group)).lower() else "cpu")
+    try:
+        # Private: ProcessGroup exposes set_timeout but no getter. Read here alone, tested in
+        # tests/test_reliability_comm.py.
+        return group._get_backend(device).options._timeout  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return None
 
 
 @dataclass
@@ -80,11 +96,12 @@ def build_topology(group: dist.ProcessGroup | None = None, ranks_per_node: int |
     d = world_size // m
     intra = inter = None
     if m > 1 and d > 1:
+        timeout = group_timeout(group)
         intra, _ = dist.new_subgroups_by_enumeration(
-            [global_ranks[n * m : (n + 1) * m] for n in range(d)]
+            [global_ranks[n * m : (n + 1) * m] for n in range(d)], timeout=timeout
         )
         inter, _ = dist.new_subgroups_by_enumeration(
-            [[global_ranks[n * m + lr] for n in range(d)] for lr in range(m)]
+            [[global_ranks[n * m + lr] for n in range(d)] for lr in range(m)], timeout=timeout
         )
     topo = Topology(group, world_size, dist.get_rank(group), m, intra, inter)
     _CACHE[key] = topo
