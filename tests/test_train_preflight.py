@@ -4,19 +4,21 @@ identity), checked before any process group exists."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from qsdp.config import resolve_config
 from qsdp.train.args import TrainArgs, TrainError, validate_args
 from qsdp.train.metrics import METRICS_FILE
-from qsdp.train.preflight import Plan, preflight, prepare_dataset
+from qsdp.train.preflight import Plan, preflight, prepare_dataset, record_job
 
 
 @pytest.fixture
 def args(tmp_path, monkeypatch) -> TrainArgs:
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     corpus = tmp_path / "text.txt"
     corpus.write_text("a small corpus for the pre-flight checks.\n" * 200, encoding="utf-8")
     return TrainArgs(preset="sdp4bit", overrides={"grads.pipeline_slices": 2}, data=str(corpus),
@@ -44,6 +46,34 @@ def test_a_directory_holding_a_run_needs_resume(args, tmp_path):
     (tmp_path / "run" / METRICS_FILE).write_text("{}\n")
     with pytest.raises(TrainError, match="already holds a run"):
         preflight(args, world_size=2)
+
+
+def _a_run_started_by_torchrun_job(args, monkeypatch, job):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
+    run = Path(args.out)
+    run.mkdir()
+    (run / METRICS_FILE).write_text("{}\n")
+    record_job(args.out)
+
+
+def test_a_node_joining_the_torchrun_job_that_started_the_run_plans_a_restart(args, monkeypatch):
+    # A replacement node's agent has restarted nothing (count 0), yet the survivors resume.
+    _a_run_started_by_torchrun_job(args, monkeypatch, "job-7")
+    plan = preflight(args, world_size=4)
+    assert plan.restarted and plan.resume_from is None  # no checkpoint yet: start afresh, as they do
+
+
+def test_another_torchrun_job_into_a_directory_holding_a_run_still_needs_resume(args, monkeypatch):
+    _a_run_started_by_torchrun_job(args, monkeypatch, "job-7")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-8")
+    with pytest.raises(TrainError, match="already holds a run"):
+        preflight(args, world_size=4)
+
+
+def test_torchruns_default_job_id_names_no_job(args, monkeypatch):
+    _a_run_started_by_torchrun_job(args, monkeypatch, "none")
+    with pytest.raises(TrainError, match="already holds a run"):
+        preflight(args, world_size=4)
 
 
 def test_resume_without_a_checkpoint_is_refused(args):

@@ -45,6 +45,7 @@ from qsdp.train.preflight import (
     open_dataset,
     preflight,
     prepare_dataset,
+    record_job,
     restart_count,
 )
 from qsdp.train.runtime import init_process_group, rank0_first, run_device
@@ -90,6 +91,8 @@ def train_worker(args: TrainArgs, plan: Plan | None = None) -> dict[str, Any]:
             hsdp_layout(args, config, world)
         dataset, plan = _worker_plan(args, plan, config, rank, world)
         dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
+        if rank == 0:
+            record_job(args.out)
         summary = Trainer(args, plan, dataset, run_device(args, owns_group)).fit()
         if rank == 0:
             write_summary(args.out, json.loads(json.dumps(summary, default=str)))

@@ -25,11 +25,12 @@ from qsdp.hsdp import quantizes_only_replicas
 from qsdp.train.args import TrainArgs, TrainError, validate_args
 from qsdp.train.checkpoint import latest_checkpoint, read_meta
 from qsdp.train.data import TokenDataset, get_tokenizer, load_corpus
+from qsdp.train.files import atomic_write
 from qsdp.train.metrics import METRICS_FILE
 
 __all__ = [
     "Plan", "preflight", "require_packages", "prepare_dataset", "open_dataset", "check_out_dir", "check_resume",
-    "run_identity", "restart_count", "default_cache_dir", "hsdp_layout",
+    "run_identity", "restart_count", "torchrun_job", "rejoins_job", "record_job", "default_cache_dir", "hsdp_layout",
 ]
 
 
@@ -37,7 +38,8 @@ __all__ = [
 class Plan:
     """What the checks decided. ``resume_from``: the checkpoint directory to load (``None``: a
     fresh start). ``data_id``: a fingerprint of the text and the tokenizer (``None`` until the
-    dataset was prepared). ``restarted``: this is a restart by torch's elastic agent."""
+    dataset was prepared). ``restarted``: this is a restart by torch's elastic agent (or a
+    node that joined the same torchrun job after one, see :func:`rejoins_job`)."""
 
     config: QuantConfig
     world_size: int
@@ -56,6 +58,37 @@ def restart_count() -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     except ValueError:
         return 0
+
+
+JOB_FILE = "torchrun_job"
+
+
+def torchrun_job() -> str | None:
+    """The ``--rdzv-id`` of the torchrun job this worker belongs to; ``None`` outside torchrun
+    or for torchrun's default id ``none``, which names no job."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return job if job and job != "none" else None
+
+
+def rejoins_job(out: str) -> bool:
+    """Whether the run in ``out`` was started by this worker's torchrun job. The restart count
+    is per agent: a node brought in to replace a failed one starts at 0 while the survivors'
+    agents count a restart, yet all of them must resume from the same checkpoint."""
+    job = torchrun_job()
+    if job is None:
+        return False
+    try:
+        return (Path(out) / JOB_FILE).read_text(encoding="utf-8").strip() == job
+    except OSError:
+        return False
+
+
+def record_job(out: str) -> None:
+    """Rank 0, once every rank has checked the run directory: note the torchrun job that runs
+    in ``out`` (nothing outside a named torchrun job)."""
+    job = torchrun_job()
+    if job is not None and not rejoins_job(out):
+        atomic_write(Path(out) / JOB_FILE, lambda f: f.write(job.encode("utf-8")))
 
 
 def require_packages(args: TrainArgs) -> None:
@@ -210,7 +243,7 @@ def preflight(args: TrainArgs, world_size: int, data_id: str | None = None,
     elif quantizes_only_replicas(config):
         raise TrainError(f"--preset {config.name} quantizes only the gradient all-reduce across HSDP "
                          "replicas: add --hsdp (without it the run is plain FSDP at full precision)")
-    restarted = restart_count() > 0
+    restarted = restart_count() > 0 or rejoins_job(args.out)
     resume_from = None
     if restarted:  # the elastic agent restarted the group: continue from the last good checkpoint
         resume_from = _restart_checkpoint(args, world_size, data_id, config)
