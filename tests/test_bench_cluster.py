@@ -5,6 +5,7 @@ missing; they run with `ip` and `tc` off the PATH (the benchmark speaks netlink 
 requirement checks run everywhere.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -328,10 +329,14 @@ def test_every_sweep_row_gets_the_models_prediction_its_error_and_the_advisors_p
 @pytest.mark.timeout(180)
 def test_the_models_inputs_are_measured_by_as_many_ranks_as_the_emulation_has():
     from qsdp.bench.cluster_advice import CODEC_STEPS, measure_inputs
+    from qsdp.perfmodel import CALLS
 
     inputs = measure_inputs(2, 2, model="tiny", seq_len=16, batch_size=2, gather_mb=0.5, codec_elements=1 << 14)
     assert inputs.compute_s > 0 and inputs.intra_gbps > 0 and inputs.latency_us > 0
     assert set(inputs.kernels) == set(CODEC_STEPS) and all(v > 0 for v in inputs.kernels.values())
+    # every comm step the model names, timed as the comm objects run it
+    assert set(inputs.call_us) == set(CALLS) == set(inputs.call_ns_per_element)
+    assert all(v > 0 for v in inputs.call_us.values())
 
 
 def test_gloo_gathers_in_a_ring_and_reduce_scatters_by_a_ring_all_reduce():
@@ -354,3 +359,59 @@ def test_an_unshaped_link_costs_only_the_hosts_copy():
     hw = emulated_hardware(inputs, 0.0, 2)
     assert hw.host_staged and hw.codec_call_us == 300.0 and hw.inter_gbps == float("inf")
     assert emulated_hardware(inputs, 80.0, 2).inter_gbps == pytest.approx(80 / 8e3 * 1448 / 1514 / 2)
+
+
+def test_the_advisor_prices_the_fsdp2_groups_of_the_bench_model():
+    from qsdp.bench.cluster_advice import bench_shards
+    from qsdp.perfmodel import step_bytes
+
+    shards = bench_shards("tiny", 64, 4)
+    # the root holds the untied embedding and head, the position table and the last norm
+    assert shards == [(2 * 256 * 128 + 64 * 128 + 2 * 128) // 4] + [(12 * 128 * 128 + 13 * 128) // 4] * 4
+    # FSDP2 keeps the root gathered from forward to backward: the meter's 10.1 MB per node and step
+    b = step_bytes("fsdp", shards, 2, 2, gathers=[1] + [2] * 4, param_bytes=4, grad_bytes=4)
+    assert 2 * (b["weights"]["inter"] + b["grads"]["inter"]) == 10108928
+
+
+def test_each_comm_steps_cost_splits_into_fixed_and_per_element_as_the_model_counts_them():
+    from qsdp.bench.comm_calls import CALL_PRESETS, LARGE_SHARD, SMALL_SHARD, fit_calls
+    from qsdp.perfmodel import step_collectives
+
+    fixed_s, per_element_s = 3e-3, 20e-9
+    times = {}
+    for name, preset in CALL_PRESETS.items():
+        times[name] = []
+        for n in (SMALL_SHARD, LARGE_SHARD):
+            colls = [c for c in step_collectives(preset, [n], 2, 2, gathers=1, param_bytes=4) if c.call == name]
+            times[name].append(len(colls) * fixed_s + sum(c.elements for c in colls) * per_element_s)
+    # the two-level reduce-scatter's 64K-element shard runs in 4 slices: 4 fixed costs, not 1
+    assert times["two_level_slice"][1] > 4 * fixed_s
+    fixed, per_element = fit_calls(times, 2, 2, 4)
+    assert fixed == pytest.approx({name: 3000.0 for name in CALL_PRESETS})
+    assert per_element == pytest.approx({name: 0.0 if name == "agreement" else 20.0 for name in CALL_PRESETS})
+
+
+def test_a_dearer_comm_step_slows_the_presets_that_run_it_once_per_collective():
+    from qsdp.bench.cluster_advice import ModelInputs, bench_shards, predict_step_s
+    from qsdp.perfmodel import step_collectives
+
+    shape = dict(nodes=2, ranks_per_node=2, model="tiny", seq_len=64, batch_size=4, param_dtype="float32")
+    calls = {"two_level_slice": 1000.0, "reduce_scatter": 1000.0}
+    cheap = ModelInputs(compute_s=0.05, intra_gbps=0.3, latency_us=900.0, kernels={}, call_us=calls)
+    dear = dataclasses.replace(cheap, call_us={**calls, "two_level_slice": 2000.0})
+    slices = sum(c.call == "two_level_slice" for c in step_collectives("sdp4bit", bench_shards("tiny", 64, 4), 2, 2))
+    assert slices == 13  # the root's shard in one slice, each block's in three
+    for rate in (0.0, 20.0):
+        assert (predict_step_s("sdp4bit", dear, rate, **shape) - predict_step_s("sdp4bit", cheap, rate, **shape)
+                == pytest.approx(slices * 1e-3))
+        assert predict_step_s("fsdp", dear, rate, **shape) == predict_step_s("fsdp", cheap, rate, **shape)
+
+
+def test_the_tbf_shapers_bucket_is_shared_by_the_ranks_of_a_node():
+    from qsdp.bench.cluster_advice import TCP_PAYLOAD_FRACTION, ModelInputs, emulated_hardware
+
+    inputs = ModelInputs(compute_s=0.05, intra_gbps=0.2, latency_us=1000.0, kernels={})
+    # 5 ms of tokens at 1 Gbit/s, at least 64 KiB below 105 Mbit/s; netem shapes without one
+    assert emulated_hardware(inputs, 1000.0, 2).inter_burst_bytes == pytest.approx(625e3 * TCP_PAYLOAD_FRACTION / 2)
+    assert emulated_hardware(inputs, 20.0, 2).inter_burst_bytes == pytest.approx(65536 * TCP_PAYLOAD_FRACTION / 2)
+    assert emulated_hardware(inputs, 20.0, 2, qdisc="netem").inter_burst_bytes == 0.0

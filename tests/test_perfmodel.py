@@ -69,8 +69,9 @@ def test_bad_arguments_are_named(change, words):
 
 def _host_cluster(**changes) -> pm.Hardware:
     """A CPU cluster of 2 ranks per node: 1 GB/s host copies, 1 ms per step, a 0.1 GB/s link."""
-    return dataclasses.replace(pm.HARDWARE["a100"], gpus_per_node=2, intra_gbps=1.0, inter_gbps=0.1,
-                               intra_latency_us=1000.0, inter_latency_us=1000.0, **changes)
+    return dataclasses.replace(pm.HARDWARE["a100"], **{"gpus_per_node": 2, "intra_gbps": 1.0, "inter_gbps": 0.1,
+                                                      "intra_latency_us": 1000.0, "inter_latency_us": 1000.0,
+                                                      **changes})
 
 
 def test_every_codec_call_pays_its_fixed_cost():
@@ -108,3 +109,60 @@ def test_a_host_staged_step_overlaps_host_and_link_but_for_one_piece():
     assert pm.host_staged_step(1.0, 0.2, 4) == pytest.approx(1.05)
     assert pm.host_staged_step(0.2, 1.0, 4) == pytest.approx(1.05)
     assert pm.host_staged_step(1.0, 0.0, 4) == 1.0
+
+
+def test_every_collective_names_the_comm_step_it_starts():
+    shards = [4096, 65536]
+    for preset in ("fsdp", "qsdp", "sdp4bit", "zeropp"):
+        for c in pm.step_collectives(preset, shards, 2, 2, param_bytes=4, grad_bytes=4):
+            # the second hop of a two-level slice continues the slice its first hop started
+            assert c.call in pm.CALLS if c.hop != 2 else c.call is None
+
+
+def test_a_measured_comm_step_costs_its_fixed_part_and_its_elements():
+    hw = _host_cluster(host_staged=True, call_us={"one_level_reduce_scatter": 2000.0},
+                       call_ns_per_element={"one_level_reduce_scatter": 10.0})
+    c = pm.Collective("grads", "a2a", 10**6, 10**5, 1, 2, quantize=10**5, dequantize=10**5,
+                      call="one_level_reduce_scatter")
+    # instead of its latency, copies and codecs: 2 ms + 10 ns x 1e5 elements
+    assert pm.host_time(c, hw, 2, 2, {"quantize": 1.0, "dequantize": 1.0}) == pytest.approx(3e-3)
+    unmeasured = dataclasses.replace(c, call="reduce_scatter")
+    assert pm.host_time(unmeasured, hw, 2, 2, {"quantize": 1.0, "dequantize": 1.0}) > 3e-3
+
+
+def test_the_second_hop_of_a_measured_two_level_slice_is_in_the_slices_cost():
+    hop2 = pm.Collective("grads", "a2a_inter", 1000, 1000, 0, 1, quantize=2000, dequantize=2000, pipeline=0, hop=2)
+    assert pm.host_time(hop2, _host_cluster(host_staged=True, call_us={"two_level_slice": 500.0}), 2, 2, None) == 0.0
+    assert pm.host_time(hop2, _host_cluster(host_staged=True), 2, 2, None) > 0.0
+
+
+def test_a_host_staged_ring_copies_each_chunk_once():
+    ring = pm.Collective("weights", "ring", 10**6, 250_000, 1, 2)
+    # 3 chunks to one neighbour at 1 GB/s, and 3 steps of 1 ms: the boundary's share is not copied twice
+    assert pm.host_time(ring, _host_cluster(host_staged=True), 2, 2, None) == pytest.approx(3e-3 + 3e-3)
+
+
+def test_a_synchronous_step_adds_compute_and_every_collectives_host_time_on_an_unshaped_link():
+    hw = _host_cluster(host_staged=True, inter_gbps=float("inf"), call_us={"gather": 1000.0})
+    colls = [pm.Collective("weights", "ring", 10**6, 250_000, 1, 2, call="gather")] * 4
+    step = pm.synchronous_step(0.1, colls, hw, 2, 2)
+    assert step == {"step_s": pytest.approx(0.104), "host_s": pytest.approx(0.104), "link_wait_s": 0.0}
+
+
+def test_the_shaped_links_bucket_passes_a_burst_at_once_and_the_rest_at_its_rate():
+    c = pm.Collective("grads", "a2a_inter", 10**6, 10**5, 0, 1, call="difference_update")
+    slow = dict(host_staged=True, inter_gbps=0.01, call_us={"difference_update": 0.0})
+    # 1 MB over 10 MB/s: 0.1 s, less the host's own copy of it (1 ms at 1 GB/s) ...
+    assert pm.synchronous_step(0.0, [c], _host_cluster(**slow), 2, 2)["link_wait_s"] == pytest.approx(0.099)
+    # ... nothing where a full bucket holds it, half where it holds half
+    assert pm.synchronous_step(0.0, [c], _host_cluster(**slow, inter_burst_bytes=2e6), 2, 2)["link_wait_s"] == 0.0
+    half = pm.synchronous_step(0.0, [c], _host_cluster(**slow, inter_burst_bytes=5e5), 2, 2)["link_wait_s"]
+    assert half == pytest.approx(0.049)
+
+
+def test_the_bucket_refills_while_the_host_works():
+    c = pm.Collective("grads", "a2a_inter", 10**6, 10**5, 0, 1, call="difference_update")
+    hw = _host_cluster(host_staged=True, inter_gbps=0.01, inter_burst_bytes=1e6, call_us={"difference_update": 0.0})
+    # two 1 MB sends: the second finds an empty bucket unless 0.1 s of compute (1 MB of tokens) came between
+    assert pm.synchronous_step(0.0, [c, c], hw, 2, 2)["link_wait_s"] == pytest.approx(0.099)
+    assert pm.synchronous_step(0.2, [c, c], hw, 2, 2)["link_wait_s"] == 0.0

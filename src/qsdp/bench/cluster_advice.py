@@ -5,25 +5,31 @@ The model's inputs are measured on the machine, apart from the sweep's own step 
 :func:`measure_inputs`: the same number of ranks as the emulation (``nodes x ranks_per_node``
 processes at once, so they share the CPUs or the GPU as the emulated ranks do) each
 
-* run forward, backward and the optimizer step of the bench's model and batch alone (no
-  collectives): the compute time;
+* run forward, backward and the optimizer step of the bench's model and batch under FSDP2 as
+  the bench wraps it, on a group of its own (no peers): the compute time, FSDP2's hooks and
+  copies included;
 * all-gather inside its node's group (gloo, the bench's device: CUDA tensors go through the
   host): the intra-node bandwidth per rank from a large gather and the per-collective latency
   from a one-element gather;
 * time the codec steps on the device (quantize, Hadamard quantize, dequantize-accumulate):
   the codec speeds, GB/s of the fp32 side (on 1M elements), and the fixed cost of one codec
-  call (the intercept of calls on 16K and 64K elements).
+  call (the intercept of calls on 16K and 64K elements);
+* time every step of the comm objects as :mod:`qsdp.comm` runs it (plain, quantized and
+  weight-difference gathers, a replica's fill, the difference gathers' agreement, plain,
+  one-level and two-level reduce-scatters) on the local ranks laid out as the emulation's
+  nodes, on a small and a larger shard: a fixed cost per collective and a cost per element
+  (:mod:`qsdp.bench.comm_calls`).
 
 :func:`predict_rows` then prices every row with the performance model (:func:`predict_step_s`):
-the measured compute plus :func:`qsdp.perfmodel.comm_time` of the step's collectives
-(:func:`qsdp.perfmodel.step_collectives`, the bytes the comm objects send), as gloo runs them
-(all-gathers as rings, the plain reduce-scatter as a ring all-reduce, all-to-alls direct), on
-host-staged hardware: the codecs (bytes over the speed plus the fixed cost per call), the
-copies of every byte sent (at the intra-node bandwidth) and the latency of every step are the
-host's, serial with the compute; the link's own time (the row's rate per node and direction, of
-which the TCP payload share of an Ethernet frame is usable; an unlimited veth adds nothing to
-the host's copy) runs alongside the host (prefetched gathers, asynchronous reduce-scatters):
-:func:`qsdp.perfmodel.host_staged_step`. The shape is the bench's model. Each row gets the predicted speedup over
+the collectives of the step (:func:`qsdp.perfmodel.step_collectives`: the bytes the comm objects
+send, for the bench model's FSDP2 groups, the root gathered once and each block twice) as gloo
+runs them (all-gathers as rings, the plain reduce-scatter as a ring all-reduce, all-to-alls
+direct), one after the other on the host between the compute
+(:func:`qsdp.perfmodel.synchronous_step`): each costs its comm step's measured host time for its
+elements, and waits for the shaped link where the ``tbf`` bucket (its burst, refilled at the
+row's rate while the host works) cannot pass its inter-node bytes at once. The link is the row's
+rate per node and direction, of which the TCP payload share of an Ethernet frame is usable; an
+unlimited veth adds nothing to the host's work. Each row gets the predicted speedup over
 ``fsdp`` at its rate, the error ``predicted / measured - 1``, the preset the advisor picks at
 that rate (``qsdp advise``'s rule: a quantized preset only when predicted at least the margin
 faster than ``fsdp``) and the fastest preset measured there.
@@ -36,14 +42,15 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from qsdp.perfmodel import (Collective, Hardware, ShapeSetup, comm_time, host_staged_step, shard_sizes,
-                            step_collectives)
+from qsdp.perfmodel import Collective, Hardware, step_collectives, synchronous_step
 from qsdp.train.model import MODEL_SIZES, default_vocab
+
+from .comm_calls import CALL_PRESETS, fit_calls, measure_call_seconds
 
 
 # The codec steps of qsdp bench codecs that stand for the model's three kernel speeds.
@@ -64,6 +71,10 @@ class ModelInputs:
     latency_us: float  # one ring step (or peer) of a collective
     kernels: dict[str, float]  # GB/s of the fp32 side: quantize, hadamard_quantize, dequantize
     codec_call_us: float = 0.0  # fixed cost of one codec call, on top of its bytes over the speed
+    # Host cost of one step of each comm object (qsdp.perfmodel.CALLS), measured whole: fixed us
+    # per collective and ns per element it carries.
+    call_us: dict[str, float] = field(default_factory=dict)
+    call_ns_per_element: dict[str, float] = field(default_factory=dict)
 
 
 def _sync(device: torch.device) -> None:
@@ -83,14 +94,24 @@ def _median_seconds(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _compute_seconds(job: Mapping[str, Any], device: torch.device) -> float:
-    from qsdp.train.model import make_gpt
+def _compute_seconds(job: Mapping[str, Any], device: torch.device, solo) -> float:
+    """One step of the bench's model and batch under FSDP2 as the bench wraps it (a group per
+    block and the root, its mixed precision), on ``solo``, a group of this rank alone: the step's
+    own work, FSDP2's hooks and copies included, without a peer to wait for."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from qsdp.train.model import make_gpt, transformer_blocks
 
     torch.manual_seed(0)
     vocab = default_vocab(job["model"])
     model = make_gpt(job["model"], vocab, job["seq_len"]).to(device)
-    if job["param_dtype"] == "bfloat16":
-        model = model.to(torch.bfloat16)  # FSDP2's mixed precision computes in the param dtype
+    mesh = DeviceMesh.from_group(solo, device.type)
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if job["param_dtype"] == "bfloat16" else MixedPrecisionPolicy())
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, vocab, (job["batch_size"], job["seq_len"] + 1), device=device)
 
@@ -100,7 +121,7 @@ def _compute_seconds(job: Mapping[str, Any], device: torch.device) -> float:
         opt.step()
         opt.zero_grad()
 
-    return _median_seconds(step, device, repeats=3)
+    return _median_seconds(step, device, repeats=5)
 
 
 def _gather_seconds(numel: int, group, device: torch.device, repeats: int) -> float:
@@ -148,14 +169,18 @@ def _probe(job: Mapping[str, Any], nodes: int, ranks_per_node: int) -> dict[str,
         groups = [dist.new_group(list(range(d * ranks_per_node, (d + 1) * ranks_per_node)))
                   for d in range(nodes)]
         node_group = groups[rank // ranks_per_node]
-        compute_s = _compute_seconds(job, device)
+        solo = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+        compute_s = _compute_seconds(job, device, solo)
         dist.barrier()
         big, small = job["gather_numel"], 1
         t_big = _gather_seconds(big, node_group, device, repeats=5)
         t_small = _gather_seconds(small, node_group, device, repeats=20)
         dist.barrier()
         kernels, call_s = _codec_speeds(device, job["codec_numel"], job["codec_small_numel"])
-        return {"compute_s": compute_s, "t_big": t_big, "t_small": t_small, "kernels": kernels, "call_s": call_s}
+        dtype = torch.bfloat16 if job["param_dtype"] == "bfloat16" else torch.float32
+        comm_calls = measure_call_seconds(ranks_per_node, device, dtype)
+        return {"compute_s": compute_s, "t_big": t_big, "t_small": t_small, "kernels": kernels, "call_s": call_s,
+                "comm_calls": comm_calls}
     finally:
         dist.destroy_process_group()
 
@@ -183,23 +208,56 @@ def measure_inputs(nodes: int, ranks_per_node: int, *, model: str, seq_len: int,
     wire = [max(r["t_big"] - (m - 1) * latency, 1e-9) for r in res]
     intra = (m - 1) * job["gather_numel"] * 4 / statistics.median(wire) / 1e9
     kernels = {k: statistics.median(r["kernels"][k] for r in res) for k in CODEC_STEPS}
+    calls = {k: [statistics.median(r["comm_calls"][k][i] for r in res) for i in range(2)] for k in CALL_PRESETS}
+    call_us, call_ns = fit_calls(calls, nodes, ranks_per_node, 2 if param_dtype == "bfloat16" else 4)
     return ModelInputs(compute_s=statistics.median(r["compute_s"] for r in res), intra_gbps=intra,
                        latency_us=latency * 1e6, kernels=kernels,
-                       codec_call_us=statistics.median(r["call_s"] for r in res) * 1e6)
+                       codec_call_us=statistics.median(r["call_s"] for r in res) * 1e6,
+                       call_us=call_us, call_ns_per_element=call_ns)
 
 
-def emulated_hardware(inputs: ModelInputs, rate_mbit: float, ranks_per_node: int) -> Hardware:
+def shaper_burst_bytes(rate_mbit: float) -> float:
+    """The token bucket the emulation's ``tbf`` shaper gives a node's link at ``rate_mbit``
+    (:meth:`qsdp.bench.cluster.EmulatedCluster.shape`: at least one 64 KiB GSO super-packet, else
+    5 ms of tokens), in frame bytes."""
+    return max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.005))
+
+
+def emulated_hardware(inputs: ModelInputs, rate_mbit: float, ranks_per_node: int, qdisc: str = "tbf") -> Hardware:
     """The measured cluster as the model's :class:`~qsdp.perfmodel.Hardware`: a rank's share of
     its node's link (``rate_mbit`` per direction, of which :data:`TCP_PAYLOAD_FRACTION` is
-    payload; 0, not limited: infinite, the host's copy at the intra-node bandwidth is all), the
-    measured intra-node bandwidth and per-step latency (both links), the measured fixed cost of
-    a codec call; host-staged (gloo on the host: the codecs and every copy share the CPUs);
-    compute and the kernels are given as times and speeds, so its FLOP/s are unused."""
+    payload; 0, not limited: infinite, the host's copy at the intra-node bandwidth is all) and of
+    its token bucket (``qdisc`` ``tbf``; ``netem`` has none), the measured intra-node bandwidth
+    and per-step latency (both links), the measured fixed cost of a codec call and of each comm
+    step; host-staged (gloo on the host: the codecs and every copy share the CPUs); compute and
+    the kernels are given as times and speeds, so its FLOP/s are unused."""
     inter = (rate_mbit / 8e3 * TCP_PAYLOAD_FRACTION / ranks_per_node if rate_mbit > 0
              else math.inf)  # not shaped: the host's copy (at intra_gbps) is all there is
+    burst = (shaper_burst_bytes(rate_mbit) * TCP_PAYLOAD_FRACTION / ranks_per_node
+             if rate_mbit > 0 and qdisc == "tbf" else 0.0)
     return Hardware(name="emulated", gpus_per_node=ranks_per_node, tflops=1.0, mfu=1.0, hbm_gbps=1.0,
                     intra_gbps=inputs.intra_gbps, inter_gbps=inter, intra_latency_us=inputs.latency_us,
-                    inter_latency_us=inputs.latency_us, codec_call_us=inputs.codec_call_us, host_staged=True)
+                    inter_latency_us=inputs.latency_us, codec_call_us=inputs.codec_call_us, host_staged=True,
+                    call_us=dict(inputs.call_us), call_ns_per_element=dict(inputs.call_ns_per_element),
+                    inter_burst_bytes=burst)
+
+
+def bench_shards(model: str, seq_len: int, world: int) -> list[int]:
+    """Per-rank shards of the bench's FSDP2 groups (the root, then one per block), as
+    ``fully_shard`` cuts them: every parameter's first dimension padded to the world size. Built
+    on the meta device: shapes only."""
+    from qsdp.train.model import make_gpt, transformer_blocks
+
+    with torch.device("meta"):
+        gpt = make_gpt(model, default_vocab(model), seq_len)
+    blocks = [list(b.parameters()) for b in transformer_blocks(gpt)]
+    in_blocks = {id(p) for ps in blocks for p in ps}
+    root = [p for p in gpt.parameters() if id(p) not in in_blocks]
+
+    def shard(params) -> int:
+        return sum(-(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in params)
+
+    return [shard(root)] + [shard(ps) for ps in blocks]
 
 
 def gloo_collectives(collectives: Sequence[Collective]) -> list[Collective]:
@@ -212,20 +270,18 @@ def gloo_collectives(collectives: Sequence[Collective]) -> list[Collective]:
 
 
 def predict_step_s(preset: str, inputs: ModelInputs, rate_mbit: float, *, nodes: int, ranks_per_node: int,
-                   model: str, seq_len: int, batch_size: int, param_dtype: str) -> float:
+                   model: str, seq_len: int, batch_size: int, param_dtype: str, qdisc: str = "tbf") -> float:
     """The model's step time of ``preset`` for the bench's job on the emulated cluster: the
-    measured compute plus the collectives of :func:`qsdp.perfmodel.step_collectives` as gloo
-    runs them, priced by :func:`qsdp.perfmodel.comm_time` (host: copies, latency, codec; the
-    link apart), host and link overlapped by :func:`qsdp.perfmodel.host_staged_step`."""
-    setup = ShapeSetup("custom", "emulated", nodes * ranks_per_node, 1, 1, seq_len=seq_len, micro_batch=batch_size,
-                       layout="layer", zero3=True, vocab_size=default_vocab(model), **MODEL_SIZES[model])
-    hw = emulated_hardware(inputs, rate_mbit, ranks_per_node)
-    colls = step_collectives(preset, shard_sizes(setup), nodes, ranks_per_node, zero3=True,
+    measured compute and the collectives of :func:`qsdp.perfmodel.step_collectives` for the
+    bench's FSDP2 groups (:func:`bench_shards`; FSDP2 keeps the root gathered from forward to
+    backward, so it gathers once, the blocks twice) as gloo runs them, one after the other on
+    the host with the shaped link's waits: :func:`qsdp.perfmodel.synchronous_step`."""
+    hw = emulated_hardware(inputs, rate_mbit, ranks_per_node, qdisc)
+    shards = bench_shards(model, seq_len, nodes * ranks_per_node)
+    colls = step_collectives(preset, shards, nodes, ranks_per_node, gathers=[1] + [2] * (len(shards) - 1),
                              param_bytes=2 if param_dtype == "bfloat16" else 4, grad_bytes=4)
     colls = gloo_collectives(colls)
-    ct = comm_time(colls, hw, nodes, ranks_per_node, inputs.kernels)
-    host = inputs.compute_s + ct["weights"] + ct["grads"] + ct["control"]
-    return host_staged_step(host, ct["link"], len(colls))
+    return synchronous_step(inputs.compute_s, colls, hw, nodes, ranks_per_node, inputs.kernels)["step_s"]
 
 
 def predict_rows(result: dict[str, Any], inputs: ModelInputs, margin: float = 0.05) -> dict[str, Any]:
@@ -238,7 +294,8 @@ def predict_rows(result: dict[str, Any], inputs: ModelInputs, margin: float = 0.
         by_rate.setdefault(row["rate_mbit"], []).append(row)
     picks = []
     for rate, rows in by_rate.items():
-        pred = {r["preset"]: predict_step_s(r["preset"], inputs, rate, **shape) for r in rows}
+        pred = {r["preset"]: predict_step_s(r["preset"], inputs, rate, qdisc=r.get("qdisc", "tbf"), **shape)
+                for r in rows}
         base = pred.get("fsdp")
         fastest = min(rows, key=lambda r: r["step_time_s"])
         best = min(pred, key=pred.get)
@@ -260,10 +317,9 @@ def predict_rows(result: dict[str, Any], inputs: ModelInputs, margin: float = 0.
                "mean_abs_error": statistics.mean(errors) if errors else None,
                "max_abs_error": max(errors) if errors else None,
                "picks": picks, "picks_ok": sum(p["pick_ok"] for p in picks), "rates": len(picks),
-               "model": "measured compute + qsdp.perfmodel.comm_time of the step's collectives as gloo runs "
-                        "them (ring gathers, all-reduce reduce-scatter, direct all-to-alls), host-staged "
-                        "(codecs with a fixed cost per call, copies and latency on the host, serial), the "
-                        "link alongside the host; inputs measured on this "
-                        "machine apart from the sweep"}
+               "model": "measured FSDP2 compute + the step's collectives (bench model's FSDP2 groups, as gloo runs "
+                        "them) one after the other on the host, each at its comm step's measured fixed and "
+                        "per-element cost, waiting for the shaped link where the tbf bucket cannot pass its "
+                        "inter-node bytes; inputs measured on this machine apart from the sweep"}
     result["advisor"] = summary
     return summary

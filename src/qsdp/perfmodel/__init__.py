@@ -8,12 +8,14 @@ bytes), the time of their quantization kernels, and the compute, under stated as
 * :mod:`~qsdp.perfmodel.collectives`: the collectives of a step and their bytes.
 * :mod:`~qsdp.perfmodel.codec_time`: the codec speeds (measured by ``qsdp bench kernels``).
 * :mod:`~qsdp.perfmodel.comm_time`: link time plus codec time of the collectives.
+* :mod:`~qsdp.perfmodel.host_staged`: a host-staged step (gloo on CPUs), collective by collective.
 * :mod:`~qsdp.perfmodel.setup`: the job (shape, parallelism, tokens, shards).
 * :mod:`~qsdp.perfmodel.step`: compute and the step; :func:`predict_step` is the entry point.
 """
 
 from .codec_time import KERNEL_NAMES, kernel_gbps, kernel_times, load_kernels
 from .collectives import (
+    CALLS,
     Collective,
     collective_bytes,
     hsdp_collectives,
@@ -21,8 +23,9 @@ from .collectives import (
     step_bytes,
     step_collectives,
 )
-from .comm_time import comm_time, host_staged_step, wire_parts, wire_time
+from .comm_time import comm_time, measured_call_s, host_staged_step, host_time, link_bytes, wire_parts, wire_time
 from .hardware import HARDWARE, Hardware, cluster_hardware
+from .host_staged import synchronous_step
 from .setup import (
     GPT2_VOCAB,
     MICRO_BATCH,
@@ -40,8 +43,9 @@ from .step import compute_time, predict_step, simulate_hsdp_step, simulate_step
 __all__ = [
     "predict_step", "simulate_step", "simulate_hsdp_step", "compute_time",
     "Hardware", "HARDWARE", "cluster_hardware",
-    "Collective", "step_collectives", "step_bytes", "collective_bytes", "hsdp_collectives", "replica_elements",
-    "comm_time", "wire_time", "wire_parts", "host_staged_step", "KERNEL_NAMES", "load_kernels", "kernel_gbps", "kernel_times",
+    "CALLS", "Collective", "step_collectives", "step_bytes", "collective_bytes", "hsdp_collectives", "replica_elements",
+    "comm_time", "wire_time", "wire_parts", "link_bytes", "host_time", "measured_call_s", "host_staged_step",
+    "synchronous_step", "KERNEL_NAMES", "load_kernels", "kernel_gbps", "kernel_times",
     "Setup", "ShapeSetup", "gpt_shape", "model_params", "shard_sizes",
     "GPT2_VOCAB", "SEQ_LEN", "MICRO_BATCH", "MICRO_BATCHES", "MODEL_SHAPES",
 ]

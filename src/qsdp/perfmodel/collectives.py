@@ -24,6 +24,14 @@ from ..config import QuantConfig, resolve_config
 
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
+# The steps of the comm objects (qsdp.comm) one rank runs in a step, each a Python call with its
+# own host work around its collective (codec calls, padding, temporaries, the gloo call itself):
+# a plain all-gather, a quantized one, a weight difference's exchange among its holders, a node
+# replica's fill, the agreement of the difference gathers, a plain reduce-scatter, a one-level
+# quantized one, one slice of a two-level one (both hops).
+CALLS = ("gather", "quantized_gather", "difference_update", "replica_fill", "agreement",
+         "reduce_scatter", "one_level_reduce_scatter", "two_level_slice")
+
 
 @dataclass(frozen=True)
 class Collective:
@@ -37,6 +45,9 @@ class Collective:
     rank) or ``allreduce`` (a tiny control all-reduce). ``quantize`` / ``dequantize``: elements
     this rank encodes and decodes for it (``hp_bytes`` bytes each on the high-precision side).
     ``pipeline``/``hop``: slices of one pipelined two-level reduce-scatter share a pipeline id.
+    ``call``: the step of a comm object this collective starts (one of :data:`CALLS`), whose fixed
+    host cost a measured ``Hardware.call_us`` prices; ``None`` for one that continues the step
+    before it (the second hop of a two-level slice) or has no such step (HSDP's all-reduce).
     """
 
     kind: str
@@ -51,6 +62,7 @@ class Collective:
     hadamard: bool = False
     pipeline: int | None = None
     hop: int = 0
+    call: str | None = None
 
 
 def _gathers_per_group(gathers: int | Sequence[int] | None, n_groups: int, zero3: bool) -> list[int]:
@@ -68,15 +80,16 @@ def _difference_gathers(layout: str, quant: Collective, plain: Collective, calls
     """A group's weight-difference gathers in one step: one carries the change, the others only
     fill the output from the replica (see :mod:`qsdp.comm.difference`)."""
     if layout == "full":
-        return [quant] if calls else []
+        return [dataclasses.replace(quant, call="difference_update")] if calls else []
     if layout == "exact":
         return [plain] * calls
     # node replicas: the change among the D holders of my rows, then every gather fills the
     # output with the node's rows, exactly
     n, pb = quant.elements, plain.hp_bytes
-    between = dataclasses.replace(quant, algo="a2a_inter", intra_peers=0, inter_peers=d - 1, dequantize=d * n)
+    between = dataclasses.replace(quant, algo="a2a_inter", intra_peers=0, inter_peers=d - 1, dequantize=d * n,
+                                  call="difference_update")
     inside = dataclasses.replace(plain, algo="a2a_intra", row_bytes=d * n * pb, elements=d * n,
-                                 intra_peers=m - 1, inter_peers=0)
+                                 intra_peers=m - 1, inter_peers=0, call="replica_fill")
     return ([between] if calls else []) + [inside] * calls
 
 
@@ -91,7 +104,8 @@ def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: i
     raw = _DTYPES[grad_bytes]
     for gi, s in enumerate(shard_sizes):
         if g.mode == "plain" or s < thresh:
-            out.append(Collective("grads", "ring", s * grad_bytes, s, intra, inter, hp_bytes=grad_bytes))
+            out.append(Collective("grads", "ring", s * grad_bytes, s, intra, inter, hp_bytes=grad_bytes,
+                                  call="reduce_scatter"))
             continue
         if g.mode == "one_level" or d == 1 or m == 1:
             bits = g.bits if g.mode == "one_level" else (g.bits_intra if d == 1 else g.bits_inter)
@@ -101,6 +115,7 @@ def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: i
                 "grads", "a2a", codec.row_nbytes(s), s, 0 if inter_only else intra, inter,
                 quantize=world * codec.padded_len(s), dequantize=world * codec.padded_len(s),
                 hp_bytes=grad_bytes, hadamard=bool(codec.hadamard_block and not codec.exact),
+                call="one_level_reduce_scatter",
             ))
             continue
         hop1 = grad_codec(g, g.bits_intra, raw)
@@ -112,6 +127,7 @@ def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: i
                 "grads", "a2a_intra", d * hop1.row_nbytes(width), d * real_elements(a, b, s), m - 1, 0,
                 quantize=world * width, dequantize=world * width, hp_bytes=grad_bytes,
                 hadamard=bool(hop1.hadamard_block and not hop1.exact), pipeline=gi, hop=1,
+                call="two_level_slice",
             ))
             out.append(Collective(
                 "grads", "a2a_inter", hop2.row_nbytes(width), real_elements(a, b, s), 0, d - 1,
@@ -156,7 +172,7 @@ def step_collectives(
     per_group = _gathers_per_group(gathers, len(shard_sizes), zero3)
 
     def plain_gather(n: int) -> Collective:
-        return Collective("weights", "ring", n * param_bytes, n, intra, inter, hp_bytes=param_bytes)
+        return Collective("weights", "ring", n * param_bytes, n, intra, inter, hp_bytes=param_bytes, call="gather")
 
     # Weight all-gathers (qsdp.comm.all_gather).
     for n, calls in zip(shard_sizes, per_group):
@@ -165,13 +181,13 @@ def step_collectives(
             continue
         codec = weight_codec(w)
         quant = Collective("weights", "ring", codec.row_nbytes(n), n, intra, inter,
-                           quantize=n, dequantize=world * n, hp_bytes=param_bytes)
+                           quantize=n, dequantize=world * n, hp_bytes=param_bytes, call="quantized_gather")
         if w.mode == "direct":
             out += [quant] * calls
         else:
             out += _difference_gathers(replica_layout(w.replica, d, m), quant, plain_gather(n), calls, d, m)
     if w.mode == "difference":  # one agreement per step: 2 int32 flags per group
-        out.append(Collective("control", "allreduce", 8 * len(shard_sizes), 0, intra, inter))
+        out.append(Collective("control", "allreduce", 8 * len(shard_sizes), 0, intra, inter, call="agreement"))
 
     out += _grad_collectives(cfg, shard_sizes, d, m, grad_bytes)
     return out

@@ -29,6 +29,18 @@ from .collectives import Collective
 from .hardware import Hardware
 
 
+def link_bytes(c: Collective, nodes: int, m: int) -> float:
+    """Bytes of one collective of a rank in a D x M group over the inter-node link, its share of
+    its node's: a ring's ``k (P - 1)`` chunks cross each node's boundary (shared by its ``M``
+    ranks; ``k = 2`` for a ``ring_allreduce``), an all-to-all's rows to the other nodes' peers."""
+    if c.algo in ("ring", "ring_allreduce"):
+        k = 2 if c.algo == "ring_allreduce" else 1
+        return k * (nodes * m - 1) * c.row_bytes / m if nodes > 1 else 0.0
+    if c.algo in ("a2a", "a2a_inter"):
+        return c.inter_peers * c.row_bytes
+    return 0.0
+
+
 def wire_parts(c: Collective, hw: Hardware, nodes: int, m: int) -> tuple[float, float, float, float]:
     """Seconds of one collective of a rank in a D x M group, in parts: ``(intra, inter,
     inter_copy, latency)``: its bytes over the intra-node link, over its share of the inter-node
@@ -43,7 +55,7 @@ def wire_parts(c: Collective, hw: Hardware, nodes: int, m: int) -> tuple[float, 
         if p == 1:
             return 0.0, 0.0, 0.0, 0.0
         k = 2 if c.algo == "ring_allreduce" else 1
-        inter_bytes = k * (p - 1) * b / m if nodes > 1 else 0.0
+        inter_bytes = link_bytes(c, nodes, m)
         return (k * (p - 1) * b / bi if m > 1 else 0.0, inter_bytes / be, inter_bytes / bi,
                 k * (p - 1) * (ae if nodes > 1 else ai))
     if c.algo in ("a2a", "a2a_intra", "a2a_inter"):
@@ -65,6 +77,33 @@ def wire_time(c: Collective, hw: Hardware, nodes: int, m: int) -> float:
     return max(intra, inter) + latency
 
 
+def measured_call_s(c: Collective, hw: Hardware) -> float | None:
+    """The measured host seconds of collective ``c`` (``hw.call_us`` and
+    ``hw.call_ns_per_element`` of the comm step it starts, for its elements); 0 for the second
+    hop of a two-level slice whose step is measured (the slice's cost holds it); ``None`` where
+    its step is not measured."""
+    name = "two_level_slice" if c.call is None and c.hop == 2 else c.call
+    if name not in hw.call_us:
+        return None
+    if c.call is None:
+        return 0.0
+    return hw.call_us[name] * 1e-6 + hw.call_ns_per_element.get(name, 0.0) * 1e-9 * c.elements
+
+
+def host_time(c: Collective, hw: Hardware, nodes: int, m: int, kernels: Mapping[str, float] | None) -> float:
+    """Seconds of one rank's host for collective ``c`` on host-staged hardware: the measured cost
+    of its comm step (:func:`measured_call_s`), else its codecs, the copies of all the bytes it
+    sends (a ring's chunks go to one neighbour, inside the node or across; an all-to-all's rows
+    to every peer) and its latency."""
+    measured = measured_call_s(c, hw)
+    if measured is not None:
+        return measured
+    intra, _, inter_copy, latency = wire_parts(c, hw, nodes, m)
+    copies = max(intra, inter_copy) if c.algo in ("ring", "ring_allreduce") else intra + inter_copy
+    tq, tdq = kernel_times(c, hw, kernels)
+    return tq + tdq + copies + latency
+
+
 def comm_time(collectives: Sequence[Collective], hw: Hardware, nodes: int, ranks_per_node: int,
               kernels: Mapping[str, float] | None = None) -> dict[str, float]:
     """Seconds of communication per kind (``weights``, ``grads``, ``control``), of the
@@ -82,9 +121,8 @@ def comm_time(collectives: Sequence[Collective], hw: Hardware, nodes: int, ranks
         tq, tdq = kernel_times(c, hw, kernels)
         res["kernels"] += tq + tdq
         if hw.host_staged:
-            intra, inter, inter_copy, latency = wire_parts(c, hw, nodes, ranks_per_node)
-            res[c.kind] += tq + intra + inter_copy + latency + tdq
-            res["link"] += inter
+            res[c.kind] += host_time(c, hw, nodes, ranks_per_node, kernels)
+            res["link"] += wire_parts(c, hw, nodes, ranks_per_node)[1]
         elif c.pipeline is not None:
             pipes.setdefault(c.pipeline, []).append(c)
         else:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,15 @@ class Hardware:
     ``host_staged``: the transfers are copies by the same processors that run the codecs (gloo
     on CPUs): a rank's codec time, its intra-node bytes and its inter-node bytes (at
     ``intra_gbps``, the host's copy rate) add up, and only the inter-node link's own time (a
-    shaped link slower than that copy) runs alongside them."""
+    shaped link slower than that copy) runs alongside them.
+    ``call_us``, ``call_ns_per_element``: a host-staged cluster's measured host cost of one step
+    of a comm object, by its name in :data:`~qsdp.perfmodel.collectives.CALLS`: fixed us per
+    call and ns per element its collective carries (``Collective.elements``): its collective's
+    latency and copies, its codec calls and the Python and torch work around them, all at once.
+    A collective whose step is named here costs the host that instead of its latency, copies and
+    codecs priced one by one.
+    ``inter_burst_bytes``: a shaped inter-node link's token bucket, a GPU's share (bytes that
+    pass at once after the link was idle long enough to refill it at ``inter_gbps``)."""
 
     name: str
     gpus_per_node: int
@@ -31,6 +40,9 @@ class Hardware:
     codec_call_us: float = 0.0
     host_staged: bool = False
     notes: tuple[str, ...] = ()
+    call_us: Mapping[str, float] = field(default_factory=dict)
+    call_ns_per_element: Mapping[str, float] = field(default_factory=dict)
+    inter_burst_bytes: float = 0.0
 
     @property
     def quant_gbps(self) -> float:
