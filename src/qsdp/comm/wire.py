@@ -32,6 +32,13 @@ def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([x, x[:, -1:].expand(-1, pad)], dim=1)
 
 
+def _check_out(out: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``out``, after checking that it can hold ``rows`` encoded rows of ``width`` bytes."""
+    if out.dtype != torch.uint8 or tuple(out.shape) != (rows, width):
+        raise ValueError(f"out must be uint8 [{rows}, {width}], got {out.dtype} {list(out.shape)}")
+    return out
+
+
 def sum_rows(x: torch.Tensor) -> torch.Tensor:
     """``x[0] + x[1] + ... + x[k-1]`` (over the first dimension), added left to right."""
     acc = x[0].clone()
@@ -83,14 +90,18 @@ class RowCodec:
         n = groups * 4 * (1 if self.symmetric else 2) + lp * self.bits // 8
         return -(-n // 4) * 4
 
-    def encode(self, x: torch.Tensor, *, seed: int, transformed: bool = False) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, *, seed: int, transformed: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """``x``: ``[R, L]`` float. Returns uint8 ``[R, row_nbytes(L)]``. ``transformed`` says the
-        rows are already in the Hadamard domain (padded to whole blocks)."""
+        rows are already in the Hadamard domain (padded to whole blocks). ``out``: where to write
+        those rows (uint8 ``[R, row_nbytes(L)]``, rows may be strided: columns of a wider send
+        buffer), returned; the same bytes as without it."""
         rows, length = x.shape
         if self.exact:
-            return x.to(self.raw_dtype).contiguous().view(torch.uint8).view(rows, -1)
+            raw = x.to(self.raw_dtype).contiguous().view(torch.uint8).view(rows, -1)
+            return raw if out is None else _check_out(out, rows, raw.shape[1]).copy_(raw)
         if self._fused(x) and x.dtype in _OUT_DTYPES:
-            return self._encode_fused(x, None, seed=seed, transformed=transformed)
+            return self._encode_fused(x, None, seed=seed, transformed=transformed, out=out)
         lp = self.padded_len(length)
         xp = _pad_cols(x.float(), lp)
         if self.hadamard_block and not transformed:
@@ -99,7 +110,9 @@ class RowCodec:
             xp, bits=self.bits, group_size=self.group_size, symmetric=self.symmetric,
             rounding=self.rounding, seed=seed, check_finite=False,
         )
-        out = self._alloc(rows, lp, x.device)
+        # quantize's scales and codes are separate tensors: they are copied into the rows anyway,
+        # so a given ``out`` costs nothing extra.
+        out = self._alloc(rows, lp, x.device, out)
         col = 0
         for part in (q.scales, q.zeros, q.codes):
             if part is not None:
@@ -175,13 +188,15 @@ class RowCodec:
         return self.finish(total, length) if finish and not finished else total
 
     def decode_sum_encode(
-        self, buf: torch.Tensor, length: int, *, sources: int, codec: "RowCodec", seed: int
+        self, buf: torch.Tensor, length: int, *, sources: int, codec: "RowCodec", seed: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The two-level middle step: ``buf`` holds ``sources x D`` rows (source-major); row ``n``
         of the result is ``codec.encode`` (still in the Hadamard domain) of the sum over the
         sources of their dequantized row ``n``:
         ``codec.encode(sum_rows(decode(buf, length, keep_padding=True).view(sources, D, -1)),
-        transformed=True)``. One kernel on CUDA when both codecs quantize with the same groups."""
+        transformed=True)``, written into ``out`` where given (as :meth:`encode`). One kernel on
+        CUDA when both codecs quantize with the same groups."""
         lp = self.padded_len(length)
         if (
             self._fused(buf) and codec._fused(buf) and codec.group_size == self.group_size
@@ -189,15 +204,17 @@ class RowCodec:
         ):
             tk = _tk()
             dests = buf.shape[0] // sources
-            out = codec._alloc(dests, lp, buf.device)
+            direct = out is not None and out.is_contiguous()
+            packed = codec._alloc(dests, lp, buf.device, out if direct else None)
             tk.dequantize_into(
                 self._packed(buf, lp), groups=lp // self.group_size, bits=self.bits, group_size=self.group_size,
                 symmetric=self.symmetric, sources=sources, outputs=dests, row_o=1, row_j=dests,
-                requantize=(codec._packed(out, lp), codec.bits, codec.symmetric, codec.rounding, seed),
+                requantize=(codec._packed(packed, lp), codec.bits, codec.symmetric, codec.rounding, seed),
             )
-            return out
+            # The kernel writes contiguous rows only: strided ``out`` rows get a copy.
+            return packed if out is None or direct else _check_out(out, dests, packed.shape[1]).copy_(packed)
         partial, _ = self._sum_sources(buf, length, sources, finish=False)
-        return codec.encode(partial, seed=seed, transformed=True)
+        return codec.encode(partial, seed=seed, transformed=True, out=out)
 
     def _sum_sources(
         self, buf: torch.Tensor, length: int, sources: int, *, finish: bool
@@ -238,10 +255,14 @@ class RowCodec:
     def _fused(self, t: torch.Tensor) -> bool:
         return not self.exact and use_triton(t) and _tk().supports(bits=self.bits, group_size=self.group_size)
 
-    def _alloc(self, rows: int, lp: int, device) -> torch.Tensor:
-        """Packed rows for ``lp`` elements, the 4-byte padding zeroed."""
+    def _alloc(self, rows: int, lp: int, device, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed rows for ``lp`` elements (``out``, checked, where given), the 4-byte padding
+        zeroed."""
         width = self.row_nbytes(lp)
-        out = torch.empty(rows, width, dtype=torch.uint8, device=device)
+        if out is None:
+            out = torch.empty(rows, width, dtype=torch.uint8, device=device)
+        else:
+            _check_out(out, rows, width)
         used = (lp // self.group_size) * 4 * (1 if self.symmetric else 2) + lp * self.bits // 8
         if width > used:
             out[:, used:].zero_()
@@ -251,7 +272,8 @@ class RowCodec:
         return _tk().Packed.rows(buf.contiguous(), padded=lp, bits=self.bits, group_size=self.group_size,
                                  symmetric=self.symmetric)
 
-    def _encode_fused(self, x: torch.Tensor, base: torch.Tensor | None, *, seed: int, transformed: bool) -> torch.Tensor:
+    def _encode_fused(self, x: torch.Tensor, base: torch.Tensor | None, *, seed: int, transformed: bool,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         tk = _tk()
         rows, length = x.shape
         lp = self.padded_len(length)
@@ -260,13 +282,15 @@ class RowCodec:
             # The butterfly in torch is exact on any device; only the quantization is fused.
             xp = _pad_cols(x.float() if base is None else x.float() - base.float(), lp)
             x, base, length, hb = hadamard(xp, block=hb), None, lp, 0
-        out = self._alloc(rows, lp, x.device)
+        direct = out is not None and out.is_contiguous()
+        packed = self._alloc(rows, lp, x.device, out if direct else None)
         tk.quantize_into(
-            x, self._packed(out, lp), length=length, padded=lp, ncodes=lp, bits=self.bits,
+            x, self._packed(packed, lp), length=length, padded=lp, ncodes=lp, bits=self.bits,
             group_size=self.group_size, symmetric=self.symmetric, rounding=self.rounding, seed=seed,
             base=base, hadamard_block=hb,
         )
-        return out
+        # The kernel writes contiguous rows only: strided ``out`` rows get a copy.
+        return packed if out is None or direct else _check_out(out, rows, packed.shape[1]).copy_(packed)
 
     def _decode_fused(self, buf: torch.Tensor, lp: int, out: torch.Tensor, *, add: bool) -> torch.Tensor:
         rows = buf.shape[0]
