@@ -53,7 +53,7 @@ def _unquantized_route(rank, world, mode, slices, op, hadamard):
 
 
 @pytest.mark.parametrize("op", [dist.ReduceOp.AVG, dist.ReduceOp.SUM], ids=["avg", "sum"])
-@pytest.mark.parametrize("slices", [1, 3])
+@pytest.mark.parametrize("slices", [1, 3, "auto"])
 def test_two_level_route_without_quantization_equals_plain_reduce_scatter(op, slices):
     assert all(run_world(_unquantized_route, 4, "two_level", slices, op, 0, local_world_size=2))
 
@@ -177,3 +177,83 @@ def test_two_level_reduce_scatter_makes_no_copy_of_the_whole_gradient():
     # the gradient; a copy of the whole gradient would be as large as the input.
     for largest, whole in run_world(_two_level_allocations, 4, 4, local_world_size=2):
         assert 0 < largest <= whole // 4
+
+
+def _auto_and_eight(rank, world, shard, min_slice):
+    from qsdp.comm.meter import METER
+
+    results = []
+    for slices in ("auto", 8):
+        cfg = qsdp.resolve_config("sdp4bit", {"grads.pipeline_slices": slices, "grads.pipeline_min_slice": min_slice})
+        comm = QuantizedReduceScatter(cfg, build_topology(), 3)
+        METER.snapshot(reset=True)
+        out = _reduce_scatter(comm, _grad(rank, world * shard))
+        results.append((out, METER.snapshot()["grads"]))
+    (auto, auto_bytes), (eight, eight_bytes) = results
+    return torch.equal(auto, eight), auto_bytes == eight_bytes, auto_bytes["total"]["bytes"] > 0
+
+
+@pytest.mark.parametrize("shard,min_slice", [
+    (8 * 4096, 1),  # 8 slices of whole groups
+    (3000, 256),  # 8 slices, the last one padded
+    (2000, 512),  # the minimum leaves 4 slices, the last one padded
+    (1 << 16, 16384),  # sdp4bit's own minimum: 4 slices
+    (100, 16384),  # one padded slice
+])
+def test_auto_on_gloo_gives_the_bits_and_bytes_of_eight_slices(shard, min_slice):
+    for same_output, same_bytes, sent in run_world(_auto_and_eight, 4, shard, min_slice, local_world_size=2):
+        assert same_output and same_bytes and sent
+
+
+def _all_to_alls(rank, world, slices):
+    counted = []
+    real = dist.all_to_all_single
+
+    def counting(*args, **kwargs):  # the real collective still runs
+        counted.append(kwargs.get("group"))
+        return real(*args, **kwargs)
+
+    cfg = qsdp.resolve_config("sdp4bit", {"grads.pipeline_slices": slices, "grads.pipeline_min_slice": 1})
+    topo = build_topology()
+    comm = QuantizedReduceScatter(cfg, topo, 0)
+    dist.all_to_all_single = counting
+    try:
+        _reduce_scatter(comm, _grad(rank, world * 8 * 1024))
+    finally:
+        dist.all_to_all_single = real
+    return [g is topo.intra_group for g in counted], [g is topo.inter_group for g in counted]
+
+
+@pytest.mark.parametrize("slices,per_hop", [("auto", 1), (8, 8)])
+def test_auto_on_gloo_sends_one_all_to_all_per_hop_and_a_slice_count_one_per_slice(slices, per_hop):
+    for intra, inter in run_world(_all_to_alls, 4, slices, local_world_size=2):
+        assert len(intra) == 2 * per_hop and sum(intra) == per_hop and sum(inter) == per_hop
+
+
+def test_auto_pipelines_the_exchanges_only_where_the_host_does_not_move_the_bytes():
+    from qsdp.comm.reduce_scatter import exchange_groups, pipelines_exchanges
+
+    assert pipelines_exchanges("cuda", "nccl")
+    assert not pipelines_exchanges("cpu", "gloo")
+    assert not pipelines_exchanges("cuda", "gloo")  # CUDA tensors staged through the host
+    assert pipelines_exchanges("cuda", "cpu:gloo,cuda:nccl") and not pipelines_exchanges("cpu", "cpu:gloo,cuda:nccl")
+    assert exchange_groups(3, pipelined=True) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert exchange_groups(3, pipelined=False) == [range(0, 3)]
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_encoding_into_columns_of_a_wider_buffer_writes_the_same_bytes(bits):
+    from qsdp.comm.wire import RowCodec
+
+    codec = RowCodec(bits=bits, group_size=16, hadamard_block=8 if bits else 0)
+    hop2 = RowCodec(bits=4 if bits else None, group_size=16, hadamard_block=8 if bits else 0)
+    x = _grad(0, 4 * 40).view(4, 40)
+    alone = codec.encode(x, seed=5)
+    wide = torch.full((4, alone.shape[1] + 12), 7, dtype=torch.uint8)
+    assert codec.encode(x, seed=5, out=wide[:, 8:8 + alone.shape[1]]) is not None
+    assert torch.equal(wide[:, 8:8 + alone.shape[1]], alone) and (wide[:, :8] == 7).all() and (wide[:, -4:] == 7).all()
+    summed = codec.decode_sum_encode(alone, 40, sources=2, codec=hop2, seed=6)
+    wide2 = torch.full((2, summed.shape[1] + 4), 7, dtype=torch.uint8)
+    codec.decode_sum_encode(wide[:, 8:8 + alone.shape[1]], 40, sources=2, codec=hop2, seed=6,
+                            out=wide2[:, 4:])
+    assert torch.equal(wide2[:, 4:], summed) and (wide2[:, :4] == 7).all()

@@ -37,6 +37,22 @@ def test_dotted_and_nested_overrides():
     assert cfg.weights.bits == 8 and cfg.grads.hadamard_block == 0 and cfg.grads.bits_inter == 4
 
 
+def test_pipeline_slices_auto_parses_from_the_command_line():
+    from qsdp.cli import _override
+
+    key, value = _override("grads.pipeline_slices=auto")
+    assert resolve_config("zeropp", {key: value}).grads.pipeline_slices == "auto"
+    key, value = _override("grads.pipeline_slices=8")
+    assert resolve_config("sdp4bit", {key: value}).grads.pipeline_slices == 8
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "AUTO", "eight", True, None])
+def test_pipeline_slices_other_than_a_positive_integer_or_auto_are_refused(bad):
+    with pytest.raises(qsdp.ConfigError) as info:
+        resolve_config("sdp4bit", {"grads.pipeline_slices": bad})
+    assert str(info.value) == f"grads.pipeline_slices={bad!r} must be a positive integer or 'auto'"
+
+
 def test_presets_are_frozen_data():
     with pytest.raises(dataclasses.FrozenInstanceError):
         PRESETS["qsdp"].weights.bits = 4

@@ -80,14 +80,16 @@ def reduce_scatter(grads: torch.Tensor, cfg: QuantConfig, ranks_per_node: int, c
 
 def _two_hops(grads: torch.Tensor, cfg: QuantConfig, m: int, d: int, seed) -> torch.Tensor:
     """``QuantizedReduceScatter._two_hops`` for every rank at once (rank ``n * m + l`` is local
-    rank ``l`` of node ``n``)."""
+    rank ``l`` of node ``n``), one rounding slice at a time: whether the collectives send the
+    slices in exchanges of their own or side by side in one (``pipeline_slices="auto"`` on
+    gloo) moves the same bytes."""
     g = cfg.grads
     world, _, s = grads.shape
     hop1 = grad_codec(g, g.bits_intra, grads.dtype)
     hop2 = grad_codec(g, g.bits_inter, torch.float32)
     lp = hop1.padded_len(s)
     out = torch.empty(world, lp, dtype=torch.float32, device=grads.device)
-    for k, (a, b) in enumerate(pipeline_slices_bounds(lp, hop1, g.pipeline_slices, g.pipeline_min_slice)):
+    for k, (a, b) in enumerate(pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)):
         # hop 1: rows (l, n) of source r, destination-major; local rank l of r's node gets rows
         # [l * d, (l + 1) * d) of every local peer, in local-rank order
         sent = [hop1.encode(destination_major(grads[r], d, a, b), seed=seed(r, 4, k)) for r in range(world)]

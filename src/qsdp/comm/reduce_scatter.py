@@ -62,8 +62,12 @@ class QuantizedReduceScatter(GradReduceScatter):
     node's rank ``l``; it dequantizes, sums the ``M`` contributions, requantizes to
     ``bits_inter`` (still in the Hadamard domain); an all-to-all among the ``D`` ranks with local
     rank ``l`` delivers each node's partial sum to its owner, who dequantizes, sums and inverts
-    the Hadamard transform. The chunk is cut into ``pipeline_slices`` slices whose exchanges
-    run asynchronously, so that quantizing slice ``k+1`` overlaps the transfer of slice ``k``.
+    the Hadamard transform. The chunk is rounded in ``pipeline_slices`` slices (8 for
+    ``"auto"``: ``GradComm.rounding_slices``), each with its own seeds. Their exchanges run
+    asynchronously, one per slice, so that quantizing slice ``k+1`` overlaps the transfer of
+    slice ``k``; with ``"auto"`` where no engine is free to overlap (:func:`pipelines_exchanges`:
+    gloo, CPU tensors) every slice's encoded columns travel side by side in one exchange per hop,
+    the same bytes and the same result.
     With one node (or one rank per node) a single hop remains: ``bits_intra`` inside a node,
     ``bits_inter`` across nodes.
     """
@@ -107,47 +111,92 @@ class QuantizedReduceScatter(GradReduceScatter):
 
     def _two_hops(self, x: torch.Tensor) -> torch.Tensor:
         topo, g = self.topology, self.config.grads
-        m, d = topo.ranks_per_node, topo.nodes
         world, s = x.shape
         hop1 = grad_codec(g, g.bits_intra, x.dtype)
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
-        # The Hadamard transform (blockwise, and every slice is whole blocks) is applied by
-        # hop1.encode slice by slice, fused into the quantization on CUDA; the inverse by
-        # hop2.decode_sum, slice by slice too.
-        bounds = pipeline_slices_bounds(lp, hop1, g.pipeline_slices, g.pipeline_min_slice)
+        # The rounding slices (their bounds and seeds fix the result) and the exchanges that carry
+        # them: one per slice when pipelined, else one per hop for all of them. The Hadamard
+        # transform (blockwise, and every slice is whole blocks) is applied by hop1.encode slice
+        # by slice, fused into the quantization on CUDA; the inverse by hop2.decode_sum.
+        bounds = pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)
+        pipelined = g.pipeline_slices != "auto" or all(
+            pipelines_exchanges(x.device.type, dist.get_backend(grp)) for grp in (topo.intra_group, topo.inter_group))
+        groups = exchange_groups(len(bounds), pipelined)
         out = torch.empty(lp, dtype=torch.float32, device=x.device)
-        n_slices = len(bounds)
-        stage1: list[tuple[torch.Tensor, Any] | None] = [None] * n_slices
-        stage2: list[tuple[torch.Tensor, Any] | None] = [None] * n_slices
-        for step in range(n_slices + 2):
-            k = step
-            if k < n_slices:
-                a, b = bounds[k]
-                send = hop1.encode(destination_major(x, d, a, b), seed=self._seed(4, k))
-                recv = torch.empty_like(send)
-                work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
-                self.meter("grads", d * send.shape[1], d * real_elements(a, b, s), (m - 1, 0))
-                stage1[k] = (recv, work)
-            k = step - 1
-            if 0 <= k < n_slices:
-                a, b = bounds[k]
-                recv, work = stage1[k]
+        n = len(groups)
+        stage1: list[tuple[torch.Tensor, Any] | None] = [None] * n
+        stage2: list[tuple[torch.Tensor, Any] | None] = [None] * n
+        for step in range(n + 2):
+            i = step
+            if i < n:
+                stage1[i] = self._intra_exchange(x, hop1, [bounds[k] for k in groups[i]], groups[i])
+            i = step - 1
+            if 0 <= i < n:
+                recv, work = stage1[i]
                 work.wait()
-                send = hop1.decode_sum_encode(recv, b - a, sources=m, codec=hop2, seed=self._seed(5, k))
-                recv2 = torch.empty_like(send)
-                work2 = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
-                self.meter("grads", send.shape[1], real_elements(a, b, s), (0, d - 1))
-                stage1[k] = None
-                stage2[k] = (recv2, work2)
-            k = step - 2
-            if 0 <= k < n_slices:
-                a, b = bounds[k]
-                recv2, work2 = stage2[k]
+                stage1[i] = None
+                stage2[i] = self._inter_exchange(recv, hop1, hop2, [bounds[k] for k in groups[i]], groups[i], s)
+            i = step - 2
+            if 0 <= i < n:
+                recv2, work2 = stage2[i]
                 work2.wait()
-                out[a:b] = hop2.decode_sum(recv2, b - a, finish=True)
-                stage2[k] = None
+                stage2[i] = None
+                for (a, b), (c0, c1) in zip((bounds[k] for k in groups[i]), _columns(hop2, bounds, groups[i])):
+                    out[a:b] = hop2.decode_sum(recv2[:, c0:c1], b - a, finish=True)
         return out[:s]
+
+    def _intra_exchange(self, x: torch.Tensor, hop1: RowCodec, bounds: list[tuple[int, int]],
+                        slices: range) -> tuple[torch.Tensor, Any]:
+        """Hop 1 of rounding slices ``slices`` (``bounds`` theirs): each encoded with its own
+        seed into its columns of one send buffer, one asynchronous all-to-all inside the node."""
+        topo = self.topology
+        m, d = topo.ranks_per_node, topo.nodes
+        s = x.shape[1]
+        if len(slices) == 1:  # the buffer is the slice's own encoding
+            (a, b), = bounds
+            send = hop1.encode(destination_major(x, d, a, b), seed=self._seed(4, slices[0]))
+        else:
+            cols = _columns(hop1, bounds)
+            send = torch.empty(x.shape[0], cols[-1][1], dtype=torch.uint8, device=x.device)
+            for k, (a, b), (c0, c1) in zip(slices, bounds, cols):
+                hop1.encode(destination_major(x, d, a, b), seed=self._seed(4, k), out=send[:, c0:c1])
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
+        self.meter("grads", d * send.shape[1], d * sum(real_elements(a, b, s) for a, b in bounds), (m - 1, 0))
+        return recv, work
+
+    def _inter_exchange(self, recv: torch.Tensor, hop1: RowCodec, hop2: RowCodec, bounds: list[tuple[int, int]],
+                        slices: range, s: int) -> tuple[torch.Tensor, Any]:
+        """Hop 2 of rounding slices ``slices``: each one's columns of the intra-node receive
+        buffer summed and requantized with its own seed into its columns of one send buffer,
+        one asynchronous all-to-all across nodes."""
+        topo = self.topology
+        m, d = topo.ranks_per_node, topo.nodes
+        if len(slices) == 1:
+            (a, b), = bounds
+            send = hop1.decode_sum_encode(recv, b - a, sources=m, codec=hop2, seed=self._seed(5, slices[0]))
+        else:
+            cols2 = _columns(hop2, bounds)
+            send = torch.empty(d, cols2[-1][1], dtype=torch.uint8, device=recv.device)
+            for k, (a, b), (c0, c1), (e0, e1) in zip(slices, bounds, _columns(hop1, bounds), cols2):
+                hop1.decode_sum_encode(recv[:, c0:c1], b - a, sources=m, codec=hop2, seed=self._seed(5, k),
+                                       out=send[:, e0:e1])
+        recv2 = torch.empty_like(send)
+        work = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
+        self.meter("grads", send.shape[1], sum(real_elements(a, b, s) for a, b in bounds), (0, d - 1))
+        return recv2, work
+
+
+def _columns(codec: RowCodec, bounds: list[tuple[int, int]], slices: range | None = None) -> list[tuple[int, int]]:
+    """The byte columns ``[c0, c1)`` of each slice of ``bounds`` (those of ``slices``, all by
+    default) in a buffer of their encoded rows side by side."""
+    out, c = [], 0
+    for a, b in bounds if slices is None else (bounds[k] for k in slices):
+        w = codec.row_nbytes(b - a)
+        out.append((c, c + w))
+        c += w
+    return out
 
 
 def destination_major(x: torch.Tensor, nodes: int, a: int, b: int) -> torch.Tensor:
@@ -175,3 +224,26 @@ def pipeline_slices_bounds(length: int, codec: RowCodec, n: int, min_slice: int 
     n = max(1, min(n, units, length // max(1, min_slice)))
     per = -(-units // n) * unit
     return [(a, min(a + per, length)) for a in range(0, length, per)]
+
+
+def pipelines_exchanges(device_type: str, backend: str) -> bool:
+    """Whether ``pipeline_slices="auto"`` sends each rounding slice in exchanges of its own (so
+    that encoding one overlaps the transfer of the previous), for tensors on ``device_type``
+    and a group of ``backend`` (``dist.get_backend``; ``"cpu:gloo,cuda:nccl"`` picks the
+    device's). Not where the host moves the bytes: CPU tensors, or a gloo group (CUDA tensors
+    are staged through the host). There no engine is free to overlap with, and each extra
+    collective costs its latency: all slices travel in one exchange per hop."""
+    if device_type == "cpu":
+        return False
+    name = backend.lower()
+    for part in name.split(","):
+        dev, sep, value = part.partition(":")
+        if sep and dev.strip() == device_type:
+            name = value
+    return name.strip() != "gloo"
+
+
+def exchange_groups(n_slices: int, pipelined: bool) -> list[range]:
+    """The rounding slices each exchange carries, in order: one slice each when pipelined, else
+    all of them in one."""
+    return [range(k, k + 1) for k in range(n_slices)] if pipelined else [range(n_slices)]
