@@ -11,6 +11,7 @@ import pytest
 
 from qsdp import perfmodel as pm
 from qsdp.advise import advise
+from qsdp.config import resolve_config
 from qsdp.gpt_shape import GPTConfig, n_params
 
 
@@ -166,3 +167,21 @@ def test_the_bucket_refills_while_the_host_works():
     # two 1 MB sends: the second finds an empty bucket unless 0.1 s of compute (1 MB of tokens) came between
     assert pm.synchronous_step(0.0, [c, c], hw, 2, 2)["link_wait_s"] == pytest.approx(0.099)
     assert pm.synchronous_step(0.2, [c, c], hw, 2, 2)["link_wait_s"] == 0.0
+
+
+def test_auto_slices_are_one_exchange_per_hop_on_host_staged_hardware_and_eight_on_gpus():
+    shards = [4096, 1 << 20]
+    auto = resolve_config("sdp4bit", {"grads.pipeline_slices": "auto"})
+    grads = {staged: [c for c in pm.step_collectives(auto, shards, 2, 2, host_staged=staged)
+                      if c.kind == "grads"] for staged in (False, True)}
+    per_group = {staged: [sum(c.pipeline == gi for c in colls) for gi in range(len(shards))]
+                 for staged, colls in grads.items()}
+    # the small shard rounds in one slice, the large one in 8: 2 exchanges (one per hop) each
+    # when host-staged, 2 per slice otherwise
+    assert per_group == {False: [2, 16], True: [2, 2]}
+    assert pm.collective_bytes(grads[True]) == pm.collective_bytes(grads[False])
+    assert sum(c.elements for c in grads[True]) == sum(c.elements for c in grads[False])
+    # a slice count is what it says, host-staged or not
+    eight = pm.step_collectives(resolve_config("sdp4bit", {"grads.pipeline_slices": 8}), shards, 2, 2,
+                                host_staged=True)
+    assert sum(c.kind == "grads" for c in eight) == 18

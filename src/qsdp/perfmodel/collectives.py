@@ -18,7 +18,7 @@ import torch
 
 from ..comm.difference import replica_layout
 from ..comm.hsdp import chunk_len, hsdp_codec
-from ..comm.reduce_scatter import grad_codec, pipeline_slices_bounds, real_elements
+from ..comm.reduce_scatter import exchange_groups, grad_codec, pipeline_slices_bounds, real_elements
 from ..comm.weight_codec import weight_codec
 from ..config import QuantConfig, resolve_config
 
@@ -28,7 +28,8 @@ _DTYPES = {4: torch.float32, 2: torch.bfloat16}
 # own host work around its collective (codec calls, padding, temporaries, the gloo call itself):
 # a plain all-gather, a quantized one, a weight difference's exchange among its holders, a node
 # replica's fill, the agreement of the difference gathers, a plain reduce-scatter, a one-level
-# quantized one, one slice of a two-level one (both hops).
+# quantized one, one exchange of a two-level one (both hops; a pipeline slice, or every slice at
+# once where its exchanges are not pipelined).
 CALLS = ("gather", "quantized_gather", "difference_update", "replica_fill", "agreement",
          "reduce_scatter", "one_level_reduce_scatter", "two_level_slice")
 
@@ -44,10 +45,10 @@ class Collective:
     (among the ``M`` ranks of the node), ``a2a_inter`` (among the ``D`` ranks with this local
     rank) or ``allreduce`` (a tiny control all-reduce). ``quantize`` / ``dequantize``: elements
     this rank encodes and decodes for it (``hp_bytes`` bytes each on the high-precision side).
-    ``pipeline``/``hop``: slices of one pipelined two-level reduce-scatter share a pipeline id.
+    ``pipeline``/``hop``: the exchanges of one two-level reduce-scatter share a pipeline id.
     ``call``: the step of a comm object this collective starts (one of :data:`CALLS`), whose fixed
     host cost a measured ``Hardware.call_us`` prices; ``None`` for one that continues the step
-    before it (the second hop of a two-level slice) or has no such step (HSDP's all-reduce).
+    before it (the second hop of a two-level exchange) or has no such step (HSDP's all-reduce).
     """
 
     kind: str
@@ -93,9 +94,10 @@ def _difference_gathers(layout: str, quant: Collective, plain: Collective, calls
     return ([between] if calls else []) + [inside] * calls
 
 
-def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: int, grad_bytes: int) -> list[Collective]:
+def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: int, grad_bytes: int,
+                      host_staged: bool = False) -> list[Collective]:
     """The gradient reduce-scatters (qsdp.comm.reduce_scatter) of one step, one per group, on
-    ``d`` nodes x ``m`` ranks."""
+    ``d`` nodes x ``m`` ranks; ``host_staged``: gloo's (see :func:`step_collectives`)."""
     world = m * d
     intra, inter = m - 1, world - m  # Topology.peers()
     g = cfg.grads
@@ -121,16 +123,21 @@ def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: i
         hop1 = grad_codec(g, g.bits_intra, raw)
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
-        for a, b in pipeline_slices_bounds(lp, hop1, g.pipeline_slices, g.pipeline_min_slice):
-            width = b - a
+        bounds = pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)
+        # qsdp.comm.reduce_scatter.pipelines_exchanges: "auto" does not pipeline on gloo
+        pipelined = g.pipeline_slices != "auto" or not host_staged
+        for group in exchange_groups(len(bounds), pipelined):
+            slices = [bounds[k] for k in group]  # one exchange per hop carries them side by side
+            width = sum(b - a for a, b in slices)
+            real = sum(real_elements(a, b, s) for a, b in slices)
             out.append(Collective(
-                "grads", "a2a_intra", d * hop1.row_nbytes(width), d * real_elements(a, b, s), m - 1, 0,
+                "grads", "a2a_intra", d * sum(hop1.row_nbytes(b - a) for a, b in slices), d * real, m - 1, 0,
                 quantize=world * width, dequantize=world * width, hp_bytes=grad_bytes,
                 hadamard=bool(hop1.hadamard_block and not hop1.exact), pipeline=gi, hop=1,
                 call="two_level_slice",
             ))
             out.append(Collective(
-                "grads", "a2a_inter", hop2.row_nbytes(width), real_elements(a, b, s), 0, d - 1,
+                "grads", "a2a_inter", sum(hop2.row_nbytes(b - a) for a, b in slices), real, 0, d - 1,
                 quantize=d * width, dequantize=d * width, hp_bytes=4, pipeline=gi, hop=2,
             ))
     return out
@@ -146,6 +153,7 @@ def step_collectives(
     gathers: int | Sequence[int] | None = None,
     param_bytes: int = 2,
     grad_bytes: int = 4,
+    host_staged: bool = False,
 ) -> list[Collective]:
     """Every collective one rank runs in one steady-state training step (after the warm-up step
     that establishes weight-difference replicas), for FSDP groups whose per-rank shard (the
@@ -156,7 +164,10 @@ def step_collectives(
     optimizer). ``gathers`` overrides the count per group. A weight-difference gather whose shard
     did not change (the second gather of a step) sends no difference (node replicas still fill
     the output inside the node); the difference gathers agree once per step. ``param_bytes``: the
-    all-gather dtype's size; ``grad_bytes``: the reduce dtype's size.
+    all-gather dtype's size; ``grad_bytes``: the reduce dtype's size. ``host_staged``: the
+    collectives run on gloo (``Hardware.host_staged``), where ``grads.pipeline_slices="auto"``
+    sends a two-level reduce-scatter's slices in one exchange per hop (elsewhere, and for a
+    slice count, one per slice per hop); the bytes are the same.
     """
     cfg = resolve_config(config)
     if grad_bytes not in _DTYPES or param_bytes not in _DTYPES:
@@ -189,7 +200,7 @@ def step_collectives(
     if w.mode == "difference":  # one agreement per step: 2 int32 flags per group
         out.append(Collective("control", "allreduce", 8 * len(shard_sizes), 0, intra, inter, call="agreement"))
 
-    out += _grad_collectives(cfg, shard_sizes, d, m, grad_bytes)
+    out += _grad_collectives(cfg, shard_sizes, d, m, grad_bytes, host_staged)
     return out
 
 

@@ -8,8 +8,8 @@ the meter counts as inter-node crosses the NIC. Every GPU of a node runs its col
 same time (each tensor-parallel rank has its own data-parallel group), so a GPU gets ``1/G`` of
 its node's NIC bandwidth (``G`` GPUs per node; the same as one NIC per GPU as in DGX boxes) and
 all of its own NVLink bandwidth. A ring step costs the latency ``alpha`` of the slowest link it
-crosses; an all-to-all costs ``alpha`` per peer. The two-level reduce-scatter's
-``pipeline_slices`` run as a 5-stage pipeline (quantize, intra all-to-all,
+crosses; an all-to-all costs ``alpha`` per peer. The two-level reduce-scatter's exchanges (one
+per pipeline slice) run as a 5-stage pipeline (quantize, intra all-to-all,
 dequantize+requantize, inter all-to-all, dequantize). A ``ring_allreduce`` (a reduce-scatter
 run as an all-reduce, as gloo does) costs twice a ring's bytes and steps.
 
@@ -80,7 +80,7 @@ def wire_time(c: Collective, hw: Hardware, nodes: int, m: int) -> float:
 def measured_call_s(c: Collective, hw: Hardware) -> float | None:
     """The measured host seconds of collective ``c`` (``hw.call_us`` and
     ``hw.call_ns_per_element`` of the comm step it starts, for its elements); 0 for the second
-    hop of a two-level slice whose step is measured (the slice's cost holds it); ``None`` where
+    hop of a two-level exchange whose step is measured (the exchange's cost holds it); ``None`` where
     its step is not measured."""
     name = "two_level_slice" if c.call is None and c.hop == 2 else c.call
     if name not in hw.call_us:
@@ -109,7 +109,7 @@ def comm_time(collectives: Sequence[Collective], hw: Hardware, nodes: int, ranks
     """Seconds of communication per kind (``weights``, ``grads``, ``control``), of the
     quantization kernels included in them (``kernels``) and of the inter-node link apart
     (``link``, host-staged only). Non-pipelined collectives run their quantize, transfer and
-    dequantize one after the other; the slices of a pipelined two-level reduce-scatter flow
+    dequantize one after the other; the ``S`` exchanges of a two-level reduce-scatter flow
     through 5 stages: ``sum / S + (S - 1) / S * max`` of the stage totals.
 
     ``hw.host_staged``: each kind holds the host's work alone (codecs, the copies of all bytes,

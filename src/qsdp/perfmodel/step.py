@@ -58,7 +58,7 @@ def simulate_step(setup: Setup, preset: str | QuantConfig, hw: Hardware, *, over
     nodes, m = setup.dp_topology(hw.gpus_per_node)
     shards = shard_sizes(setup)
     colls = step_collectives(preset, shards, nodes, m, zero3=setup.zero3,
-                             param_bytes=param_bytes, grad_bytes=grad_bytes)
+                             param_bytes=param_bytes, grad_bytes=grad_bytes, host_staged=hw.host_staged)
     return {**_timed(colls, hw, nodes, m, setup, overlap, kernels, compute_s),
             "replica_bytes": replica_elements(preset, shards, nodes, m) * param_bytes,
             "dp_nodes": nodes, "dp_ranks_per_node": m}
