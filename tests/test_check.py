@@ -38,10 +38,11 @@ def _tensor(rank: int, numel: int, trial: int) -> torch.Tensor:
     return x
 
 
-def _sdp4bit_small_groups():
-    # Groups small enough that a short tensor holds several groups and pipeline slices.
+def _sdp4bit_small_groups(**overrides):
+    # Groups small enough that a short tensor holds several groups and pipeline slices (sdp4bit's
+    # pipeline_slices="auto": 8 slices, on gloo in one exchange per hop).
     return resolve_config("sdp4bit", {"grads.group_size": 32, "grads.pipeline_min_slice": 64,
-                                      "weights.group_size": 64})
+                                      "weights.group_size": 64, **overrides})
 
 
 def _real_reduce_scatter(rank, world, cfg, s):
@@ -55,9 +56,12 @@ def _real_reduce_scatter(rank, world, cfg, s):
     return outs
 
 
-@pytest.mark.parametrize("preset", ["sdp4bit", "qsdp", "zeropp"])
+@pytest.mark.parametrize("preset", ["sdp4bit", "sdp4bit-8-exchanges", "qsdp", "zeropp"])
 def test_emulated_reduce_scatter_gives_the_collectives_bits(preset):
-    cfg = _sdp4bit_small_groups() if preset == "sdp4bit" else resolve_config(preset)
+    if preset.startswith("sdp4bit"):
+        cfg = _sdp4bit_small_groups(**({"grads.pipeline_slices": 8} if preset != "sdp4bit" else {}))
+    else:
+        cfg = resolve_config(preset)
     s = 1000
     real = run_world(_real_reduce_scatter, WORLD, cfg, s, local_world_size=PER_NODE, timeout=120)
     for call in (1, 2):

@@ -13,7 +13,7 @@ def test_presets_match_the_design_table():
     assert (q.weights.mode, q.weights.bits, q.weights.symmetric, q.weights.rounding, q.weights.group_size) == ("direct", 8, False, "shift", 1024)
     assert (q.grads.mode, q.grads.bits, q.grads.rounding, q.grads.group_size) == ("one_level", 8, "stochastic", 1024)
     assert (s.weights.mode, s.weights.bits, s.weights.group_size) == ("difference", 4, 2048)
-    assert (s.grads.bits_intra, s.grads.bits_inter, s.grads.group_size, s.grads.hadamard_block, s.grads.pipeline_slices) == (8, 4, 128, 32, 8)
+    assert (s.grads.bits_intra, s.grads.bits_inter, s.grads.group_size, s.grads.hadamard_block, s.grads.pipeline_slices) == (8, 4, 128, 32, "auto")
     assert (z.weights.mode, z.weights.bits, z.grads.bits_intra, z.grads.bits_inter, z.grads.hadamard_block) == ("direct", 4, 4, 4, 0)
     assert PRESETS["fsdp"].weights.mode == "plain" and PRESETS["fsdp"].grads.mode == "plain"
 
@@ -35,6 +35,14 @@ def test_qsdp_halves_each_quantize_one_direction_as_the_full_preset_does():
 def test_dotted_and_nested_overrides():
     cfg = resolve_config("sdp4bit", {"weights.bits": 8, "grads": {"hadamard_block": 0}})
     assert cfg.weights.bits == 8 and cfg.grads.hadamard_block == 0 and cfg.grads.bits_inter == 4
+
+
+def test_sdp4bits_pipeline_slices_are_auto_rounding_as_eight_slices():
+    for name in ("sdp4bit", "tlq4", "tlq-hs"):
+        g = resolve_config(name).grads
+        assert (g.pipeline_slices, g.rounding_slices) == ("auto", 8)
+    assert resolve_config("sdp4bit", {"grads.pipeline_slices": 3}).grads.rounding_slices == 3
+    assert resolve_config("zeropp").grads.pipeline_slices == 1
 
 
 def test_pipeline_slices_auto_parses_from_the_command_line():

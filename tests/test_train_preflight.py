@@ -96,3 +96,16 @@ def test_the_backend_is_chosen_apart_from_the_device():
     assert TrainArgs(device="cpu", backend="gloo").use_cuda() is False
     assert TrainArgs(device="cuda", backend="gloo").process_backend() == "gloo"
     assert TrainArgs(device="cuda").process_backend() == "nccl"
+
+
+def test_a_checkpoint_of_eight_slices_resumes_under_auto_which_rounds_the_same():
+    from qsdp.train.preflight import _check_identity
+
+    def written_with(slices):
+        return {"identity": {"seed": 3, "config": {"grads": {"pipeline_slices": slices}}}}
+
+    mine = {"seed": 3, "config": {"grads": {"pipeline_slices": "auto"}}}
+    _check_identity(Path("ckpt"), written_with(8), mine)
+    _check_identity(Path("ckpt"), written_with("auto"), {"seed": 3, "config": {"grads": {"pipeline_slices": 8}}})
+    with pytest.raises(TrainError, match="config.grads.pipeline_slices: checkpoint 4 != now 'auto'"):
+        _check_identity(Path("ckpt"), written_with(4), mine)

@@ -153,7 +153,7 @@ PRESETS: dict[str, QuantConfig] = {
         weights=WeightComm("difference", bits=4, group_size=2048, symmetric=True, rounding="stochastic"),
         grads=GradComm(
             "two_level", bits_intra=8, bits_inter=4, group_size=128, symmetric=True,
-            rounding="stochastic", hadamard_block=32, pipeline_slices=8,
+            rounding="stochastic", hadamard_block=32, pipeline_slices="auto",
         ),
         hsdp=HsdpComm("quantized", bits=4, group_size=128, hadamard_block=32),
     ),

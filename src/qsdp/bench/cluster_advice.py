@@ -279,7 +279,8 @@ def predict_step_s(preset: str, inputs: ModelInputs, rate_mbit: float, *, nodes:
     hw = emulated_hardware(inputs, rate_mbit, ranks_per_node, qdisc)
     shards = bench_shards(model, seq_len, nodes * ranks_per_node)
     colls = step_collectives(preset, shards, nodes, ranks_per_node, gathers=[1] + [2] * (len(shards) - 1),
-                             param_bytes=2 if param_dtype == "bfloat16" else 4, grad_bytes=4)
+                             param_bytes=2 if param_dtype == "bfloat16" else 4, grad_bytes=4,
+                             host_staged=hw.host_staged)
     colls = gloo_collectives(colls)
     return synchronous_step(inputs.compute_s, colls, hw, nodes, ranks_per_node, inputs.kernels)["step_s"]
 

@@ -7,8 +7,9 @@ padding, transposes, temporaries and the Python around them. Rather than count t
 (:data:`qsdp.perfmodel.CALLS`) as the comm objects of :mod:`qsdp.comm` run it, on a shard of
 :data:`SMALL_SHARD` and one of :data:`LARGE_SHARD` elements, and :func:`fit_calls` turns the two
 times into a fixed cost per collective and a cost per element it carries, counting both as the
-model does (:func:`qsdp.perfmodel.step_collectives`: a two-level reduce-scatter's slices, a node
-replica's rows). Each step is measured with the config of the first preset that uses it
+model does (:func:`qsdp.perfmodel.step_collectives` on gloo, ``host_staged``: a two-level
+reduce-scatter's exchanges, one per hop for ``sdp4bit``'s ``pipeline_slices="auto"`` however
+many slices it rounds, a node replica's rows). Each step is measured with the config of the first preset that uses it
 (``zeropp``'s steps are priced with ``qsdp``'s and ``sdp4bit``'s: the cost is the code path's).
 
 :func:`measure_call_seconds` runs inside every rank of
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 SMALL_SHARD = 2048  # one weight quantization group, one two-level slice
-LARGE_SHARD = 1 << 16  # a block of a small model: four two-level slices
+LARGE_SHARD = 1 << 16  # a block of a small model: four two-level slices (one exchange on gloo)
 # The preset whose config measures each step (qsdp.config.PRESETS).
 CALL_PRESETS = {"gather": "fsdp", "quantized_gather": "qsdp", "difference_update": "sdp4bit",
                 "replica_fill": "sdp4bit", "agreement": "sdp4bit", "reduce_scatter": "fsdp",
@@ -128,8 +129,10 @@ def fit_calls(seconds: Mapping[str, Sequence[float]], nodes: int, ranks_per_node
     for name, times in seconds.items():
         counts = []
         for n in sizes:
+            # measured on gloo, as the model's host-staged clusters run
             colls = [c for c in step_collectives(CALL_PRESETS[name], [n], nodes, ranks_per_node, gathers=1,
-                                                 param_bytes=param_bytes, grad_bytes=4) if c.call == name]
+                                                 param_bytes=param_bytes, grad_bytes=4, host_staged=True)
+                     if c.call == name]
             counts.append((len(colls), sum(c.elements for c in colls)))
         (k0, e0), (k1, e1) = counts
         t0, t1 = times

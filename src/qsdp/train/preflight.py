@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qsdp.config import QuantConfig
+from qsdp.config import AUTO_PIPELINE_SLICES, QuantConfig
 from qsdp.extras import require
 from qsdp.hsdp import quantizes_only_replicas
 from qsdp.train.args import TrainArgs, TrainError, validate_args
@@ -195,10 +195,19 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _same(key: str, theirs: Any, mine: Any) -> bool:
+    """Whether an identity field is the same run's. ``grads.pipeline_slices`` ``"auto"`` rounds
+    as 8 slices do (only their exchanges are grouped differently): a checkpoint written with 8
+    resumes under ``"auto"`` (sdp4bit's value since) and back."""
+    if key == "config.grads.pipeline_slices":
+        theirs, mine = (AUTO_PIPELINE_SLICES if v == "auto" else v for v in (theirs, mine))
+    return theirs == mine
+
+
 def _check_identity(path: Path, meta: dict[str, Any], mine: dict[str, Any]) -> None:
     theirs = _flatten(meta.get("identity", {}))
     diffs = [f"{key}: checkpoint {theirs[key]!r} != now {value!r}"
-             for key, value in _flatten(mine).items() if key in theirs and theirs[key] != value]
+             for key, value in _flatten(mine).items() if key in theirs and not _same(key, theirs[key], value)]
     if diffs:
         raise TrainError(f"--resume: checkpoint {path} was written by a different run: " + "; ".join(diffs))
 
