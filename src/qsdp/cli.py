@@ -53,6 +53,7 @@ BENCHMARKS = {
     "volume": "qsdp.bench.volume",
     "simulate": "qsdp.bench.simulate",
     "cluster": "qsdp.bench.cluster",
+    "faults": "qsdp.bench.faults",
     "kernels": "qsdp.bench.kernels",
     "codecs": "qsdp.bench.codecs",
     "convergence": "qsdp.bench.convergence",

@@ -338,6 +338,28 @@ def train_result(run_dir: str, warmup: int, steps: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- launching
 
 
+def node_env(**extra: str) -> dict[str, str]:
+    """The environment of a node's torchrun agent: gloo on the node's interface, one thread a
+    rank, none of an enclosing job's torchrun variables."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=IFACE, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RUN_ID", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"):
+        env.pop(var, None)
+    return env
+
+
+def torchrun_command(cluster: EmulatedCluster, node: int, nproc: int, run_id: str, args: Sequence[str], *,
+                     join_timeout: float, max_restarts: int = 0) -> list[str]:
+    """Node ``node``'s torchrun agent (``python -m torch.distributed.run``) of a job of
+    ``cluster.nodes`` nodes x ``nproc`` ranks running ``python ARGS``: c10d rendezvous on node
+    0's address, the node's own address as ``--local-addr``."""
+    return [sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(cluster.nodes), "--nproc-per-node", str(nproc), "--node-rank", str(node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.addr(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
+            "--rdzv-conf", f"is_host={1 if node == 0 else 0},join_timeout={int(join_timeout)}",
+            "--local-addr", cluster.addr(node), "--max-restarts", str(max_restarts), *args]
+
+
 def _launch_preset(cluster: EmulatedCluster, preset: str, job: Job, steps: int, workdir: str) -> dict[str, Any]:
     """One multi-node torchrun job (one agent per namespace) of the row ``preset``; rank 0's
     workload JSON (for an HSDP row: :func:`train_result` of the training job's run directory)."""
@@ -347,19 +369,11 @@ def _launch_preset(cluster: EmulatedCluster, preset: str, job: Job, steps: int, 
     done_file = os.path.join(out_file, "summary.json") if hsdp else out_file
     args = _job_args(preset, job, steps, out_file, workdir)
     timeout = job.timeout
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=IFACE, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RUN_ID", "GROUP_RANK"):
-        env.pop(var, None)
+    env = node_env()
     procs, logs = [], []
     try:
         for i in range(cluster.nodes):
-            cmd = [sys.executable, "-m", "torch.distributed.run",
-                   "--nnodes", str(cluster.nodes), "--nproc-per-node", str(job.ranks_per_node),
-                   "--node-rank", str(i), "--rdzv-backend", "c10d",
-                   "--rdzv-endpoint", f"{cluster.addr(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
-                   "--rdzv-conf", f"is_host={1 if i == 0 else 0},join_timeout={int(max(30, timeout))}",
-                   "--local-addr", cluster.addr(i), "--max-restarts", "0", *args]
+            cmd = torchrun_command(cluster, i, job.ranks_per_node, run_id, args, join_timeout=max(30, timeout))
             log = open(os.path.join(workdir, f"{preset.replace(':', '-')}-{run_id}-node{i}.log"), "w+")
             logs.append(log)
             procs.append(netns.popen_in_namespace(cluster.node_ns(i), cmd, env=env, stdout=log,

@@ -23,7 +23,7 @@ from qsdp.extras import missing
 __all__ = [
     "NetlinkError", "missing_package", "create_namespace", "remove_namespace", "list_namespaces",
     "namespace_pids", "process_alive", "kill_namespace_processes", "add_veth", "add_bridge", "attach_to_bridge",
-    "add_address", "set_up", "set_root_qdisc", "clear_root_qdisc", "root_qdisc", "has_qdisc", "tx_bytes",
+    "add_address", "set_up", "set_down", "set_root_qdisc", "clear_root_qdisc", "root_qdisc", "has_qdisc", "tx_bytes",
     "popen_in_namespace",
 ]
 
@@ -126,19 +126,24 @@ def namespace_pids(ns: str) -> list[int]:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists."""
+    """Whether process ``pid`` exists and has not exited: a zombie, which has exited but waits for
+    its parent to collect its status, counts as gone (it holds no socket, runs nothing, and
+    cannot be killed)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    except PermissionError:
+    except OSError:
         return True
-    return True
+    # The state follows the command name, which is in parentheses and may itself hold any byte.
+    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] != b"Z"
 
 
-def kill_namespace_processes(ns: str, grace: float = 5.0) -> None:
-    """SIGTERM, then after ``grace`` seconds SIGKILL, every process living in ``ns``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def kill_namespace_processes(ns: str, grace: float = 5.0, *, hard: bool = False) -> None:
+    """SIGTERM, then after ``grace`` seconds SIGKILL, every process living in ``ns``; ``hard``:
+    SIGKILL at once (a machine that loses power gives its processes no chance to clean up)."""
+    for sig in ((signal.SIGKILL,) if hard else (signal.SIGTERM, signal.SIGKILL)):
         pids = namespace_pids(ns)
         if not pids:
             return
@@ -171,6 +176,12 @@ def set_up(ns: str, dev: str) -> None:
     """Bring interface ``dev`` of ``ns`` up."""
     with _route(ns, f"setting {dev} up") as ipr:
         ipr.link("set", index=_index(ipr, dev), state="up")
+
+
+def set_down(ns: str, dev: str) -> None:
+    """Take interface ``dev`` of ``ns`` down (its carrier and its routes go with it)."""
+    with _route(ns, f"setting {dev} down") as ipr:
+        ipr.link("set", index=_index(ipr, dev), state="down")
 
 
 def add_veth(ns_a: str, dev_a: str, ns_b: str, dev_b: str) -> None:
@@ -219,10 +230,11 @@ def clear_root_qdisc(ns: str, dev: str) -> None:
 
 
 def set_root_qdisc(ns: str, dev: str, kind: str, *, rate_bytes_s: float = 0.0, delay_ms: float = 0.0,
-                   burst_bytes: int = 64 * 1024, latency_ms: float = 100.0, limit_packets: int = 100000) -> None:
+                   burst_bytes: int = 64 * 1024, latency_ms: float = 100.0, limit_packets: int = 100000,
+                   loss_pct: float = 0.0) -> None:
     """Replace the root qdisc of ``dev`` by ``tbf`` (``rate_bytes_s`` in bytes/s, a bucket of
-    ``burst_bytes``, queueing at most ``latency_ms``) or ``netem`` (``delay_ms``, and a rate
-    where ``rate_bytes_s`` > 0)."""
+    ``burst_bytes``, queueing at most ``latency_ms``) or ``netem`` (``delay_ms``, a rate where
+    ``rate_bytes_s`` > 0, ``loss_pct`` percent of packets dropped)."""
     if kind not in ("tbf", "netem"):
         raise ValueError(f"qdisc {kind!r}: tbf or netem")
     if kind == "tbf" and rate_bytes_s <= 0:
@@ -239,6 +251,8 @@ def set_root_qdisc(ns: str, dev: str, kind: str, *, rate_bytes_s: float = 0.0, d
             opts: dict[str, Any] = {"delay": int(delay_ms * 1000), "limit": limit_packets}
             if rate_bytes_s > 0:
                 opts["rate"] = int(rate_bytes_s)
+            if loss_pct > 0:
+                opts["loss"] = loss_pct
             ipr.tc("add", "netem", index=index, handle="1:", **opts)
 
 

@@ -1,0 +1,519 @@
+"""``qsdp bench faults``: faults between nodes, injected into a real multi-node training job on
+the emulated cluster, and whether the job survives them on the same trajectory.
+
+``qsdp train`` runs as 2 emulated nodes x 2 ranks: the network namespaces and veth link of
+:mod:`qsdp.bench.cluster`, one torchrun agent per node with ``--max-restarts``, c10d rendezvous
+on node 0, checkpoints every ``--ckpt-every`` steps. Once the job has logged ``--fault-step``,
+one fault is injected per case:
+
+``link-down``
+    The inter-node link goes down (both veth ends) for ``--outage`` seconds. Every collective
+    across it ends with an error after the collective timeout qsdp sets (``qsdp train
+    --timeout``, passed down to the node subgroups); the workers exit, both agents restart
+    them, the new group meets once the link is back and resumes from the last checkpoint.
+``node-kill``
+    Every process of node 1, its agent and its workers, is killed with SIGKILL. After
+    ``--replace-after`` seconds a new agent is started there with the same command (the node
+    replaced, as a scheduler would). Node 0's workers see their peers' connections reset and
+    exit, node 0's agent restarts them, the new node joins the rendezvous, and all resume from
+    the last checkpoint. The replacement's agent has restarted nothing; its workers resume
+    because the run directory names this torchrun job
+    (:func:`qsdp.train.preflight.rejoins_job`).
+``slow-link``
+    The link is shaped to ``--slow-rate`` for ``--slow-for`` seconds: netem with
+    ``--slow-delay-ms`` of delay and ``--slow-loss`` percent of loss where the kernel has
+    netem, else tbf at that rate alone (the result names what was applied). Expected: the
+    steps slow down, no restart, and the run finishes.
+
+A reference run, the same job with no fault, runs first on the same namespaces. Per case:
+
+* ``detection_s``: from the fault until every worker the surviving nodes ran before it has
+  exited; ``detection_bound_s`` = the collective timeout + :data:`EXIT_GRACE_S`;
+* ``restart_s``: from detection until the restarted group has logged its first step (process
+  start, rendezvous, waiting for the link, loading the checkpoint, one step);
+* ``steps_lost``: the last step logged before detection minus the checkpoint step resumed from;
+* ``matched``: the per-step losses, the final train and validation losses and the SHA-256 of
+  the final weights and optimizer state (``summary.json``) equal the reference's, bit for bit
+  (an uninterrupted run passes through the same checkpoint, so this also holds against a run
+  resumed from it);
+* ``left_behind``: processes still alive in the namespaces once the case's agents have
+  exited; and at the end, namespaces of the run not removed.
+
+The agents run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torch's shared rendezvous
+store, a node that joins after a restart never learns the workers' store address (its agent
+waits for it until the store timeout and the job dies), so replacing a node needs each
+rendezvous round's own store. Needs root and the ``pyroute2`` package (the ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from qsdp.config import ConfigError, resolve_config
+from qsdp.text_table import aligned
+from qsdp.train.data import sample_corpus_path
+from qsdp.train.metrics import read_metrics, read_summary
+
+from . import netns
+from .cluster import (IFACE, ClusterError, EmulatedCluster, Job, Link, _Emulation, _install_signal_handlers,
+                      missing_requirements, node_env, torchrun_command)
+from .report import emit
+
+CASES = ("link-down", "node-kill", "slow-link")
+EXIT_GRACE_S = 5.0  # a worker's collective has raised; the process still has to exit
+POLL_S = 0.1
+REPLACED_NODE = 1  # never node 0: it hosts the rendezvous store, whose loss ends any torchrun job
+
+
+@dataclass(frozen=True)
+class FaultJob:
+    """The training job every case runs, and the faults' timing."""
+
+    preset: str = "sdp4bit"
+    model: str = "tiny"
+    steps: int = 40
+    ckpt_every: int = 5
+    fault_step: int = 12
+    timeout_s: float = 15.0  # qsdp train --timeout: the collective timeout
+    outage_s: float = 30.0
+    replace_after_s: float = 2.0
+    slow_for_s: float = 15.0
+    slow_rate_mbit: float = 10.0
+    slow_delay_ms: float = 50.0
+    slow_loss_pct: float = 1.0
+    max_restarts: int = 3
+    ranks_per_node: int = 2
+    seq_len: int = 64
+    batch_size: int = 4
+    deadline_s: float = 600.0
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings (empty: nothing)."""
+        out = []
+        if not 1 <= self.fault_step < self.steps:
+            out.append(f"--fault-step {self.fault_step} must be between 1 and --steps - 1 ({self.steps - 1})")
+        if self.ckpt_every < 1 or self.ckpt_every > self.fault_step:
+            out.append(f"--ckpt-every {self.ckpt_every} must be between 1 and --fault-step {self.fault_step} "
+                       "(a checkpoint before the fault to resume from)")
+        if self.timeout_s <= 0:
+            out.append(f"--timeout {self.timeout_s:g} must be positive")
+        if self.outage_s <= self.timeout_s:
+            out.append(f"--outage {self.outage_s:g} s must be longer than the collective --timeout "
+                       f"{self.timeout_s:g} s (a shorter outage only stalls the job, nothing fails)")
+        if self.max_restarts < 1:
+            out.append(f"--max-restarts {self.max_restarts} must be at least 1 to survive a fault")
+        if self.slow_rate_mbit <= 0 or self.slow_for_s <= 0:
+            out.append("--slow-rate and --slow-for must be positive")
+        if not 0 <= self.slow_loss_pct < 100:
+            out.append(f"--slow-loss {self.slow_loss_pct:g} must be a percentage below 100")
+        return out
+
+    def train_args(self, out: str, cache: str) -> list[str]:
+        """What every node's agent runs: ``python -m qsdp.cli train ...`` into ``out``."""
+        return ["-m", "qsdp.cli", "train", "--preset", self.preset, "--model", self.model,
+                "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every), "--keep-checkpoints", "0",
+                "--eval-every", "0", "--no-progress", "--backend", "gloo", "--device", "cpu",
+                "--param-dtype", "float32", "--data", sample_corpus_path(), "--tokenizer", "byte",
+                "--batch-size", str(self.batch_size), "--seq-len", str(self.seq_len),
+                "--timeout", f"{self.timeout_s:g}", "--local-world-size", str(self.ranks_per_node),
+                "--out", out, "--cache-dir", cache]
+
+
+# --------------------------------------------------------------------------- one job
+
+
+@dataclass
+class TrainingJob:
+    """One ``qsdp train`` job of ``cluster.nodes`` nodes, one torchrun agent per namespace."""
+
+    cluster: EmulatedCluster
+    job: FaultJob
+    workdir: str
+    name: str
+    run_id: str = field(default_factory=lambda: f"qsdp-faults-{uuid.uuid4().hex[:8]}")
+    logs_dir: str | None = None  # where the agents' logs go (default: the work directory)
+    agents: dict[int, subprocess.Popen] = field(default_factory=dict)
+    logs: list[Any] = field(default_factory=list)
+
+    @property
+    def out(self) -> str:
+        return os.path.join(self.workdir, self.name)
+
+    def start_node(self, node: int) -> None:
+        """Start (or, after a kill, replace) node ``node``'s agent."""
+        args = self.job.train_args(self.out, os.path.join(self.workdir, "cache"))
+        cmd = torchrun_command(self.cluster, node, self.job.ranks_per_node, self.run_id, args,
+                               join_timeout=self.job.deadline_s, max_restarts=self.job.max_restarts)
+        log = open(os.path.join(self.logs_dir or self.workdir, f"{self.name}-node{node}-{len(self.logs)}.log"), "w+")
+        self.logs.append(log)
+        env = node_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        self.agents[node] = netns.popen_in_namespace(self.cluster.node_ns(node), cmd, env=env, stdout=log,
+                                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def workers(self, node: int) -> set[int]:
+        """The processes of node ``node`` other than its agent: its workers."""
+        agent = self.agents.get(node)
+        return set(netns.namespace_pids(self.cluster.node_ns(node))) - ({agent.pid} if agent else set())
+
+    def kill_node(self, node: int) -> None:
+        """SIGKILL every process of node ``node``, its agent included."""
+        netns.kill_namespace_processes(self.cluster.node_ns(node), grace=2.0, hard=True)
+        agent = self.agents.pop(node, None)
+        if agent is not None:
+            agent.wait()
+
+    def step_records(self) -> list[dict[str, Any]]:
+        """The training records logged so far (none before the first)."""
+        try:
+            return [r for r in read_metrics(self.out) if "loss" in r]
+        except (FileNotFoundError, ValueError):  # not yet written, or being rewritten by a resume
+            return []
+
+    def running(self) -> bool:
+        return any(a.poll() is None for a in self.agents.values())
+
+    def failure(self) -> str | None:
+        """Why the job failed (``None``: every agent exited 0), with the tail of each log."""
+        if all(a.returncode == 0 for a in self.agents.values()):
+            return None
+        tails = []
+        for log in self.logs:
+            log.flush()
+            log.seek(0)
+            tails.append(f"--- {os.path.basename(log.name)} ---\n" + log.read()[-2500:])
+        codes = {n: a.returncode for n, a in self.agents.items()}
+        return f"{self.name}: the torchrun agents exited with {codes}\n" + "\n".join(tails)
+
+    def stop(self) -> None:
+        """Kill whatever still runs (a failed or overdue case) and close the logs."""
+        for node in range(self.cluster.nodes):
+            netns.kill_namespace_processes(self.cluster.node_ns(node), grace=3.0)
+        for agent in self.agents.values():
+            try:
+                agent.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+        for log in self.logs:
+            log.close()
+
+
+def left_behind(cluster: EmulatedCluster) -> int:
+    """Processes still alive in the node namespaces."""
+    return sum(len(netns.namespace_pids(cluster.node_ns(i))) for i in range(cluster.nodes))
+
+
+# --------------------------------------------------------------------------- the faults
+
+
+def _set_link(cluster: EmulatedCluster, up: bool) -> None:
+    for ns, dev in cluster.shaped:
+        (netns.set_up if up else netns.set_down)(ns, dev)
+
+
+def _slow_link(cluster: EmulatedCluster, job: FaultJob) -> dict[str, Any]:
+    """Shape every inter-node egress for the slow-link case; what was applied."""
+    rate = job.slow_rate_mbit * 1e6 / 8
+    if netns.has_qdisc(*cluster.shaped[0], "netem"):
+        for ns, dev in cluster.shaped:
+            netns.set_root_qdisc(ns, dev, "netem", rate_bytes_s=rate, delay_ms=job.slow_delay_ms,
+                                 loss_pct=job.slow_loss_pct)
+        return {"qdisc": "netem", "rate_mbit": job.slow_rate_mbit, "delay_ms": job.slow_delay_ms,
+                "loss_pct": job.slow_loss_pct}
+    for ns, dev in cluster.shaped:
+        netns.set_root_qdisc(ns, dev, "tbf", rate_bytes_s=rate, burst_bytes=max(64 * 1024, int(rate * 0.005)))
+    return {"qdisc": "tbf", "rate_mbit": job.slow_rate_mbit, "delay_ms": 0.0, "loss_pct": 0.0,
+            "note": "this kernel has no netem qdisc: the rate alone is limited, no delay or loss"}
+
+
+def _fault_plan(case: str, cluster: EmulatedCluster, run: TrainingJob,
+                job: FaultJob) -> tuple[list[int], list[tuple[float, str, Callable[[], Any]]]]:
+    """``(surviving nodes, [(seconds after the fault, what, action)])`` of ``case``."""
+    if case == "link-down":
+        return list(range(cluster.nodes)), [
+            (0.0, f"link down for {job.outage_s:g} s", lambda: _set_link(cluster, up=False)),
+            (job.outage_s, "link up", lambda: _set_link(cluster, up=True))]
+    if case == "node-kill":
+        return [n for n in range(cluster.nodes) if n != REPLACED_NODE], [
+            (0.0, f"every process of node {REPLACED_NODE} killed (SIGKILL)", lambda: run.kill_node(REPLACED_NODE)),
+            (job.replace_after_s, f"node {REPLACED_NODE} replaced: a new agent started",
+             lambda: run.start_node(REPLACED_NODE))]
+    if case == "slow-link":
+        return [], [
+            (0.0, f"link slowed for {job.slow_for_s:g} s", lambda: _slow_link(cluster, job)),
+            (job.slow_for_s, "link restored", lambda: cluster.shape(Link(0.0, 0.0)))]
+    raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES)}")
+
+
+@dataclass
+class _Timeline:
+    """What the polling loop saw, in seconds since the fault."""
+
+    fault_at: float = 0.0
+    step_at_fault: int = 0
+    detected_s: float | None = None
+    last_step_before_detection: int | None = None
+    first_step_after_restart_s: float | None = None
+    worker_exits: dict[int, float] = field(default_factory=dict)  # pid -> seconds after the fault
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _wait_for_step(run: TrainingJob, step: int, deadline: float) -> int:
+    while True:
+        records = run.step_records()
+        if records and records[-1]["step"] >= step:
+            return records[-1]["step"]
+        if not run.running():
+            raise ClusterError(run.failure() or f"{run.name}: the job ended before step {step}")
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{run.name}: step {step} not reached before the deadline")
+        time.sleep(POLL_S)
+
+
+def _record_key(r: dict[str, Any]) -> tuple:
+    # A step logged again after a restart has its own timing: (step, step time) tells them apart.
+    return r["step"], r.get("step_time_s")
+
+
+def _watch(run: TrainingJob, case: str, job: FaultJob, deadline: float, log: Callable[[str], None]) -> _Timeline:
+    """Inject ``case``'s fault at the fault step and follow the job to its end."""
+    tl = _Timeline()
+    tl.step_at_fault = _wait_for_step(run, job.fault_step, deadline)
+    survivors, actions = _fault_plan(case, run.cluster, run, job)
+    watched = {pid for n in survivors for pid in run.workers(n)}
+    seen = {_record_key(r) for r in run.step_records()}
+    tl.fault_at = time.monotonic()
+    pending = list(actions)
+    while run.running() or pending:
+        now = time.monotonic() - tl.fault_at
+        while pending and pending[0][0] <= now:
+            _, what, action = pending.pop(0)
+            applied = action()
+            tl.events.append({"t_s": round(now, 3), "event": what, "unix_time": round(time.time(), 3), **(applied or {})})
+            log(f"[{case}] +{now:.1f} s: {what}")
+        records = run.step_records()
+        for pid in watched - set(tl.worker_exits):
+            if not netns.process_alive(pid):
+                tl.worker_exits[pid] = round(now, 2)
+        if tl.detected_s is None and watched and len(tl.worker_exits) == len(watched):
+            tl.detected_s = now
+            tl.last_step_before_detection = max((r["step"] for r in records), default=0)
+            log(f"[{case}] +{now:.1f} s: every surviving worker has exited (failure detected)")
+        new = [r for r in records if _record_key(r) not in seen]
+        if tl.detected_s is not None and tl.first_step_after_restart_s is None and new:
+            tl.first_step_after_restart_s = now
+            log(f"[{case}] +{now:.1f} s: the restarted group logged step {new[0]['step']}")
+        seen.update(_record_key(r) for r in new)
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{case}: the job ran past its {job.deadline_s:g} s deadline")
+        time.sleep(POLL_S)
+    return tl
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def _final_state(run: TrainingJob) -> dict[str, Any]:
+    summary = read_summary(run.out)
+    return {"losses": [r["loss"] for r in run.step_records()],
+            **{k: summary.get(k) for k in ("final_train_loss", "final_val_loss", "final_weights_sha256",
+                                           "final_optimizer_sha256", "start_step", "restarts", "steps")}}
+
+
+def _compare(state: dict[str, Any], ref: dict[str, Any]) -> dict[str, bool]:
+    keys = ("losses", "final_train_loss", "final_val_loss", "final_weights_sha256", "final_optimizer_sha256")
+    return {k: state[k] == ref[k] for k in keys}
+
+
+def _run_job(emu: _Emulation, job: FaultJob, case: str | None, log: Callable[[str], None],
+             logs_dir: str | None = None) -> dict[str, Any]:
+    """One job (``case=None``: the reference) from start to end; its measurements."""
+    name = case or "reference"
+    run = TrainingJob(emu.cluster, job, emu.workdir, name, logs_dir=logs_dir)
+    started = time.monotonic()
+    deadline = started + job.deadline_s
+    try:
+        log(f"[{name}] {emu.cluster.nodes} nodes x {job.ranks_per_node} ranks, {job.preset}, {job.steps} steps"
+            + (f", fault at step {job.fault_step}" if case else "") + " ...")
+        for node in range(emu.cluster.nodes):
+            run.start_node(node)
+        tl = _watch(run, case, job, deadline, log) if case else None
+        while run.running():
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{name}: the job ran past its {job.deadline_s:g} s deadline")
+            time.sleep(POLL_S)
+        problem = run.failure()
+        if problem:
+            raise ClusterError(problem)
+        time.sleep(1.0)  # let the kernel reap what the agents left, then count it
+        out = {"wall_s": time.monotonic() - started, "left_behind_processes": left_behind(emu.cluster),
+               **_final_state(run)}
+        if tl is not None:
+            out["timeline"] = tl
+        return out
+    finally:
+        run.stop()
+        emu.cluster.shape(Link(0.0, 0.0))
+        _set_link(emu.cluster, up=True)
+
+
+def _case_row(case: str, res: dict[str, Any], ref: dict[str, Any], job: FaultJob) -> dict[str, Any]:
+    tl: _Timeline = res.pop("timeline")
+    matched = _compare(res, ref)
+    bound = job.timeout_s + EXIT_GRACE_S
+    row: dict[str, Any] = {
+        "case": case, "fault_step": tl.step_at_fault, "events": tl.events,
+        "worker_exits_s": sorted(tl.worker_exits.values()),
+        "detection_s": tl.detected_s, "detection_bound_s": bound if case != "slow-link" else None,
+        "restart_s": (tl.first_step_after_restart_s - tl.detected_s
+                      if tl.detected_s is not None and tl.first_step_after_restart_s is not None else None),
+        "resumed_from_step": res["start_step"] if tl.detected_s is not None else None,
+        "steps_lost": (tl.last_step_before_detection - res["start_step"]
+                       if tl.detected_s is not None else 0),
+        "restarts": res["restarts"], "matched": all(matched.values()), "matched_fields": matched,
+        "final_val_loss": res["final_val_loss"], "final_weights_sha256": res["final_weights_sha256"],
+        "left_behind_processes": res["left_behind_processes"], "wall_s": res["wall_s"],
+    }
+    expected_restarts = 0 if case == "slow-link" else 1
+    row["detected_within_bound"] = (row["detection_s"] is not None and row["detection_s"] <= bound
+                                    if case != "slow-link" else None)
+    row["ok"] = (row["matched"] and row["left_behind_processes"] == 0 and row["restarts"] == expected_restarts
+                 and row["detected_within_bound"] is not False)
+    return row
+
+
+def run_cases(cases: Sequence[str] = CASES, job: FaultJob = FaultJob(), log=None,
+              logs_dir: str | None = None) -> dict[str, Any]:
+    """Bring up 2 emulated nodes, run the reference and every case, tear everything down;
+    ``logs_dir``: keep every agent's log there."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    problems = missing_requirements() + job.problems()
+    for case in cases:
+        if case not in CASES:
+            problems.append(f"unknown case {case!r}; known: {', '.join(CASES)}")
+    try:
+        resolve_config(job.preset)
+    except ConfigError as e:
+        problems.append(str(e))
+    if problems:
+        raise ClusterError("qsdp bench faults: " + "; ".join(problems))
+    emu = _Emulation(2, Job(ranks_per_node=job.ranks_per_node), log)
+    rows = []
+    with emu:
+        namespaces = list(emu.cluster.namespaces)
+        if logs_dir:
+            os.makedirs(logs_dir, exist_ok=True)
+        ref = _run_job(emu, job, None, log, logs_dir)
+        log(f"[reference] done in {ref['wall_s']:.1f} s, final val loss {ref['final_val_loss']:.4f}")
+        for case in dict.fromkeys(cases):
+            row = _case_row(case, _run_job(emu, job, case, log, logs_dir), ref, job)
+            log(f"[{case}] final state {'identical to' if row['matched'] else 'DIFFERENT from'} the reference")
+            rows.append(row)
+    left = sorted(set(namespaces) & set(netns.list_namespaces()))
+    return {"nodes": 2, "ranks_per_node": job.ranks_per_node, "job": asdict(job),
+            "reference": {k: v for k, v in ref.items() if k != "losses"}, "cases": rows,
+            "namespaces_left": left, "all_ok": all(r["ok"] for r in rows) and not left,
+            "exit_grace_s": EXIT_GRACE_S}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def format_table(result: dict[str, Any]) -> str:
+    job = result["job"]
+    head = (f"{result['nodes']} emulated nodes x {result['ranks_per_node']} ranks, qsdp train --preset {job['preset']} "
+            f"--model {job['model']}, {job['steps']} steps, checkpoint every {job['ckpt_every']}, "
+            f"collective timeout {job['timeout_s']:g} s, fault at step {job['fault_step']}")
+    lines = [("case", "fault", "detected", "bound", "restart", "steps lost", "restarts", "final state", "left behind")]
+
+    def s(x):
+        return "-" if x is None else f"{x:.1f} s"
+
+    for r in result["cases"]:
+        fault = r["events"][0]["event"] if r["events"] else "-"
+        lines.append((r["case"], fault, s(r["detection_s"]), s(r["detection_bound_s"]), s(r["restart_s"]),
+                      str(r["steps_lost"]), str(r["restarts"]),
+                      "identical" if r["matched"] else "DIFFERENT", f"{r['left_behind_processes']} processes"))
+    foot = ("detected: until every surviving worker exited; restart: from then until the restarted group's "
+            "first step; final state: losses, weights and optimizer state against the uninterrupted reference; "
+            f"namespaces left: {len(result['namespaces_left'])}")
+    return "\n".join([head, *aligned(lines), foot])
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = FaultJob()
+    p = argparse.ArgumentParser(prog="qsdp bench faults", description=__doc__.splitlines()[0],
+                                epilog="Needs root and the pyroute2 package (pip install 'qsdp[bench]').")
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES, help="faults to inject, one job each")
+    p.add_argument("--preset", default=d.preset)
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--fault-step", type=int, default=d.fault_step, help="inject once this step is logged")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="qsdp train --timeout: the collective timeout (s)")
+    p.add_argument("--outage", type=float, default=d.outage_s, help="link-down: seconds the link stays down")
+    p.add_argument("--replace-after", type=float, default=d.replace_after_s,
+                   help="node-kill: seconds before the replacement node's agent starts")
+    p.add_argument("--slow-for", type=float, default=d.slow_for_s, help="slow-link: seconds the link stays slow")
+    p.add_argument("--slow-rate", type=float, default=d.slow_rate_mbit, help="slow-link: Mbit/s per direction")
+    p.add_argument("--slow-delay-ms", type=float, default=d.slow_delay_ms, help="slow-link: delay (netem only)")
+    p.add_argument("--slow-loss", type=float, default=d.slow_loss_pct, help="slow-link: loss in percent (netem only)")
+    p.add_argument("--max-restarts", type=int, default=d.max_restarts, help="each agent's torchrun --max-restarts")
+    p.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds after which a job is killed")
+    p.add_argument("--logs", metavar="DIR", help="keep every torchrun agent's log (its workers' output) in DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    a = parser.parse_args(argv)
+    job = FaultJob(preset=a.preset, model=a.model, steps=a.steps, ckpt_every=a.ckpt_every, fault_step=a.fault_step,
+                   timeout_s=a.timeout, outage_s=a.outage, replace_after_s=a.replace_after, slow_for_s=a.slow_for,
+                   slow_rate_mbit=a.slow_rate, slow_delay_ms=a.slow_delay_ms, slow_loss_pct=a.slow_loss,
+                   max_restarts=a.max_restarts, deadline_s=a.deadline)
+    problems = job.problems()
+    if problems:
+        parser.error("; ".join(problems))
+    try:
+        resolve_config(job.preset)
+    except ConfigError as e:
+        parser.error(str(e))
+    missing = missing_requirements()
+    if missing:
+        print("qsdp bench faults: cannot emulate nodes, this machine lacks:\n  - " + "\n  - ".join(missing),
+              file=sys.stderr)
+        return 2
+    old = _install_signal_handlers()
+    try:
+        result = run_cases(a.cases, job, logs_dir=a.logs)
+    except (ClusterError, netns.NetlinkError) as e:
+        print(f"qsdp bench faults: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("qsdp bench faults: interrupted; the namespaces were removed", file=sys.stderr)
+        return 130
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    result["meta"] = {"command": "qsdp bench faults " + " ".join(argv if argv is not None else sys.argv[1:]),
+                      "torch": torch.__version__,
+                      "device": f"cpu (gloo), 2 network namespaces x {job.ranks_per_node} ranks on one machine "
+                                f"with {os.cpu_count()} CPUs",
+                      "date": time.strftime("%Y-%m-%d")}
+    rc = emit(result, as_json=a.json, save=a.save, format_text=format_table)
+    return rc if result["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
