@@ -155,6 +155,7 @@ def test_a_slow_link_slows_the_job_without_a_restart_or_a_change_of_trajectory(q
     assert row["restarts"] == 0 and row["detection_s"] is None and row["matched"]
     assert [e["event"] for e in row["events"]] == ["link slowed for 4 s", "link restored"]
     assert row["events"][0]["qdisc"] in ("netem", "tbf")
+    assert row["slowed_step_s"] > row["reference_median_step_s"]
 
 
 @needs_netns

@@ -767,6 +767,23 @@ def _install_signal_handlers() -> dict[int, Any]:
     return old
 
 
+def run_guarded(prog: str, run: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, int]:
+    """``(run(), 0)``, the namespaces torn down whatever happens (SIGTERM and SIGHUP too); a
+    failure of the emulation or Ctrl-C is one line on stderr and ``(None, exit code)``."""
+    old = _install_signal_handlers()
+    try:
+        return run(), 0
+    except (ClusterError, netns.NetlinkError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None, 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; the namespaces were removed", file=sys.stderr)
+        return None, 130
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qsdp bench cluster", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -835,27 +852,21 @@ def main(argv: list[str] | None = None) -> int:
     param_dtype = args.param_dtype or ("bfloat16" if args.device == "cuda" else "float32")
     job = Job(args.ranks_per_node, args.warmup, args.model, args.seq_len, args.batch_size, args.timeout,
               args.device, param_dtype)
-    old = _install_signal_handlers()
-    try:
+
+    def run() -> dict[str, Any]:
         if rates is not None:
-            result = measure_rates(rates, args.presets, nodes=args.nodes, delay_ms=args.delay_ms, steps=args.steps,
-                                   unlimited_steps=args.unlimited_steps, job=job,
-                                   advise=args.advise and "fsdp" in args.presets and args.ranks_per_node >= 2)
-        else:
-            result = measure(args.presets, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
-                             rate_mbit=args.rate, delay_ms=args.delay_ms, unlimited=args.unlimited,
-                             steps=args.steps, unlimited_steps=args.unlimited_steps, warmup=args.warmup,
-                             model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
-                             timeout=args.timeout, hsdp=args.hsdp, device=args.device, param_dtype=param_dtype)
-    except (ClusterError, netns.NetlinkError) as e:
-        print(f"qsdp bench cluster: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("qsdp bench cluster: interrupted; the namespaces were removed", file=sys.stderr)
-        return 130
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
+            return measure_rates(rates, args.presets, nodes=args.nodes, delay_ms=args.delay_ms, steps=args.steps,
+                                 unlimited_steps=args.unlimited_steps, job=job,
+                                 advise=args.advise and "fsdp" in args.presets and args.ranks_per_node >= 2)
+        return measure(args.presets, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
+                       rate_mbit=args.rate, delay_ms=args.delay_ms, unlimited=args.unlimited,
+                       steps=args.steps, unlimited_steps=args.unlimited_steps, warmup=args.warmup,
+                       model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
+                       timeout=args.timeout, hsdp=args.hsdp, device=args.device, param_dtype=param_dtype)
+
+    result, rc = run_guarded("qsdp bench cluster", run)
+    if result is None:
+        return rc
 
     gpu = f", {torch.cuda.get_device_name(0)} shared by all ranks" if args.device == "cuda" else ""
     result["meta"] = {"command": "qsdp bench cluster " + " ".join(argv if argv is not None else sys.argv[1:]),

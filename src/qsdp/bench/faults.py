@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -65,8 +65,8 @@ from qsdp.train.data import sample_corpus_path
 from qsdp.train.metrics import read_metrics, read_summary
 
 from . import netns
-from .cluster import (IFACE, ClusterError, EmulatedCluster, Job, Link, _Emulation, _install_signal_handlers,
-                      missing_requirements, node_env, torchrun_command)
+from .cluster import (ClusterError, EmulatedCluster, Job, Link, _Emulation,
+                      missing_requirements, node_env, run_guarded, torchrun_command)
 from .report import emit
 
 CASES = ("link-down", "node-kill", "slow-link")
@@ -298,7 +298,9 @@ def _watch(run: TrainingJob, case: str, job: FaultJob, deadline: float, log: Cal
         while pending and pending[0][0] <= now:
             _, what, action = pending.pop(0)
             applied = action()
-            tl.events.append({"t_s": round(now, 3), "event": what, "unix_time": round(time.time(), 3), **(applied or {})})
+            last = run.step_records()
+            tl.events.append({"t_s": round(now, 3), "event": what, "unix_time": round(time.time(), 3),
+                              "last_step_logged": last[-1]["step"] if last else 0, **(applied or {})})
             log(f"[{case}] +{now:.1f} s: {what}")
         records = run.step_records()
         for pid in watched - set(tl.worker_exits):
@@ -324,7 +326,8 @@ def _watch(run: TrainingJob, case: str, job: FaultJob, deadline: float, log: Cal
 
 def _final_state(run: TrainingJob) -> dict[str, Any]:
     summary = read_summary(run.out)
-    return {"losses": [r["loss"] for r in run.step_records()],
+    records = run.step_records()
+    return {"losses": [r["loss"] for r in records], "step_times_s": [r["step_time_s"] for r in records],
             **{k: summary.get(k) for k in ("final_train_loss", "final_val_loss", "final_weights_sha256",
                                            "final_optimizer_sha256", "start_step", "restarts", "steps")}}
 
@@ -366,6 +369,16 @@ def _run_job(emu: _Emulation, job: FaultJob, case: str | None, log: Callable[[st
         _set_link(emu.cluster, up=True)
 
 
+def _slowed_step(case: str, tl: _Timeline, step_times: list[float]) -> float | None:
+    """slow-link: the median time of the steps logged while the link was slow (``None`` for the
+    other cases, or if none was)."""
+    if case != "slow-link" or len(tl.events) < 2:
+        return None
+    first, last = tl.events[0]["last_step_logged"], tl.events[1]["last_step_logged"]
+    slowed = step_times[first:last]  # steps first + 1 .. last; step s is at index s - 1
+    return statistics.median(slowed) if slowed else None
+
+
 def _case_row(case: str, res: dict[str, Any], ref: dict[str, Any], job: FaultJob) -> dict[str, Any]:
     tl: _Timeline = res.pop("timeline")
     matched = _compare(res, ref)
@@ -382,6 +395,8 @@ def _case_row(case: str, res: dict[str, Any], ref: dict[str, Any], job: FaultJob
         "restarts": res["restarts"], "matched": all(matched.values()), "matched_fields": matched,
         "final_val_loss": res["final_val_loss"], "final_weights_sha256": res["final_weights_sha256"],
         "left_behind_processes": res["left_behind_processes"], "wall_s": res["wall_s"],
+        "reference_median_step_s": statistics.median(ref["step_times_s"]),
+        "slowed_step_s": _slowed_step(case, tl, res["step_times_s"]),
     }
     expected_restarts = 0 if case == "slow-link" else 1
     row["detected_within_bound"] = (row["detection_s"] is not None and row["detection_s"] <= bound
@@ -420,7 +435,8 @@ def run_cases(cases: Sequence[str] = CASES, job: FaultJob = FaultJob(), log=None
             rows.append(row)
     left = sorted(set(namespaces) & set(netns.list_namespaces()))
     return {"nodes": 2, "ranks_per_node": job.ranks_per_node, "job": asdict(job),
-            "reference": {k: v for k, v in ref.items() if k != "losses"}, "cases": rows,
+            "reference": {k: v for k, v in ref.items() if k not in ("losses", "step_times_s")},
+            "reference_median_step_s": statistics.median(ref["step_times_s"]), "cases": rows,
             "namespaces_left": left, "all_ok": all(r["ok"] for r in rows) and not left,
             "exit_grace_s": EXIT_GRACE_S}
 
@@ -433,7 +449,8 @@ def format_table(result: dict[str, Any]) -> str:
     head = (f"{result['nodes']} emulated nodes x {result['ranks_per_node']} ranks, qsdp train --preset {job['preset']} "
             f"--model {job['model']}, {job['steps']} steps, checkpoint every {job['ckpt_every']}, "
             f"collective timeout {job['timeout_s']:g} s, fault at step {job['fault_step']}")
-    lines = [("case", "fault", "detected", "bound", "restart", "steps lost", "restarts", "final state", "left behind")]
+    lines = [("case", "fault", "detected", "bound", "restart", "steps lost", "restarts", "slowed step",
+              "final state", "left behind")]
 
     def s(x):
         return "-" if x is None else f"{x:.1f} s"
@@ -442,9 +459,12 @@ def format_table(result: dict[str, Any]) -> str:
         fault = r["events"][0]["event"] if r["events"] else "-"
         lines.append((r["case"], fault, s(r["detection_s"]), s(r["detection_bound_s"]), s(r["restart_s"]),
                       str(r["steps_lost"]), str(r["restarts"]),
+                      "-" if r["slowed_step_s"] is None else
+                      f"{r['slowed_step_s']:.2f} s ({r['slowed_step_s'] / r['reference_median_step_s']:.1f}x)",
                       "identical" if r["matched"] else "DIFFERENT", f"{r['left_behind_processes']} processes"))
     foot = ("detected: until every surviving worker exited; restart: from then until the restarted group's "
-            "first step; final state: losses, weights and optimizer state against the uninterrupted reference; "
+            "first step; slowed step: median while the link was slow, against the reference's; final state: losses, "
+            "weights and optimizer state against the uninterrupted reference; "
             f"namespaces left: {len(result['namespaces_left'])}")
     return "\n".join([head, *aligned(lines), foot])
 
@@ -494,18 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         print("qsdp bench faults: cannot emulate nodes, this machine lacks:\n  - " + "\n  - ".join(missing),
               file=sys.stderr)
         return 2
-    old = _install_signal_handlers()
-    try:
-        result = run_cases(a.cases, job, logs_dir=a.logs)
-    except (ClusterError, netns.NetlinkError) as e:
-        print(f"qsdp bench faults: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("qsdp bench faults: interrupted; the namespaces were removed", file=sys.stderr)
-        return 130
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    result, rc = run_guarded("qsdp bench faults", lambda: run_cases(a.cases, job, logs_dir=a.logs))
+    if result is None:
+        return rc
     result["meta"] = {"command": "qsdp bench faults " + " ".join(argv if argv is not None else sys.argv[1:]),
                       "torch": torch.__version__,
                       "device": f"cpu (gloo), 2 network namespaces x {job.ranks_per_node} ranks on one machine "
