@@ -120,9 +120,9 @@ class QuantizedReduceScatter(GradReduceScatter):
         # transform (blockwise, and every slice is whole blocks) is applied by hop1.encode slice
         # by slice, fused into the quantization on CUDA; the inverse by hop2.decode_sum.
         bounds = pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)
-        pipelined = g.pipeline_slices != "auto" or all(
-            pipelines_exchanges(x.device.type, dist.get_backend(grp)) for grp in (topo.intra_group, topo.inter_group))
-        groups = exchange_groups(len(bounds), pipelined)
+        host_moves_bytes = not all(pipelines_exchanges(x.device.type, dist.get_backend(grp))
+                                   for grp in (topo.intra_group, topo.inter_group))
+        groups = exchange_groups(len(bounds), exchanges_pipelined(g, host_moves_bytes))
         out = torch.empty(lp, dtype=torch.float32, device=x.device)
         n = len(groups)
         stage1: list[tuple[torch.Tensor, Any] | None] = [None] * n
@@ -130,40 +130,38 @@ class QuantizedReduceScatter(GradReduceScatter):
         for step in range(n + 2):
             i = step
             if i < n:
-                stage1[i] = self._intra_exchange(x, hop1, [bounds[k] for k in groups[i]], groups[i])
+                stage1[i] = self._intra_exchange(x, hop1, bounds, groups[i])
             i = step - 1
             if 0 <= i < n:
                 recv, work = stage1[i]
                 work.wait()
                 stage1[i] = None
-                stage2[i] = self._inter_exchange(recv, hop1, hop2, [bounds[k] for k in groups[i]], groups[i], s)
+                stage2[i] = self._inter_exchange(recv, hop1, hop2, bounds, groups[i], s)
             i = step - 2
             if 0 <= i < n:
                 recv2, work2 = stage2[i]
                 work2.wait()
                 stage2[i] = None
-                for (a, b), (c0, c1) in zip((bounds[k] for k in groups[i]), _columns(hop2, bounds, groups[i])):
+                for k, (c0, c1) in zip(groups[i], _columns(hop2, bounds, groups[i])):
+                    a, b = bounds[k]
                     out[a:b] = hop2.decode_sum(recv2[:, c0:c1], b - a, finish=True)
         return out[:s]
 
     def _intra_exchange(self, x: torch.Tensor, hop1: RowCodec, bounds: list[tuple[int, int]],
                         slices: range) -> tuple[torch.Tensor, Any]:
-        """Hop 1 of rounding slices ``slices`` (``bounds`` theirs): each encoded with its own
-        seed into its columns of one send buffer, one asynchronous all-to-all inside the node."""
+        """Hop 1 of rounding slices ``slices`` (of ``bounds``): each encoded with its own seed into
+        its columns of one send buffer, one asynchronous all-to-all inside the node."""
         topo = self.topology
         m, d = topo.ranks_per_node, topo.nodes
         s = x.shape[1]
-        if len(slices) == 1:  # the buffer is the slice's own encoding
-            (a, b), = bounds
-            send = hop1.encode(destination_major(x, d, a, b), seed=self._seed(4, slices[0]))
-        else:
-            cols = _columns(hop1, bounds)
-            send = torch.empty(x.shape[0], cols[-1][1], dtype=torch.uint8, device=x.device)
-            for k, (a, b), (c0, c1) in zip(slices, bounds, cols):
-                hop1.encode(destination_major(x, d, a, b), seed=self._seed(4, k), out=send[:, c0:c1])
+        cols = _columns(hop1, bounds, slices)
+        send = torch.empty(x.shape[0], cols[-1][1], dtype=torch.uint8, device=x.device)
+        for k, (c0, c1) in zip(slices, cols):
+            a, b = bounds[k]
+            hop1.encode(destination_major(x, d, a, b), seed=self._seed(4, k), out=send[:, c0:c1])
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
-        self.meter("grads", d * send.shape[1], d * sum(real_elements(a, b, s) for a, b in bounds), (m - 1, 0))
+        self.meter("grads", d * send.shape[1], d * sum(real_elements(*bounds[k], s) for k in slices), (m - 1, 0))
         return recv, work
 
     def _inter_exchange(self, recv: torch.Tensor, hop1: RowCodec, hop2: RowCodec, bounds: list[tuple[int, int]],
@@ -173,26 +171,23 @@ class QuantizedReduceScatter(GradReduceScatter):
         one asynchronous all-to-all across nodes."""
         topo = self.topology
         m, d = topo.ranks_per_node, topo.nodes
-        if len(slices) == 1:
-            (a, b), = bounds
-            send = hop1.decode_sum_encode(recv, b - a, sources=m, codec=hop2, seed=self._seed(5, slices[0]))
-        else:
-            cols2 = _columns(hop2, bounds)
-            send = torch.empty(d, cols2[-1][1], dtype=torch.uint8, device=recv.device)
-            for k, (a, b), (c0, c1), (e0, e1) in zip(slices, bounds, _columns(hop1, bounds), cols2):
-                hop1.decode_sum_encode(recv[:, c0:c1], b - a, sources=m, codec=hop2, seed=self._seed(5, k),
-                                       out=send[:, e0:e1])
+        cols2 = _columns(hop2, bounds, slices)
+        send = torch.empty(d, cols2[-1][1], dtype=torch.uint8, device=recv.device)
+        for k, (c0, c1), (e0, e1) in zip(slices, _columns(hop1, bounds, slices), cols2):
+            a, b = bounds[k]
+            hop1.decode_sum_encode(recv[:, c0:c1], b - a, sources=m, codec=hop2, seed=self._seed(5, k),
+                                   out=send[:, e0:e1])
         recv2 = torch.empty_like(send)
         work = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
-        self.meter("grads", send.shape[1], sum(real_elements(a, b, s) for a, b in bounds), (0, d - 1))
+        self.meter("grads", send.shape[1], sum(real_elements(*bounds[k], s) for k in slices), (0, d - 1))
         return recv2, work
 
 
-def _columns(codec: RowCodec, bounds: list[tuple[int, int]], slices: range | None = None) -> list[tuple[int, int]]:
-    """The byte columns ``[c0, c1)`` of each slice of ``bounds`` (those of ``slices``, all by
-    default) in a buffer of their encoded rows side by side."""
+def _columns(codec: RowCodec, bounds: list[tuple[int, int]], slices: range) -> list[tuple[int, int]]:
+    """The byte columns ``[c0, c1)`` of each of the slices ``slices`` of ``bounds`` in a buffer
+    of their encoded rows side by side."""
     out, c = [], 0
-    for a, b in bounds if slices is None else (bounds[k] for k in slices):
+    for a, b in (bounds[k] for k in slices):
         w = codec.row_nbytes(b - a)
         out.append((c, c + w))
         c += w
@@ -241,6 +236,13 @@ def pipelines_exchanges(device_type: str, backend: str) -> bool:
         if sep and dev.strip() == device_type:
             name = value
     return name.strip() != "gloo"
+
+
+def exchanges_pipelined(g: GradComm, host_moves_bytes: bool) -> bool:
+    """Whether a two-level reduce-scatter exchanges each rounding slice on its own: always for an
+    explicit ``pipeline_slices``; for ``"auto"`` only where the host does not move the bytes
+    (:func:`pipelines_exchanges`; the performance model's ``Hardware.host_staged``)."""
+    return g.pipeline_slices != "auto" or not host_moves_bytes
 
 
 def exchange_groups(n_slices: int, pipelined: bool) -> list[range]:

@@ -18,7 +18,7 @@ import torch
 
 from ..comm.difference import replica_layout
 from ..comm.hsdp import chunk_len, hsdp_codec
-from ..comm.reduce_scatter import exchange_groups, grad_codec, pipeline_slices_bounds, real_elements
+from ..comm.reduce_scatter import exchange_groups, exchanges_pipelined, grad_codec, pipeline_slices_bounds, real_elements
 from ..comm.weight_codec import weight_codec
 from ..config import QuantConfig, resolve_config
 
@@ -124,9 +124,7 @@ def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: i
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
         bounds = pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)
-        # qsdp.comm.reduce_scatter.pipelines_exchanges: "auto" does not pipeline on gloo
-        pipelined = g.pipeline_slices != "auto" or not host_staged
-        for group in exchange_groups(len(bounds), pipelined):
+        for group in exchange_groups(len(bounds), exchanges_pipelined(g, host_staged)):
             slices = [bounds[k] for k in group]  # one exchange per hop carries them side by side
             width = sum(b - a for a, b in slices)
             real = sum(real_elements(a, b, s) for a, b in slices)
