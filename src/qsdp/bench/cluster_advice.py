@@ -41,7 +41,6 @@ import dataclasses
 import math
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -50,7 +49,7 @@ import torch
 from qsdp.perfmodel import Collective, Hardware, step_collectives, synchronous_step
 from qsdp.train.model import MODEL_SIZES, default_vocab
 
-from .comm_calls import CALL_PRESETS, fit_calls, measure_call_seconds
+from .comm_calls import CALL_PRESETS, fit_calls, measure_call_seconds, median_seconds
 
 
 # The codec steps of qsdp bench codecs that stand for the model's three kernel speeds.
@@ -75,23 +74,6 @@ class ModelInputs:
     # per collective and ns per element it carries.
     call_us: dict[str, float] = field(default_factory=dict)
     call_ns_per_element: dict[str, float] = field(default_factory=dict)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _compute_seconds(job: Mapping[str, Any], device: torch.device, solo) -> float:
@@ -121,7 +103,7 @@ def _compute_seconds(job: Mapping[str, Any], device: torch.device, solo) -> floa
         opt.step()
         opt.zero_grad()
 
-    return _median_seconds(step, device, repeats=5)
+    return median_seconds(step, device, repeats=5)
 
 
 def _gather_seconds(numel: int, group, device: torch.device, repeats: int) -> float:
@@ -133,7 +115,7 @@ def _gather_seconds(numel: int, group, device: torch.device, repeats: int) -> fl
     chunk = torch.ones(numel, dtype=torch.float32, device=device)
     out = torch.empty(size * numel, dtype=torch.float32, device=device)
     dist.barrier()
-    return _median_seconds(lambda: all_gather_flat(out, chunk, group), device, repeats)
+    return median_seconds(lambda: all_gather_flat(out, chunk, group), device, repeats)
 
 
 def _codec_speeds(device: torch.device, n: int, n_small: int) -> tuple[dict[str, float], float]:
@@ -144,9 +126,9 @@ def _codec_speeds(device: torch.device, n: int, n_small: int) -> tuple[dict[str,
 
     speeds, fixed = {}, []
     for name, step_name in CODEC_STEPS.items():
-        t_big = _median_seconds(workload(step_name, n, device.type)[0], device, repeats=3)
-        t1 = _median_seconds(workload(step_name, n_small, device.type)[0], device, repeats=9)
-        t4 = _median_seconds(workload(step_name, 4 * n_small, device.type)[0], device, repeats=9)
+        t_big = median_seconds(workload(step_name, n, device.type)[0], device, repeats=3)
+        t1 = median_seconds(workload(step_name, n_small, device.type)[0], device, repeats=9)
+        t4 = median_seconds(workload(step_name, 4 * n_small, device.type)[0], device, repeats=9)
         speeds[name] = 4 * n / t_big / 1e9
         fixed.append(max(0.0, t1 - (t4 - t1) / 3))
     return speeds, statistics.median(fixed)

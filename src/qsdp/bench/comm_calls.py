@@ -33,14 +33,17 @@ CALL_PRESETS = {"gather": "fsdp", "quantized_gather": "qsdp", "difference_update
                 "one_level_reduce_scatter": "qsdp", "two_level_slice": "sdp4bit"}
 
 
-def _median_s(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn`` with every rank starting together (a barrier before each)."""
-    fn()  # warm-up (and, for the difference gathers, the exact first gather of the replica)
+def median_seconds(fn: Callable[[], None], device: torch.device, repeats: int, *, barrier: bool = False) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after one warm-up call (for the difference
+    gathers, the exact first gather of the replica), the device synchronised around each;
+    ``barrier``: every rank starts each call together."""
+    fn()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         t0 = time.perf_counter()
         fn()
         if device.type == "cuda":
@@ -110,7 +113,7 @@ def measure_call_seconds(ranks_per_node: int, device: torch.device, param_dtype:
                 QuantizedReduceScatter(cfg["one_level_reduce_scatter"], topo, 6), n, device),
             "two_level_slice": _reduce_scatter(QuantizedReduceScatter(cfg["two_level_slice"], topo, 7), n, device),
         }
-        t = {name: _median_s(step, device, repeats) for name, step in steps.items()}
+        t = {name: median_seconds(step, device, repeats, barrier=True) for name, step in steps.items()}
         t["difference_update"] = max(0.0, t.pop("changed_gather") - t["replica_fill"])
         for name in CALL_PRESETS:
             out[name].append(t[name])
