@@ -183,6 +183,7 @@ class EmulatedCluster:
     qdisc: str = "none"
     delay_applied_ms: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    _netem: bool | None = field(default=None, repr=False)
 
     def node_ns(self, i: int) -> str:
         return f"{NS_PREFIX}{self.tag}-n{i}"
@@ -225,18 +226,22 @@ class EmulatedCluster:
             netns.add_address(ns, IFACE, self.addr(i), 24)
             netns.set_up(ns, IFACE)
 
+    def has_netem(self) -> bool:
+        """Whether this kernel offers the netem qdisc (probed once, on the first shaped egress)."""
+        if self._netem is None:
+            self._netem = netns.has_qdisc(*self.shaped[0], "netem")
+        return self._netem
+
     def shape(self, link: Link) -> None:
         """Replace the qdisc of every inter-node egress (``rate 0`` and ``delay 0``: none)."""
-        for ns, dev in self.shaped:
-            netns.clear_root_qdisc(ns, dev)
         self.qdisc, self.delay_applied_ms = "none", 0.0
-        if not link.limited:
-            return
-        use_netem = link.delay_ms > 0 and netns.has_qdisc(*self.shaped[0], "netem")
+        use_netem = link.delay_ms > 0 and self.has_netem()
         if link.delay_ms > 0 and not use_netem:
             self.warnings.append(f"this kernel has no netem qdisc: the {link.delay_ms:g} ms delay is not "
                                  "applied" + (", only the rate (tbf)" if link.rate_mbit > 0 else ""))
-        if not use_netem and link.rate_mbit <= 0:
+        if not use_netem and link.rate_mbit <= 0:  # nothing to apply: back to no qdisc
+            for ns, dev in self.shaped:
+                netns.clear_root_qdisc(ns, dev)
             return
         # Two shaped hops per node-to-node path in the star, one with the veth pair.
         hop_delay = link.delay_ms / (1 if self.nodes == 2 else 2)

@@ -223,7 +223,7 @@ def _set_link(cluster: EmulatedCluster, up: bool) -> None:
 def _slow_link(cluster: EmulatedCluster, job: FaultJob) -> dict[str, Any]:
     """Shape every inter-node egress for the slow-link case; what was applied."""
     rate = job.slow_rate_mbit * 1e6 / 8
-    if netns.has_qdisc(*cluster.shaped[0], "netem"):
+    if cluster.has_netem():
         for ns, dev in cluster.shaped:
             netns.set_root_qdisc(ns, dev, "netem", rate_bytes_s=rate, delay_ms=job.slow_delay_ms,
                                  loss_pct=job.slow_loss_pct)
