@@ -329,14 +329,19 @@ def test_every_sweep_row_gets_the_models_prediction_its_error_and_the_advisors_p
 @pytest.mark.timeout(180)
 def test_the_models_inputs_are_measured_by_as_many_ranks_as_the_emulation_has():
     from qsdp.bench.cluster_advice import CODEC_STEPS, measure_inputs
+    from qsdp.bench.comm_calls import preset_calls
     from qsdp.perfmodel import CALLS
 
-    inputs = measure_inputs(2, 2, model="tiny", seq_len=16, batch_size=2, gather_mb=0.5, codec_elements=1 << 14)
+    inputs = measure_inputs(2, 2, model="tiny", seq_len=16, batch_size=2, gather_mb=0.5, codec_elements=1 << 14,
+                            presets=("fsdp", "sdp4bit", "zeropp"))
     assert inputs.compute_s > 0 and inputs.intra_gbps > 0 and inputs.latency_us > 0
     assert set(inputs.kernels) == set(CODEC_STEPS) and all(v > 0 for v in inputs.kernels.values())
-    # every comm step the model names, timed as the comm objects run it
-    assert set(inputs.call_us) == set(CALLS) == set(inputs.call_ns_per_element)
-    assert all(v > 0 for v in inputs.call_us.values())
+    # every comm step each preset runs, timed as the comm objects run it with its config
+    assert set(inputs.call_us) == {"fsdp", "sdp4bit", "zeropp"} == set(inputs.call_ns_per_element)
+    for preset, steps in inputs.call_us.items():
+        assert tuple(steps) == preset_calls(preset, 2, 2) == tuple(inputs.call_ns_per_element[preset])
+        assert all(v > 0 for v in steps.values())
+    assert {name for steps in inputs.call_us.values() for name in steps} < set(CALLS)
 
 
 def test_gloo_gathers_in_a_ring_and_reduce_scatters_by_a_ring_all_reduce():
@@ -374,23 +379,36 @@ def test_the_advisor_prices_the_fsdp2_groups_of_the_bench_model():
 
 
 def test_each_comm_steps_cost_splits_into_fixed_and_per_element_as_the_model_counts_them():
-    from qsdp.bench.comm_calls import CALL_PRESETS, LARGE_SHARD, SMALL_SHARD, fit_calls
+    from qsdp.bench.comm_calls import LARGE_SHARD, SMALL_SHARD, fit_calls, preset_calls
+    from qsdp.config import PRESETS
     from qsdp.perfmodel import step_collectives
 
     fixed_s, per_element_s = 3e-3, 20e-9
     times = {}
-    for name, preset in CALL_PRESETS.items():
-        times[name] = []
-        for n in (SMALL_SHARD, LARGE_SHARD):
-            colls = [c for c in step_collectives(preset, [n], 2, 2, gathers=1, param_bytes=4, host_staged=True)
-                     if c.call == name]
-            times[name].append(len(colls) * fixed_s + sum(c.elements for c in colls) * per_element_s)
+    for preset in PRESETS:
+        times[preset] = {}
+        for name in preset_calls(preset, 2, 2):
+            times[preset][name] = []
+            for n in (SMALL_SHARD, LARGE_SHARD):
+                colls = [c for c in step_collectives(preset, [n], 2, 2, gathers=1, param_bytes=4, host_staged=True)
+                         if c.call == name]
+                times[preset][name].append(len(colls) * fixed_s + sum(c.elements for c in colls) * per_element_s)
     # the two-level reduce-scatter's 64K-element shard rounds in 4 slices, sent on gloo in one
     # exchange (pipeline_slices="auto"): 1 fixed cost, not 4
-    assert times["two_level_slice"][1] < 2 * fixed_s
+    assert times["sdp4bit"]["two_level_slice"][1] < 2 * fixed_s
     fixed, per_element = fit_calls(times, 2, 2, 4)
-    assert fixed == pytest.approx({name: 3000.0 for name in CALL_PRESETS})
-    assert per_element == pytest.approx({name: 0.0 if name == "agreement" else 20.0 for name in CALL_PRESETS})
+    for preset, steps in times.items():
+        assert fixed[preset] == pytest.approx({name: 3000.0 for name in steps})
+        assert per_element[preset] == pytest.approx({name: 0.0 if name == "agreement" else 20.0 for name in steps})
+
+
+def test_each_preset_runs_the_comm_steps_of_its_modes():
+    from qsdp.bench.comm_calls import preset_calls
+
+    assert preset_calls("fsdp", 2, 2) == ("gather", "reduce_scatter")
+    assert preset_calls("qsdp", 2, 2) == ("quantized_gather", "one_level_reduce_scatter")
+    assert preset_calls("sdp4bit", 2, 2) == ("difference_update", "replica_fill", "agreement", "two_level_slice")
+    assert preset_calls("zeropp", 2, 2) == ("quantized_gather", "two_level_slice")
 
 
 def test_a_dearer_comm_step_slows_the_presets_that_run_it_once_per_collective():
@@ -398,9 +416,10 @@ def test_a_dearer_comm_step_slows_the_presets_that_run_it_once_per_collective():
     from qsdp.perfmodel import step_collectives
 
     shape = dict(nodes=2, ranks_per_node=2, model="tiny", seq_len=64, batch_size=4, param_dtype="float32")
-    calls = {"two_level_slice": 1000.0, "reduce_scatter": 1000.0}
+    calls = {"fsdp": {"reduce_scatter": 1000.0}, "sdp4bit": {"two_level_slice": 1000.0},
+             "zeropp": {"two_level_slice": 1000.0}}
     cheap = ModelInputs(compute_s=0.05, intra_gbps=0.3, latency_us=900.0, kernels={}, call_us=calls)
-    dear = dataclasses.replace(cheap, call_us={**calls, "two_level_slice": 2000.0})
+    dear = dataclasses.replace(cheap, call_us={**calls, "sdp4bit": {"two_level_slice": 2000.0}})
     shards = bench_shards("tiny", 64, 4)
     slices = sum(c.call == "two_level_slice" for c in step_collectives("sdp4bit", shards, 2, 2))
     assert slices == 13  # the root's shard in one slice, each block's in three
@@ -410,7 +429,9 @@ def test_a_dearer_comm_step_slows_the_presets_that_run_it_once_per_collective():
     for rate in (0.0, 20.0):
         assert (predict_step_s("sdp4bit", dear, rate, **shape) - predict_step_s("sdp4bit", cheap, rate, **shape)
                 == pytest.approx(slices * 1e-3))
-        assert predict_step_s("fsdp", dear, rate, **shape) == predict_step_s("fsdp", cheap, rate, **shape)
+        # the same step measured with another preset's config prices that preset alone
+        for other in ("fsdp", "zeropp"):
+            assert predict_step_s(other, dear, rate, **shape) == predict_step_s(other, cheap, rate, **shape)
 
 
 def test_the_tbf_shapers_bucket_is_shared_by_the_ranks_of_a_node():

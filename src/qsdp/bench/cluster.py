@@ -657,7 +657,8 @@ def measure_rates(rates_mbit: Sequence[float], presets: Sequence[str] = BENCH_PR
 
         log(f"measuring the performance model's inputs ({nodes * job.ranks_per_node} local ranks) ...")
         inputs = measure_inputs(nodes, job.ranks_per_node, model=job.model, seq_len=job.seq_len,
-                                batch_size=job.batch_size, device=job.device, param_dtype=job.param_dtype)
+                                batch_size=job.batch_size, device=job.device, param_dtype=job.param_dtype,
+                                presets=rows_names)
         log(f"compute {inputs.compute_s:.3f} s, intra-node {inputs.intra_gbps:.2f} GB/s, "
             f"latency {inputs.latency_us:.0f} us per collective step")
     per_rate: dict[float, dict[str, dict[str, Any]]] = {}

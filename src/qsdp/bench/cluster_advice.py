@@ -14,11 +14,11 @@ processes at once, so they share the CPUs or the GPU as the emulated ranks do) e
 * time the codec steps on the device (quantize, Hadamard quantize, dequantize-accumulate):
   the codec speeds, GB/s of the fp32 side (on 1M elements), and the fixed cost of one codec
   call (the intercept of calls on 16K and 64K elements);
-* time every step of the comm objects as :mod:`qsdp.comm` runs it (plain, quantized and
-  weight-difference gathers, a replica's fill, the difference gathers' agreement, plain,
-  one-level and two-level reduce-scatters) on the local ranks laid out as the emulation's
-  nodes, on a small and a larger shard: a fixed cost per collective and a cost per element
-  (:mod:`qsdp.bench.comm_calls`).
+* time every step of the comm objects each preset of the sweep runs, as :mod:`qsdp.comm` runs it
+  with that preset's config (plain, quantized and weight-difference gathers, a replica's fill,
+  the difference gathers' agreement, plain, one-level and two-level reduce-scatters), on the
+  local ranks laid out as the emulation's nodes, on a small and a larger shard: a fixed cost per
+  collective and a cost per element (:mod:`qsdp.bench.comm_calls`).
 
 :func:`predict_rows` then prices every row with the performance model (:func:`predict_step_s`):
 the collectives of the step (:func:`qsdp.perfmodel.step_collectives`: the bytes the comm objects
@@ -49,7 +49,8 @@ import torch
 from qsdp.perfmodel import Collective, Hardware, step_collectives, synchronous_step
 from qsdp.train.model import MODEL_SIZES, default_vocab
 
-from .comm_calls import CALL_PRESETS, fit_calls, measure_call_seconds, median_seconds
+from .comm_calls import fit_calls, measure_call_seconds, median_seconds
+from .report import BENCH_PRESETS
 
 
 # The codec steps of qsdp bench codecs that stand for the model's three kernel speeds.
@@ -70,10 +71,11 @@ class ModelInputs:
     latency_us: float  # one ring step (or peer) of a collective
     kernels: dict[str, float]  # GB/s of the fp32 side: quantize, hadamard_quantize, dequantize
     codec_call_us: float = 0.0  # fixed cost of one codec call, on top of its bytes over the speed
-    # Host cost of one step of each comm object (qsdp.perfmodel.CALLS), measured whole: fixed us
-    # per collective and ns per element it carries.
-    call_us: dict[str, float] = field(default_factory=dict)
-    call_ns_per_element: dict[str, float] = field(default_factory=dict)
+    # Host cost of one step of each comm object (qsdp.perfmodel.CALLS) a preset runs, measured
+    # whole with that preset's config, {preset: {step: value}}: fixed us per collective and ns
+    # per element it carries.
+    call_us: dict[str, dict[str, float]] = field(default_factory=dict)
+    call_ns_per_element: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def _compute_seconds(job: Mapping[str, Any], device: torch.device, solo) -> float:
@@ -160,7 +162,7 @@ def _probe(job: Mapping[str, Any], nodes: int, ranks_per_node: int) -> dict[str,
         dist.barrier()
         kernels, call_s = _codec_speeds(device, job["codec_numel"], job["codec_small_numel"])
         dtype = torch.bfloat16 if job["param_dtype"] == "bfloat16" else torch.float32
-        comm_calls = measure_call_seconds(ranks_per_node, device, dtype)
+        comm_calls = measure_call_seconds(ranks_per_node, device, dtype, job["presets"])
         return {"compute_s": compute_s, "t_big": t_big, "t_small": t_small, "kernels": kernels, "call_s": call_s,
                 "comm_calls": comm_calls}
     finally:
@@ -169,7 +171,8 @@ def _probe(job: Mapping[str, Any], nodes: int, ranks_per_node: int) -> dict[str,
 
 def measure_inputs(nodes: int, ranks_per_node: int, *, model: str, seq_len: int, batch_size: int,
                    device: str = "cpu", param_dtype: str = "float32", gather_mb: float = 16.0,
-                   codec_elements: int = 1 << 20, codec_small_elements: int = 1 << 14) -> ModelInputs:
+                   codec_elements: int = 1 << 20, codec_small_elements: int = 1 << 14,
+                   presets: Sequence[str] = BENCH_PRESETS) -> ModelInputs:
     """The :class:`ModelInputs` of the emulated cluster, measured by ``nodes * ranks_per_node``
     local processes at once (medians over the ranks); ``gather_mb`` MB per rank in the bandwidth
     gather, ``codec_elements`` per codec step for the speeds, ``codec_small_elements`` (and four
@@ -182,7 +185,7 @@ def measure_inputs(nodes: int, ranks_per_node: int, *, model: str, seq_len: int,
         raise ValueError("the intra-node bandwidth needs at least 2 ranks per node")
     job = {"model": model, "seq_len": seq_len, "batch_size": batch_size, "device": device,
            "param_dtype": param_dtype, "gather_numel": int(gather_mb * 1e6 / 4), "codec_numel": codec_elements,
-           "codec_small_numel": codec_small_elements}
+           "codec_small_numel": codec_small_elements, "presets": list(presets)}
     res = list(launch_local(_probe, nodes * ranks_per_node, job, nodes, ranks_per_node).values())
     m = ranks_per_node
     latency = statistics.median(r["t_small"] for r in res) / (m - 1)
@@ -190,7 +193,8 @@ def measure_inputs(nodes: int, ranks_per_node: int, *, model: str, seq_len: int,
     wire = [max(r["t_big"] - (m - 1) * latency, 1e-9) for r in res]
     intra = (m - 1) * job["gather_numel"] * 4 / statistics.median(wire) / 1e9
     kernels = {k: statistics.median(r["kernels"][k] for r in res) for k in CODEC_STEPS}
-    calls = {k: [statistics.median(r["comm_calls"][k][i] for r in res) for i in range(2)] for k in CALL_PRESETS}
+    calls = {p: {k: [statistics.median(r["comm_calls"][p][k][i] for r in res) for i in range(2)] for k in steps}
+             for p, steps in res[0]["comm_calls"].items()}
     call_us, call_ns = fit_calls(calls, nodes, ranks_per_node, 2 if param_dtype == "bfloat16" else 4)
     return ModelInputs(compute_s=statistics.median(r["compute_s"] for r in res), intra_gbps=intra,
                        latency_us=latency * 1e6, kernels=kernels,
@@ -205,13 +209,14 @@ def shaper_burst_bytes(rate_mbit: float) -> float:
     return max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.005))
 
 
-def emulated_hardware(inputs: ModelInputs, rate_mbit: float, ranks_per_node: int, qdisc: str = "tbf") -> Hardware:
+def emulated_hardware(inputs: ModelInputs, rate_mbit: float, ranks_per_node: int, qdisc: str = "tbf",
+                      preset: str | None = None) -> Hardware:
     """The measured cluster as the model's :class:`~qsdp.perfmodel.Hardware`: a rank's share of
     its node's link (``rate_mbit`` per direction, of which :data:`TCP_PAYLOAD_FRACTION` is
     payload; 0, not limited: infinite, the host's copy at the intra-node bandwidth is all) and of
     its token bucket (``qdisc`` ``tbf``; ``netem`` has none), the measured intra-node bandwidth
     and per-step latency (both links), the measured fixed cost of a codec call and of each comm
-    step; host-staged (gloo on the host: the codecs and every copy share the CPUs); compute and
+    step of ``preset`` (none: every collective priced by its parts); host-staged (gloo on the host: the codecs and every copy share the CPUs); compute and
     the kernels are given as times and speeds, so its FLOP/s are unused."""
     inter = (rate_mbit / 8e3 * TCP_PAYLOAD_FRACTION / ranks_per_node if rate_mbit > 0
              else math.inf)  # not shaped: the host's copy (at intra_gbps) is all there is
@@ -220,7 +225,8 @@ def emulated_hardware(inputs: ModelInputs, rate_mbit: float, ranks_per_node: int
     return Hardware(name="emulated", gpus_per_node=ranks_per_node, tflops=1.0, mfu=1.0, hbm_gbps=1.0,
                     intra_gbps=inputs.intra_gbps, inter_gbps=inter, intra_latency_us=inputs.latency_us,
                     inter_latency_us=inputs.latency_us, codec_call_us=inputs.codec_call_us, host_staged=True,
-                    call_us=dict(inputs.call_us), call_ns_per_element=dict(inputs.call_ns_per_element),
+                    call_us=dict(inputs.call_us.get(preset, {})),
+                    call_ns_per_element=dict(inputs.call_ns_per_element.get(preset, {})),
                     inter_burst_bytes=burst)
 
 
@@ -258,7 +264,7 @@ def predict_step_s(preset: str, inputs: ModelInputs, rate_mbit: float, *, nodes:
     bench's FSDP2 groups (:func:`bench_shards`; FSDP2 keeps the root gathered from forward to
     backward, so it gathers once, the blocks twice) as gloo runs them, one after the other on
     the host with the shaped link's waits: :func:`qsdp.perfmodel.synchronous_step`."""
-    hw = emulated_hardware(inputs, rate_mbit, ranks_per_node, qdisc)
+    hw = emulated_hardware(inputs, rate_mbit, ranks_per_node, qdisc, preset)
     shards = bench_shards(model, seq_len, nodes * ranks_per_node)
     colls = step_collectives(preset, shards, nodes, ranks_per_node, gathers=[1] + [2] * (len(shards) - 1),
                              param_bytes=2 if param_dtype == "bfloat16" else 4, grad_bytes=4,

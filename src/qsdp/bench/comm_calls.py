@@ -9,8 +9,10 @@ padding, transposes, temporaries and the Python around them. Rather than count t
 times into a fixed cost per collective and a cost per element it carries, counting both as the
 model does (:func:`qsdp.perfmodel.step_collectives` on gloo, ``host_staged``: a two-level
 reduce-scatter's exchanges, one per hop for ``sdp4bit``'s ``pipeline_slices="auto"`` however
-many slices it rounds, a node replica's rows). Each step is measured with the config of the first preset that uses it
-(``zeropp``'s steps are priced with ``qsdp``'s and ``sdp4bit``'s: the cost is the code path's).
+many slices it rounds, a node replica's rows). Each preset's steps are measured with its own
+config: a step costs what its codecs cost (``zeropp``'s 4-bit gathers and its two-level
+reduce-scatter without the Hadamard transform are not ``qsdp``'s 8-bit gathers and
+``sdp4bit``'s Hadamard-smoothed one), and a step the same in two presets is measured twice.
 
 :func:`measure_call_seconds` runs inside every rank of
 :func:`qsdp.bench.cluster_advice.measure_inputs`, all ranks together.
@@ -18,6 +20,7 @@ many slices it rounds, a node replica's rows). Each step is measured with the co
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from typing import Callable, Mapping, Sequence
@@ -27,10 +30,6 @@ import torch.distributed as dist
 
 SMALL_SHARD = 2048  # one weight quantization group, one two-level slice
 LARGE_SHARD = 1 << 16  # a block of a small model: four two-level slices (one exchange on gloo)
-# The preset whose config measures each step (qsdp.config.PRESETS).
-CALL_PRESETS = {"gather": "fsdp", "quantized_gather": "qsdp", "difference_update": "sdp4bit",
-                "replica_fill": "sdp4bit", "agreement": "sdp4bit", "reduce_scatter": "fsdp",
-                "one_level_reduce_scatter": "qsdp", "two_level_slice": "sdp4bit"}
 
 
 def median_seconds(fn: Callable[[], None], device: torch.device, repeats: int, *, barrier: bool = False) -> float:
@@ -81,69 +80,99 @@ def _agreement(topology, device: torch.device) -> Callable[[], None]:
     return step
 
 
-def measure_call_seconds(ranks_per_node: int, device: torch.device, param_dtype: torch.dtype,
-                         sizes: tuple[int, ...] = (SMALL_SHARD, LARGE_SHARD),
-                         repeats: int = 21) -> dict[str, list[float]]:
-    """Seconds of one step of every comm object (keys of :data:`CALL_PRESETS`) on a shard of each
-    of ``sizes`` elements, this rank's medians; ``difference_update`` is the changed gather less
-    the fill that follows it. Collective: every rank of the world runs it together."""
+def preset_calls(preset: str, nodes: int, ranks_per_node: int) -> tuple[str, ...]:
+    """The comm steps (:data:`qsdp.perfmodel.CALLS`) a step of ``preset`` runs on ``nodes`` x
+    ``ranks_per_node`` ranks of gloo, on the shards :func:`measure_call_seconds` times."""
+    from qsdp.perfmodel import CALLS, step_collectives
+
+    used = {c.call for n in (SMALL_SHARD, LARGE_SHARD)
+            for c in step_collectives(preset, [n], nodes, ranks_per_node, gathers=1, host_staged=True)}
+    return tuple(name for name in CALLS if name in used)
+
+
+def _step(name: str, cfg, topology, comm_id: int, n: int, device: torch.device,
+          param_dtype: torch.dtype) -> Callable[[], None]:
+    """One step of comm step ``name`` on a shard of ``n`` elements, run by a comm object of
+    ``cfg``; ``difference_update`` gives the whole changed gather (its fill included)."""
     from qsdp.comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
     from qsdp.comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
-    from qsdp.comm.topology import build_topology
     from qsdp.comm.versions import ChangeTracker
+
+    if name == "gather":
+        return _gather(PlainAllGather(cfg, topology, comm_id), n, device, param_dtype)
+    if name == "quantized_gather":
+        return _gather(QuantizedAllGather(cfg, topology, comm_id), n, device, param_dtype)
+    if name == "replica_fill":  # a tracker that never reports a change: every gather after the first fills
+        return _gather(DifferenceAllGather(cfg, topology, comm_id, ChangeTracker()), n, device, param_dtype)
+    if name == "difference_update":  # one that always does (a comm on its own): a difference, then a fill
+        return _gather(DifferenceAllGather(cfg, topology, comm_id), n, device, param_dtype)
+    if name == "agreement":
+        return _agreement(topology, device)
+    if name == "reduce_scatter":
+        return _reduce_scatter(PlainReduceScatter(cfg, topology, comm_id), n, device)
+    if name in ("one_level_reduce_scatter", "two_level_slice"):
+        return _reduce_scatter(QuantizedReduceScatter(cfg, topology, comm_id), n, device)
+    raise ValueError(f"unknown comm step {name!r}")
+
+
+def measure_call_seconds(ranks_per_node: int, device: torch.device, param_dtype: torch.dtype,
+                         presets: Sequence[str], sizes: tuple[int, ...] = (SMALL_SHARD, LARGE_SHARD),
+                         repeats: int = 21) -> dict[str, dict[str, list[float]]]:
+    """Seconds of one step of every comm step each of ``presets`` runs (:func:`preset_calls`),
+    by a comm object of that preset's config, on a shard of each of ``sizes`` elements: this
+    rank's medians, ``{preset: {step: [seconds per size]}}``; ``difference_update`` is the
+    changed gather less the fill that follows it. Collective: every rank of the world runs it
+    together."""
+    from qsdp.comm.topology import build_topology
     from qsdp.config import resolve_config
 
     topo = build_topology(ranks_per_node=ranks_per_node)
-    cfg = {name: resolve_config(preset) for name, preset in CALL_PRESETS.items()}
-    out: dict[str, list[float]] = {name: [] for name in CALL_PRESETS}
-    for n in sizes:
-        steps = {
-            "gather": _gather(PlainAllGather(cfg["gather"], topo, 1), n, device, param_dtype),
-            "quantized_gather": _gather(QuantizedAllGather(cfg["quantized_gather"], topo, 2), n, device,
-                                        param_dtype),
-            # A tracker that never reports a change: every gather after the first only fills.
-            "replica_fill": _gather(DifferenceAllGather(cfg["replica_fill"], topo, 3, ChangeTracker()), n, device,
-                                    param_dtype),
-            # One that always does (a comm on its own): every gather sends a difference and fills.
-            "changed_gather": _gather(DifferenceAllGather(cfg["difference_update"], topo, 4), n, device,
-                                      param_dtype),
-            "agreement": _agreement(topo, device),
-            "reduce_scatter": _reduce_scatter(PlainReduceScatter(cfg["reduce_scatter"], topo, 5), n, device),
-            "one_level_reduce_scatter": _reduce_scatter(
-                QuantizedReduceScatter(cfg["one_level_reduce_scatter"], topo, 6), n, device),
-            "two_level_slice": _reduce_scatter(QuantizedReduceScatter(cfg["two_level_slice"], topo, 7), n, device),
-        }
-        t = {name: median_seconds(step, device, repeats, barrier=True) for name, step in steps.items()}
-        t["difference_update"] = max(0.0, t.pop("changed_gather") - t["replica_fill"])
-        for name in CALL_PRESETS:
-            out[name].append(t[name])
+    nodes = topo.world_size // ranks_per_node
+    comm_ids = itertools.count(1)
+    out: dict[str, dict[str, list[float]]] = {}
+    for preset in presets:
+        cfg = resolve_config(preset)
+        calls = preset_calls(preset, nodes, ranks_per_node)
+        out[preset] = {name: [] for name in calls}
+        for n in sizes:
+            t = {name: median_seconds(_step(name, cfg, topo, next(comm_ids), n, device, param_dtype), device,
+                                      repeats, barrier=True) for name in calls}
+            if "difference_update" in t:
+                t["difference_update"] = max(0.0, t["difference_update"] - t["replica_fill"])
+            for name in calls:
+                out[preset][name].append(t[name])
     return out
 
 
-def fit_calls(seconds: Mapping[str, Sequence[float]], nodes: int, ranks_per_node: int, param_bytes: int,
-              sizes: tuple[int, int] = (SMALL_SHARD, LARGE_SHARD)) -> tuple[dict[str, float], dict[str, float]]:
-    """(us per collective, ns per element) of every step from its times on shards of ``sizes``:
-    the step's collectives in the model (their number ``k`` and elements ``e`` at each size)
+def fit_calls(seconds: Mapping[str, Mapping[str, Sequence[float]]], nodes: int, ranks_per_node: int,
+              param_bytes: int, sizes: tuple[int, int] = (SMALL_SHARD, LARGE_SHARD),
+              ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """(us per collective, ns per element) of every preset's comm steps, ``{preset: {step:
+    value}}``, from their times on shards of ``sizes`` (:func:`measure_call_seconds`): the
+    step's collectives in the preset's step (their number ``k`` and elements ``e`` at each size)
     solve ``t = k * fixed + e * per_element``; a step whose elements do not grow (the agreement)
     or whose per-element cost comes out negative (noise) gets a fixed cost alone."""
     from qsdp.perfmodel import step_collectives
 
-    fixed, per_element = {}, {}
-    for name, times in seconds.items():
-        counts = []
-        for n in sizes:
-            # measured on gloo, as the model's host-staged clusters run
-            colls = [c for c in step_collectives(CALL_PRESETS[name], [n], nodes, ranks_per_node, gathers=1,
-                                                 param_bytes=param_bytes, grad_bytes=4, host_staged=True)
-                     if c.call == name]
-            counts.append((len(colls), sum(c.elements for c in colls)))
-        (k0, e0), (k1, e1) = counts
-        t0, t1 = times
-        det = k0 * e1 - k1 * e0
-        a, b = ((t0 * e1 - t1 * e0) / det, (k0 * t1 - k1 * t0) / det) if det else (0.0, -1.0)
-        if b < 0 or a < 0:
-            a, b = (t0 / k0 + t1 / k1) / 2, 0.0
-            if e1 and t1 / k1 > a:  # a fixed cost alone cannot be below the larger call's share
-                a, b = t0 / k0, max(0.0, (t1 - k1 * t0 / k0) / e1)
-        fixed[name], per_element[name] = a * 1e6, b * 1e9
+    fixed: dict[str, dict[str, float]] = {}
+    per_element: dict[str, dict[str, float]] = {}
+    for preset, steps in seconds.items():
+        fixed[preset], per_element[preset] = {}, {}
+        for name, times in steps.items():
+            counts = []
+            for n in sizes:
+                # measured on gloo, as the model's host-staged clusters run
+                colls = [c for c in step_collectives(preset, [n], nodes, ranks_per_node, gathers=1,
+                                                     param_bytes=param_bytes, grad_bytes=4, host_staged=True)
+                         if c.call == name]
+                counts.append((len(colls), sum(c.elements for c in colls)))
+            (k0, e0), (k1, e1) = counts
+            t0, t1 = times
+            det = k0 * e1 - k1 * e0
+            a, b = ((t0 * e1 - t1 * e0) / det, (k0 * t1 - k1 * t0) / det) if det else (0.0, -1.0)
+            if b < 0 or a < 0:
+                a, b = (t0 / k0 + t1 / k1) / 2, 0.0
+                if e1 and t1 / k1 > a:  # a fixed cost alone cannot be below the larger call's share
+                    a, b = t0 / k0, max(0.0, (t1 - k1 * t0 / k0) / e1)
+            fixed[preset][name], per_element[preset][name] = a * 1e6, b * 1e9
     return fixed, per_element
