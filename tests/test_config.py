@@ -18,6 +18,13 @@ def test_presets_match_the_design_table():
     assert PRESETS["fsdp"].weights.mode == "plain" and PRESETS["fsdp"].grads.mode == "plain"
 
 
+def test_a_shard_travels_quantized_from_min_shard_numel_elements_and_never_empty():
+    cfg = resolve_config("sdp4bit", {"min_shard_numel": 1000})
+    assert [cfg.quantizes_shard(n) for n in (0, 999, 1000, 5000)] == [False, False, True, True]
+    default = resolve_config("sdp4bit")
+    assert [default.quantizes_shard(n) for n in (0, 1)] == [False, True]
+
+
 def test_ablations_are_overrides_of_the_presets():
     assert resolve_config("qw4").weights.mode == "direct" and resolve_config("qw4").grads.mode == "plain"
     assert resolve_config("qwd4").weights.mode == "difference"

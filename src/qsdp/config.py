@@ -139,6 +139,11 @@ class QuantConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def quantizes_shard(self, numel: int) -> bool:
+        """Whether an FSDP group whose per-rank shard has ``numel`` elements travels quantized
+        (``min_shard_numel``; an empty shard never does)."""
+        return numel >= max(1, self.min_shard_numel)
+
 
 PRESETS: dict[str, QuantConfig] = {
     "fsdp": QuantConfig(name="fsdp"),

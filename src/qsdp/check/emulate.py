@@ -41,12 +41,6 @@ def flat_rows(tensors: Sequence[torch.Tensor], world: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _quantized_shard(cfg: QuantConfig, numel: int) -> bool:
-    """Whether a group whose per-rank shard has ``numel`` elements travels quantized (the
-    collectives' ``min_shard_numel`` rule)."""
-    return numel >= max(1, cfg.min_shard_numel)
-
-
 def reduce_scatter(grads: torch.Tensor, cfg: QuantConfig, ranks_per_node: int, comm_id: int,
                    call: int) -> torch.Tensor:
     """Every rank's output of the group's gradient reduce-scatter with ``op=AVG``.
@@ -60,7 +54,7 @@ def reduce_scatter(grads: torch.Tensor, cfg: QuantConfig, ranks_per_node: int, c
     """
     world, _, s = grads.shape
     g = cfg.grads
-    if g.mode == "plain" or not _quantized_shard(cfg, s):
+    if g.mode == "plain" or not cfg.quantizes_shard(s):
         return sum_rows(grads.float()) / world
     m, d = ranks_per_node, world // ranks_per_node
 
@@ -111,7 +105,7 @@ def direct_gather(rows: torch.Tensor, cfg: QuantConfig, comm_id: int, version: i
     ``[world, n]`` in ``rows``' dtype. rows: ``[world, n]``, row ``r`` rank ``r``'s shard (in the
     parameter dtype); version: the gather's shard version (1 after the first change)."""
     world, n = rows.shape
-    if cfg.weights.mode == "plain" or not _quantized_shard(cfg, n):
+    if cfg.weights.mode == "plain" or not cfg.quantizes_shard(n):
         return rows.clone()
     codec = weight_codec(cfg.weights)
     sent = torch.cat([codec.encode(rows[r:r + 1], seed=derive_seed(cfg.seed, comm_id, version, r, 1))
@@ -123,7 +117,7 @@ def difference_applies(cfg: QuantConfig, ranks_per_node: int, world: int, numel:
     """Whether a group's weight-difference gather quantizes anything (on one node, node
     replicas gather exactly; small shards travel plain)."""
     layout = replica_layout(cfg.weights.replica, world // ranks_per_node, ranks_per_node)
-    return cfg.weights.mode == "difference" and layout != "exact" and _quantized_shard(cfg, numel)
+    return cfg.weights.mode == "difference" and layout != "exact" and cfg.quantizes_shard(numel)
 
 
 def difference_gather(rows: torch.Tensor, replica: torch.Tensor, cfg: QuantConfig, comm_id: int,

@@ -61,7 +61,7 @@ class QuantizedAllGather(WeightAllGather):
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
         self.check_group(group)
         n = input_tensor.numel()
-        if n < max(1, self.config.min_shard_numel):
+        if not self.config.quantizes_shard(n):
             self.plain(output_tensor, input_tensor, group)
             return None
         token = self._token()

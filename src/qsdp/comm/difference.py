@@ -81,7 +81,7 @@ class DifferenceAllGather(WeightAllGather):
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
         self.check_group(group)
         n = input_tensor.numel()
-        if self.layout == "exact" or n < max(1, self.config.min_shard_numel):
+        if self.layout == "exact" or not self.config.quantizes_shard(n):
             self.plain(output_tensor, input_tensor, group)
             return None
         self.gathers += 1

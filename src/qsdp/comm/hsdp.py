@@ -71,7 +71,7 @@ class ReplicaAllReduce:
             return x
         self.calls += 1
         n = x.numel()
-        if self.config.hsdp.mode == "plain" or n < max(1, self.config.min_shard_numel):
+        if self.config.hsdp.mode == "plain" or not self.config.quantizes_shard(n):
             return self._plain(x, inplace)
         return self._quantized(x, hsdp_codec(self.config.hsdp))
 

@@ -78,7 +78,7 @@ class QuantizedReduceScatter(GradReduceScatter):
         topo, g = self.topology, self.config.grads
         world, s = topo.world_size, output_tensor.numel()
         divisor = _divisor(op, world)
-        if s < max(1, self.config.min_shard_numel):
+        if not self.config.quantizes_shard(s):
             self.plain(output_tensor, input_tensor, group, op)
             return None
         self.calls += 1

@@ -101,11 +101,10 @@ def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: i
     world = m * d
     intra, inter = m - 1, world - m  # Topology.peers()
     g = cfg.grads
-    thresh = max(1, cfg.min_shard_numel)
     out: list[Collective] = []
     raw = _DTYPES[grad_bytes]
     for gi, s in enumerate(shard_sizes):
-        if g.mode == "plain" or s < thresh:
+        if g.mode == "plain" or not cfg.quantizes_shard(s):
             out.append(Collective("grads", "ring", s * grad_bytes, s, intra, inter, hp_bytes=grad_bytes,
                                   call="reduce_scatter"))
             continue
@@ -176,7 +175,6 @@ def step_collectives(
     world = m * d
     intra, inter = m - 1, world - m  # Topology.peers()
     w = cfg.weights
-    thresh = max(1, cfg.min_shard_numel)
     out: list[Collective] = []
     per_group = _gathers_per_group(gathers, len(shard_sizes), zero3)
 
@@ -185,7 +183,7 @@ def step_collectives(
 
     # Weight all-gathers (qsdp.comm.all_gather).
     for n, calls in zip(shard_sizes, per_group):
-        if w.mode == "plain" or n < thresh:
+        if w.mode == "plain" or not cfg.quantizes_shard(n):
             out += [plain_gather(n) for _ in range(calls)]
             continue
         codec = weight_codec(w)
@@ -243,8 +241,7 @@ def replica_elements(config: str | QuantConfig, shard_sizes: Sequence[int], node
         return 0
     layout = replica_layout(w.replica, nodes, ranks_per_node)
     rows = {"full": nodes * ranks_per_node, "node": nodes, "exact": 0}[layout]
-    thresh = max(1, cfg.min_shard_numel)
-    return sum(rows * n for n in shard_sizes if n >= thresh)
+    return sum(rows * n for n in shard_sizes if cfg.quantizes_shard(n))
 
 
 def hsdp_collectives(
@@ -270,7 +267,7 @@ def hsdp_collectives(
     if d == 1:
         return out
     for s in shard_sizes:
-        if cfg.hsdp.mode == "plain" or s < max(1, cfg.min_shard_numel):
+        if cfg.hsdp.mode == "plain" or not cfg.quantizes_shard(s):
             chunk = -(-s // d)
             out += [Collective("grads", "a2a_inter", chunk * 4, chunk, 0, d - 1)] * 2
             continue
