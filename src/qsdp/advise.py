@@ -29,7 +29,7 @@ from .perfmodel import (
     GPT2_VOCAB,
     HARDWARE,
     SEQ_LEN,
-    ShapeSetup,
+    fsdp2_setup,
     gpt_shape,
     load_kernels,
     simulate_hsdp_step,
@@ -81,13 +81,10 @@ def advise(params: int | None, nodes: int, ranks_per_node: int, gpu: str = "h800
            overlap: float = 0.0, margin: float = 0.05) -> dict[str, Any]:
     """The predictions and the recommendation as a JSON-ready dict (times in ms), for a model
     of ``params`` parameters (a GPT shape is chosen) or of the given ``shape``."""
-    if nodes < 1 or ranks_per_node < 1:
-        raise ValueError(f"nodes={nodes} and ranks_per_node={ranks_per_node} must be positive")
+    shape = dict(shape) if shape is not None else gpt_shape(int(params or 0))
+    setup = fsdp2_setup(gpu, nodes, ranks_per_node, shape, seq_len=seq_len, micro_batch=micro_batch)
     hw = dataclasses.replace(HARDWARE[gpu], gpus_per_node=ranks_per_node,
                              **({"inter_gbps": inter_gbps} if inter_gbps else {}))
-    shape = dict(shape) if shape is not None else gpt_shape(int(params or 0))
-    setup = ShapeSetup("custom", gpu, nodes * ranks_per_node, 1, 1, seq_len=seq_len,
-                       micro_batch=micro_batch, layout="layer", zero3=True, **shape)
     params = n_params(setup.gpt())
     rows = []
     for p in FLAT_PRESETS:

@@ -15,7 +15,7 @@ from typing import Any
 
 from .config import QuantConfig, config_diff, preset_names, resolve_config
 from .hsdp import quantizes_only_replicas
-from .perfmodel.collectives import hsdp_collectives, step_collectives
+from .perfmodel.collectives import collective_bytes, collective_elements, hsdp_collectives, step_collectives
 from .text_table import aligned
 
 # A shard of whole quantization groups, Hadamard blocks and pipeline slices for every preset,
@@ -46,14 +46,9 @@ def link_bits(config: str | QuantConfig, *, shard: int = SHARD, nodes: int = NOD
     if not quantizes_only_replicas(cfg):  # quantize_comms refuses those without replicate_group
         runs["fsdp"] = step_collectives(cfg, [shard], nodes, ranks_per_node, **kw)
     for mode, collectives in runs.items():
-        sums = {(k, lv): [0, 0] for k in ("weights", "grads") for lv in ("intra", "inter")}
-        for c in collectives:
-            for level, peers in (("intra", c.intra_peers), ("inter", c.inter_peers)):
-                if (c.kind, level) in sums:
-                    sums[(c.kind, level)][0] += c.row_bytes * peers
-                    sums[(c.kind, level)][1] += c.elements * peers
-        out[mode] = {k: {lv: (8 * b / e if e else None) for (kk, lv), (b, e) in sums.items() if kk == k}
-                     for k in ("weights", "grads")}
+        nbytes, elements = collective_bytes(collectives), collective_elements(collectives)
+        out[mode] = {k: {lv: 8 * nbytes[k][lv] / elements[k][lv] if elements[k][lv] else None
+                         for lv in ("intra", "inter")} for k in ("weights", "grads")}
     return out
 
 

@@ -34,6 +34,7 @@ from .setup import (
     SEQ_LEN,
     Setup,
     ShapeSetup,
+    fsdp2_setup,
     gpt_shape,
     model_params,
     shard_sizes,
@@ -46,6 +47,6 @@ __all__ = [
     "CALLS", "Collective", "step_collectives", "step_bytes", "collective_bytes", "hsdp_collectives", "replica_elements",
     "comm_time", "wire_time", "wire_parts", "link_bytes", "host_time", "measured_call_s", "host_staged_step",
     "synchronous_step", "KERNEL_NAMES", "load_kernels", "kernel_gbps", "kernel_times",
-    "Setup", "ShapeSetup", "gpt_shape", "model_params", "shard_sizes",
+    "Setup", "ShapeSetup", "fsdp2_setup", "gpt_shape", "model_params", "shard_sizes",
     "GPT2_VOCAB", "SEQ_LEN", "MICRO_BATCH", "MICRO_BATCHES", "MODEL_SHAPES",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -200,15 +200,26 @@ def step_collectives(
     return out
 
 
-def collective_bytes(collectives: Sequence[Collective]) -> dict[str, dict[str, int]]:
-    """Bytes on the wire as the byte meter counts them, ``{"weights": {"intra", "inter"},
-    "grads": {"intra", "inter"}}`` (control flags are not included)."""
+def _per_link(collectives: Sequence[Collective], amount: Callable[[Collective], int]) -> dict[str, dict[str, int]]:
+    # The byte meter's sum: what a collective sends each peer counts once per peer.
     res = {k: {"intra": 0, "inter": 0} for k in ("weights", "grads")}
     for c in collectives:
         if c.kind in res:
-            res[c.kind]["intra"] += c.row_bytes * c.intra_peers
-            res[c.kind]["inter"] += c.row_bytes * c.inter_peers
+            res[c.kind]["intra"] += amount(c) * c.intra_peers
+            res[c.kind]["inter"] += amount(c) * c.inter_peers
     return res
+
+
+def collective_bytes(collectives: Sequence[Collective]) -> dict[str, dict[str, int]]:
+    """Bytes on the wire as the byte meter counts them, ``{"weights": {"intra", "inter"},
+    "grads": {"intra", "inter"}}`` (control flags are not included)."""
+    return _per_link(collectives, lambda c: c.row_bytes)
+
+
+def collective_elements(collectives: Sequence[Collective]) -> dict[str, dict[str, int]]:
+    """The elements those bytes carry, counted as the byte meter counts them (a buffer of ``n``
+    elements to ``k`` peers: ``k * n``), keyed as :func:`collective_bytes`."""
+    return _per_link(collectives, lambda c: c.elements)
 
 
 def step_bytes(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 from ..gpt_shape import GPT2_VOCAB, GPTConfig, n_params
 
@@ -71,6 +72,18 @@ class ShapeSetup(Setup):
     def gpt(self) -> GPTConfig:
         return GPTConfig(vocab_size=self.vocab_size, block_size=self.seq_len, n_layer=self.n_layer,
                          n_embd=self.n_embd, n_head=self.n_head)
+
+
+def fsdp2_setup(gpu: str, nodes: int, ranks_per_node: int, shape: Mapping[str, int], *, seq_len: int = SEQ_LEN,
+                micro_batch: int = MICRO_BATCH) -> ShapeSetup:
+    """A data-parallel FSDP2 job as ``qsdp advise`` prices it: a GPT of ``shape`` (``n_layer``,
+    ``n_embd``, ``n_head``, optional ``vocab_size``) in one group per block and one for the rest,
+    its weights gathered before forward and again before backward, on ``nodes`` x
+    ``ranks_per_node`` GPUs of type ``gpu``, ``micro_batch`` sequences of ``seq_len`` each."""
+    if nodes < 1 or ranks_per_node < 1:
+        raise ValueError(f"nodes={nodes} and ranks_per_node={ranks_per_node} must be positive")
+    return ShapeSetup("custom", gpu, nodes * ranks_per_node, 1, 1, seq_len=seq_len, micro_batch=micro_batch,
+                      layout="layer", zero3=True, **shape)
 
 
 def gpt_shape(params: int) -> dict[str, int]:

@@ -23,7 +23,7 @@ from ..gpt_shape import flops_per_token, n_params
 from .collectives import Collective, collective_bytes, hsdp_collectives, replica_elements, step_collectives
 from .comm_time import comm_time
 from .hardware import Hardware, cluster_hardware
-from .setup import SEQ_LEN, Setup, ShapeSetup, gpt_shape, shard_sizes
+from .setup import SEQ_LEN, Setup, fsdp2_setup, gpt_shape, shard_sizes
 
 
 def compute_time(setup: Setup, hw: Hardware) -> float:
@@ -101,16 +101,14 @@ def predict_step(preset: str | QuantConfig, params: int | None = None, nodes: in
     Returns the dict of :func:`simulate_step` (seconds, bytes) plus ``params`` and
     ``inter_gbps_per_gpu``.
     """
-    if nodes < 1 or ranks_per_node < 1:
-        raise ValueError(f"nodes={nodes} and ranks_per_node={ranks_per_node} must be positive")
     if (params is None) == (shape is None):
         raise ValueError("give either params or shape")
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap={overlap} must be in [0, 1]")
+    setup = fsdp2_setup(gpu, nodes, ranks_per_node, shape if shape is not None else gpt_shape(params),
+                        seq_len=seq_len, micro_batch=micro_batch)
     hw = cluster_hardware(gpu, ranks_per_node, link_gbit=link_gbit, link_latency_us=link_latency_us,
                           intra_gbps=intra_gbps)
-    setup = ShapeSetup("custom", gpu, nodes * ranks_per_node, 1, 1, seq_len=seq_len, micro_batch=micro_batch,
-                       layout="layer", zero3=True, **(dict(shape) if shape is not None else gpt_shape(params)))
     simulate = simulate_hsdp_step if hsdp else simulate_step
     r = simulate(setup, preset, hw, overlap=overlap, kernels=kernels, param_bytes=param_bytes,
                  grad_bytes=grad_bytes, compute_s=compute_s)
