@@ -106,12 +106,6 @@ def test_host_staged_copies_add_up_and_the_link_runs_alongside():
     assert pm.comm_time([c], dedicated, 2, 2)["link"] == 0.0
 
 
-def test_a_host_staged_step_overlaps_host_and_link_but_for_one_piece():
-    assert pm.host_staged_step(1.0, 0.2, 4) == pytest.approx(1.05)
-    assert pm.host_staged_step(0.2, 1.0, 4) == pytest.approx(1.05)
-    assert pm.host_staged_step(1.0, 0.0, 4) == 1.0
-
-
 def test_every_collective_names_the_comm_step_it_starts():
     shards = [4096, 65536]
     for preset in ("fsdp", "qsdp", "sdp4bit", "zeropp"):

@@ -18,12 +18,13 @@ from .collectives import (
     CALLS,
     Collective,
     collective_bytes,
+    collective_elements,
     hsdp_collectives,
     replica_elements,
     step_bytes,
     step_collectives,
 )
-from .comm_time import comm_time, measured_call_s, host_staged_step, host_time, link_bytes, wire_parts, wire_time
+from .comm_time import comm_time, measured_call_s, host_time, link_bytes, wire_parts, wire_time
 from .hardware import HARDWARE, Hardware, cluster_hardware
 from .host_staged import synchronous_step
 from .setup import (
@@ -44,8 +45,8 @@ from .step import compute_time, predict_step, simulate_hsdp_step, simulate_step
 __all__ = [
     "predict_step", "simulate_step", "simulate_hsdp_step", "compute_time",
     "Hardware", "HARDWARE", "cluster_hardware",
-    "CALLS", "Collective", "step_collectives", "step_bytes", "collective_bytes", "hsdp_collectives", "replica_elements",
-    "comm_time", "wire_time", "wire_parts", "link_bytes", "host_time", "measured_call_s", "host_staged_step",
+    "CALLS", "Collective", "step_collectives", "step_bytes", "collective_bytes", "collective_elements", "hsdp_collectives", "replica_elements",
+    "comm_time", "wire_time", "wire_parts", "link_bytes", "host_time", "measured_call_s",
     "synchronous_step", "KERNEL_NAMES", "load_kernels", "kernel_gbps", "kernel_times",
     "Setup", "ShapeSetup", "fsdp2_setup", "gpt_shape", "model_params", "shard_sizes",
     "GPT2_VOCAB", "SEQ_LEN", "MICRO_BATCH", "MICRO_BATCHES", "MODEL_SHAPES",

@@ -16,7 +16,8 @@ run as an all-reduce, as gloo does) costs twice a ring's bytes and steps.
 Host-staged hardware (``Hardware.host_staged``: gloo on CPUs) has no engine apart from the
 host but the inter-node link itself: the codecs, the copies of every byte a rank sends and the
 latency of every step add up, and only the link's own time (a shaper slower than the host's
-copy) is reported apart, for :func:`host_staged_step` to overlap with the host's work.
+copy) is reported apart; :func:`qsdp.perfmodel.synchronous_step` adds the part of it the host
+waits for.
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ def comm_time(collectives: Sequence[Collective], hw: Hardware, nodes: int, ranks
 
     ``hw.host_staged``: each kind holds the host's work alone (codecs, the copies of all bytes,
     latency), serial, and ``link`` the inter-node link's own time, which runs alongside the
-    host (the caller decides how much of it overlaps: see ``host_staged_step``)."""
+    host (the caller decides how much of it the host waits for: see ``synchronous_step``)."""
     res = {"weights": 0.0, "grads": 0.0, "control": 0.0, "kernels": 0.0, "link": 0.0}
-    pipes: dict[int, list[Collective]] = {}
+    pipes: dict[int, list[tuple[Collective, float, float]]] = {}
     for c in collectives:
         tq, tdq = kernel_times(c, hw, kernels)
         res["kernels"] += tq + tdq
@@ -124,25 +125,16 @@ def comm_time(collectives: Sequence[Collective], hw: Hardware, nodes: int, ranks
             res[c.kind] += host_time(c, hw, nodes, ranks_per_node, kernels)
             res["link"] += wire_parts(c, hw, nodes, ranks_per_node)[1]
         elif c.pipeline is not None:
-            pipes.setdefault(c.pipeline, []).append(c)
+            pipes.setdefault(c.pipeline, []).append((c, tq, tdq))
         else:
             res[c.kind] += tq + wire_time(c, hw, nodes, ranks_per_node) + tdq
     for parts in pipes.values():
         stages = [0.0] * 5
-        for c in parts:
-            tq, tdq = kernel_times(c, hw, kernels)
+        for c, tq, tdq in parts:
             first = 0 if c.hop == 1 else 2
             stages[first] += tq
             stages[first + 1] += wire_time(c, hw, nodes, ranks_per_node)
             stages[first + 2] += tdq
-        s = max(1, sum(1 for c in parts if c.hop == 1))
-        res[parts[0].kind] += sum(stages) / s + (s - 1) / s * max(stages)
+        s = max(1, sum(1 for c, _, _ in parts if c.hop == 1))
+        res[parts[0][0].kind] += sum(stages) / s + (s - 1) / s * max(stages)
     return res
-
-
-def host_staged_step(host_s: float, link_s: float, pieces: int) -> float:
-    """Seconds of a step whose host work (compute, codecs, copies: ``host_s``) runs alongside
-    the inter-node link's own time (``link_s``, in ``pieces`` collectives; prefetched gathers
-    and asynchronous reduce-scatters): the busier of the two, plus one piece of the other that
-    cannot overlap (as a pipeline fills and drains)."""
-    return max(host_s, link_s) + min(host_s, link_s) / max(1, pieces)
