@@ -276,20 +276,13 @@ def _parser() -> _Parser:
     pl.add_argument("--out", default=None, help="where the PNGs go (default: the runs' parent directory)")
     pl.set_defaults(func=_cmd_plot)
 
-    a = sub.add_parser("advise", help="does quantization pay for this job: predicted steps, a recommendation",
-                       add_help=False, prefix_chars="\0")  # every argument goes to qsdp.advise
-    a.add_argument("advise_args", nargs=argparse.REMAINDER)
-    a.set_defaults(func=lambda ns: _cmd_bench(argparse.Namespace(bench="advise", bench_args=ns.advise_args)))
-
-    pr = sub.add_parser("presets", help="every preset's fields and bits per element on each link",
-                        add_help=False, prefix_chars="\0")  # every argument goes to qsdp.preset_table
-    pr.add_argument("presets_args", nargs=argparse.REMAINDER)
-    pr.set_defaults(func=lambda ns: _cmd_bench(argparse.Namespace(bench="presets", bench_args=ns.presets_args)))
-
-    c = sub.add_parser("check", help="will a preset hurt this model: gradient and weight errors per layer",
-                       add_help=False, prefix_chars="\0")  # every argument goes to qsdp.check.cli
-    c.add_argument("check_args", nargs=argparse.REMAINDER)
-    c.set_defaults(func=lambda ns: _cmd_bench(argparse.Namespace(bench="check", bench_args=ns.check_args)))
+    # Commands whose every argument goes to their module's own parser (as a benchmark's does).
+    for name, helptext in (("advise", "does quantization pay for this job: predicted steps, a recommendation"),
+                           ("presets", "every preset's fields and bits per element on each link"),
+                           ("check", "will a preset hurt this model: gradient and weight errors per layer")):
+        own = sub.add_parser(name, help=helptext, add_help=False, prefix_chars="\0")
+        own.add_argument("bench_args", nargs=argparse.REMAINDER)
+        own.set_defaults(func=_cmd_bench, bench=name)
 
     b = sub.add_parser("bench", help="benchmarks", description="Benchmarks of qsdp.")
     b.add_argument("bench", choices=sorted(BENCHMARKS), help="which benchmark")

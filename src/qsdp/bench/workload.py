@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import qsdp
+from qsdp.codecs.usage import implementations_run
 from qsdp.train.args import PARAM_DTYPES
 from qsdp.train.model import count_params, default_vocab, make_gpt, transformer_blocks
-from qsdp.train.runtime import codec_kernels
 
 from .step_phases import phase_times
 
@@ -73,7 +73,7 @@ def run_steps(
         for step in range(warmup + steps):
             if step == warmup:
                 qsdp.comm_stats(reset=True)
-                codec_kernels(reset=True)  # like the meter: the codecs of the timed steps
+                implementations_run(reset=True)  # like the meter: the codecs of the timed steps
                 if profiler is not None:
                     profiler.start()
             dist.barrier()
@@ -98,7 +98,7 @@ def run_steps(
             "n_params": n_params,
             "device": dev.type,
             "param_dtype": param_dtype,
-            "codec_kernels": codec_kernels(),
+            "codec_kernels": implementations_run(),
         }
         if profiler is not None:
             profiler.stop()

@@ -88,11 +88,17 @@ def sample_corpus_path() -> str:
     return str(importlib.resources.files("qsdp.train").joinpath("sample.txt"))
 
 
+def require_default_corpus() -> None:
+    """Raise :class:`qsdp.extras.MissingExtraError` where the package of the default corpus
+    (``qsdp[train]``) is not installed."""
+    require("chitchat_dataset", "the default corpus", "or pass --data FILE.txt")
+
+
 @functools.lru_cache(maxsize=1)
 def _default_corpus() -> str:
     # Read the package's data file directly: its own loader leaves the file open and joins the
     # utterances of a turn with spaces. Cached: a process may ask several times (text, tokenizer).
-    require("chitchat_dataset", "the default corpus", "or pass --data FILE.txt")
+    require_default_corpus()
     resource = importlib.resources.files("chitchat_dataset").joinpath("dataset.json")
     conversations = json.loads(resource.read_text(encoding="utf-8"))
     parts = []

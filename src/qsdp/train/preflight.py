@@ -24,7 +24,7 @@ from qsdp.extras import require
 from qsdp.hsdp import quantizes_only_replicas
 from qsdp.train.args import TrainArgs, TrainError, validate_args
 from qsdp.train.checkpoint import latest_checkpoint, read_meta
-from qsdp.train.data import TokenDataset, get_tokenizer, load_corpus
+from qsdp.train.data import TokenDataset, get_tokenizer, load_corpus, require_default_corpus
 from qsdp.train.files import atomic_write
 from qsdp.train.metrics import METRICS_FILE
 
@@ -96,11 +96,16 @@ def require_packages(args: TrainArgs) -> None:
     run needs an optional package that is not installed: the embedded corpus (no ``--data``),
     the BPE tokenizer, the progress bar."""
     if args.data is None:
-        require("chitchat_dataset", "the default corpus", "or pass --data FILE.txt")
+        require_default_corpus()
     if args.tokenizer == "bpe":
         require("tokenizers", "--tokenizer bpe", "or use --tokenizer byte")
     if args.progress:
-        require("tqdm", "the progress bar", "or pass --no-progress")
+        require_progress_bar()
+
+
+def require_progress_bar() -> None:
+    """Raise :class:`qsdp.extras.MissingExtraError` where tqdm (``qsdp[train]``) is not installed."""
+    require("tqdm", "the progress bar", "or pass --no-progress")
 
 
 def default_cache_dir() -> str:

@@ -17,10 +17,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from qsdp.codecs.usage import implementations_run
 from qsdp.train.args import PeerError, TrainArgs, TrainError
 
-__all__ = ["init_process_group", "run_device", "device_name", "codec_kernels", "rank0_first"]
+__all__ = ["init_process_group", "run_device", "device_name", "rank0_first"]
 
 T = TypeVar("T")
 
@@ -100,13 +99,6 @@ def cpu_param_dtype(size: int = 256, repeats: int = 5) -> tuple[str, float]:
         torch.set_num_threads(threads)
     fp32_s, bf16_s = best[torch.float32], best[torch.bfloat16]
     return choose_cpu_param_dtype(fp32_s, bf16_s), bf16_s / fp32_s
-
-
-def codec_kernels(*, reset: bool = False) -> str:
-    """The codec implementations this process ran since the last reset: ``none`` (nothing was
-    quantized, e.g. the ``fsdp`` preset), ``triton`` (the fused kernels), ``torch`` (the
-    reference: CPU tensors, no triton, or ``QSDP_DISABLE_TRITON=1``) or ``torch+triton``."""
-    return implementations_run(reset=reset)
 
 
 def rank0_first(fn: Callable[[], T], rank: int, others: Callable[[], T] | None = None) -> T:

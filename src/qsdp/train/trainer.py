@@ -52,7 +52,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import qsdp
-from qsdp.extras import require
+from qsdp.codecs.usage import implementations_run
 from qsdp.train.args import (
     PARAM_DTYPES,
     CollectiveTimeoutError,
@@ -66,8 +66,8 @@ from qsdp.train.data import TokenDataset
 from qsdp.train.faults import Faults
 from qsdp.train.metrics import MetricsWriter, WireTotals, drop_records_after, read_metrics, train_record
 from qsdp.train.model import count_params, make_gpt, transformer_blocks
-from qsdp.train.preflight import Plan, hsdp_layout, restart_count
-from qsdp.train.runtime import codec_kernels, device_name
+from qsdp.train.preflight import Plan, hsdp_layout, require_progress_bar, restart_count
+from qsdp.train.runtime import device_name
 
 __all__ = ["Trainer", "RunState", "StepResult"]
 
@@ -202,7 +202,7 @@ class Trainer:
             args, plan, dataset.vocab_size, device)
         self.optimizer = make_optimizer(self.model, args)
         qsdp.comm_stats(reset=True)
-        codec_kernels(reset=True)  # the summary reports the codecs this run's steps used
+        implementations_run(reset=True)  # the summary reports the codecs this run's steps used
         self.state = RunState()
         self.start_step = 0
         if plan.resume_from is not None:
@@ -221,7 +221,7 @@ class Trainer:
         """rank 0's tqdm bar, or ``None`` (other ranks, ``--no-progress``)."""
         if self.rank != 0 or not self.args.progress:
             return None
-        require("tqdm", "the progress bar", "or pass --no-progress")
+        require_progress_bar()
         from tqdm import tqdm  # an optional package (qsdp[train]): loaded only for the bar
 
         return tqdm(total=self.args.steps, initial=self.start_step, desc=self.comms.config.name,
@@ -390,5 +390,5 @@ class Trainer:
             "vocab_size": self.dataset.vocab_size, "data_id": self.plan.data_id,
             "torch_version": torch.__version__, "qsdp_version": qsdp.__version__,
             "device": device_name(self.device), "backend": str(dist.get_backend()),
-            "codec_kernels": codec_kernels(),
+            "codec_kernels": implementations_run(),
         }
