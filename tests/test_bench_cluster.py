@@ -427,8 +427,11 @@ def test_a_dearer_comm_step_slows_the_presets_that_run_it_once_per_collective():
     slices = sum(c.call == "two_level_slice" for c in step_collectives("sdp4bit", shards, 2, 2, host_staged=True))
     assert slices == 5
     for rate in (0.0, 20.0):
-        assert (predict_step_s("sdp4bit", dear, rate, **shape) - predict_step_s("sdp4bit", cheap, rate, **shape)
-                == pytest.approx(slices * 1e-3))
+        slower = predict_step_s("sdp4bit", dear, rate, **shape) - predict_step_s("sdp4bit", cheap, rate, **shape)
+        if rate == 0.0:
+            assert slower == pytest.approx(slices * 1e-3)
+        else:  # the shaped link refills its bucket meanwhile: host work hides some of its wait
+            assert 0.0 <= slower < slices * 1e-3
         # the same step measured with another preset's config prices that preset alone
         for other in ("fsdp", "zeropp"):
             assert predict_step_s(other, dear, rate, **shape) == predict_step_s(other, cheap, rate, **shape)

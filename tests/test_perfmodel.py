@@ -163,6 +163,16 @@ def test_the_bucket_refills_while_the_host_works():
     assert pm.synchronous_step(0.2, [c, c], hw, 2, 2)["link_wait_s"] == 0.0
 
 
+def test_the_bucket_refills_while_the_host_works_on_a_collective_inside_the_node():
+    c = pm.Collective("grads", "a2a_inter", 10**6, 10**5, 0, 1, call="difference_update")
+    inside = pm.Collective("grads", "a2a_intra", 10**6, 10**5, 1, 0, call="two_level_slice")
+    hw = _host_cluster(host_staged=True, inter_gbps=0.01, inter_burst_bytes=1e6,
+                       call_us={"difference_update": 0.0, "two_level_slice": 1e5})
+    # the 0.1 s the host spends on the collective inside the node refills 1 MB of tokens
+    assert pm.synchronous_step(0.0, [c, c], hw, 2, 2)["link_wait_s"] == pytest.approx(0.099)
+    assert pm.synchronous_step(0.0, [c, inside, c], hw, 2, 2)["link_wait_s"] == 0.0
+
+
 def test_auto_slices_are_one_exchange_per_hop_on_host_staged_hardware_and_eight_on_gpus():
     shards = [4096, 1 << 20]
     auto = resolve_config("sdp4bit", {"grads.pipeline_slices": "auto"})

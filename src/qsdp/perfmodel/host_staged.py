@@ -33,9 +33,12 @@ def synchronous_step(compute_s: float, collectives: Sequence[Collective], hw: Ha
         work = share + host_time(c, hw, nodes, m, kernels)
         host += work
         nbytes = link_bytes(c, nodes, m)
-        if math.isinf(rate) or nbytes == 0:
+        if math.isinf(rate):
             continue
+        # The bucket refills during all host work, that of collectives inside the node included.
         tokens = min(burst, tokens + work * rate)
+        if nbytes == 0:
+            continue
         # What the bucket cannot pass at once goes at the rate, while the host copies the bytes.
         short = max(0.0, nbytes - tokens)
         tokens = max(0.0, tokens - nbytes)
