@@ -402,6 +402,16 @@ def test_each_comm_steps_cost_splits_into_fixed_and_per_element_as_the_model_cou
         assert per_element[preset] == pytest.approx({name: 0.0 if name == "agreement" else 20.0 for name in steps})
 
 
+def test_the_probe_times_its_steps_in_rounds_that_call_each_once():
+    from qsdp.bench.comm_calls import interleaved_median_seconds
+
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    medians = interleaved_median_seconds(fns, torch.device("cpu"), repeats=3)
+    assert calls == ["a", "b"] * 4  # a warm-up round, then 3 timed ones
+    assert set(medians) == {"a", "b"} and all(t >= 0 for t in medians.values())
+
+
 def test_each_preset_runs_the_comm_steps_of_its_modes():
     from qsdp.bench.comm_calls import preset_calls
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,24 +31,36 @@ import torch.distributed as dist
 SMALL_SHARD = 2048  # one weight quantization group, one two-level slice
 LARGE_SHARD = 1 << 16  # a block of a small model: four two-level slices (one exchange on gloo)
 
+K = TypeVar("K")
+
 
 def median_seconds(fn: Callable[[], None], device: torch.device, repeats: int, *, barrier: bool = False) -> float:
     """Median seconds of ``fn`` over ``repeats`` calls after one warm-up call (for the difference
     gathers, the exact first gather of the replica), the device synchronised around each;
     ``barrier``: every rank starts each call together."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if barrier:
-            dist.barrier()
-        t0 = time.perf_counter()
+    return interleaved_median_seconds({None: fn}, device, repeats, barrier=barrier)[None]
+
+
+def interleaved_median_seconds(fns: Mapping[K, Callable[[], None]], device: torch.device, repeats: int, *,
+                               barrier: bool = False) -> dict[K, float]:
+    """:func:`median_seconds` of each of ``fns``, taken in rounds that call every one of them
+    once: a machine that slows down for a while (other jobs, frequency changes) slows them all
+    alike, not those measured in that while."""
+    for fn in fns.values():
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: dict[K, list[float]] = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if barrier:
+                dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def _gather(comm, n: int, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
@@ -117,30 +129,30 @@ def _step(name: str, cfg, topology, comm_id: int, n: int, device: torch.device,
 
 def measure_call_seconds(ranks_per_node: int, device: torch.device, param_dtype: torch.dtype,
                          presets: Sequence[str], sizes: tuple[int, ...] = (SMALL_SHARD, LARGE_SHARD),
-                         repeats: int = 21) -> dict[str, dict[str, list[float]]]:
+                         repeats: int = 31) -> dict[str, dict[str, list[float]]]:
     """Seconds of one step of every comm step each of ``presets`` runs (:func:`preset_calls`),
     by a comm object of that preset's config, on a shard of each of ``sizes`` elements: this
-    rank's medians, ``{preset: {step: [seconds per size]}}``; ``difference_update`` is the
-    changed gather less the fill that follows it. Collective: every rank of the world runs it
-    together."""
+    rank's medians, ``{preset: {step: [seconds per size]}}``, all taken in the same rounds
+    (:func:`interleaved_median_seconds`); ``difference_update`` is the changed gather less the
+    fill that follows it. Collective: every rank of the world runs it together."""
     from qsdp.comm.topology import build_topology
     from qsdp.config import resolve_config
 
     topo = build_topology(ranks_per_node=ranks_per_node)
     nodes = topo.world_size // ranks_per_node
     comm_ids = itertools.count(1)
-    out: dict[str, dict[str, list[float]]] = {}
+    steps: dict[tuple[str, str, int], Callable[[], None]] = {}
     for preset in presets:
         cfg = resolve_config(preset)
-        calls = preset_calls(preset, nodes, ranks_per_node)
-        out[preset] = {name: [] for name in calls}
-        for n in sizes:
-            t = {name: median_seconds(_step(name, cfg, topo, next(comm_ids), n, device, param_dtype), device,
-                                      repeats, barrier=True) for name in calls}
-            if "difference_update" in t:
-                t["difference_update"] = max(0.0, t["difference_update"] - t["replica_fill"])
-            for name in calls:
-                out[preset][name].append(t[name])
+        for name in preset_calls(preset, nodes, ranks_per_node):
+            for n in sizes:
+                steps[preset, name, n] = _step(name, cfg, topo, next(comm_ids), n, device, param_dtype)
+    t = interleaved_median_seconds(steps, device, repeats, barrier=True)
+    out: dict[str, dict[str, list[float]]] = {}
+    for (preset, name, n), seconds in t.items():
+        if name == "difference_update":
+            seconds = max(0.0, seconds - t[preset, "replica_fill", n])
+        out.setdefault(preset, {}).setdefault(name, []).append(seconds)
     return out
 
 
