@@ -216,8 +216,9 @@ def emulated_hardware(inputs: ModelInputs, rate_mbit: float, ranks_per_node: int
     payload; 0, not limited: infinite, the host's copy at the intra-node bandwidth is all) and of
     its token bucket (``qdisc`` ``tbf``; ``netem`` has none), the measured intra-node bandwidth
     and per-step latency (both links), the measured fixed cost of a codec call and of each comm
-    step of ``preset`` (none: every collective priced by its parts); host-staged (gloo on the host: the codecs and every copy share the CPUs); compute and
-    the kernels are given as times and speeds, so its FLOP/s are unused."""
+    step of ``preset`` (none: every collective priced by its parts); host-staged (gloo on the
+    host: the codecs and every copy share the CPUs); compute and the kernels are given as times
+    and speeds, so its FLOP/s are unused."""
     inter = (rate_mbit / 8e3 * TCP_PAYLOAD_FRACTION / ranks_per_node if rate_mbit > 0
              else math.inf)  # not shaped: the host's copy (at intra_gbps) is all there is
     burst = (shaper_burst_bytes(rate_mbit) * TCP_PAYLOAD_FRACTION / ranks_per_node

@@ -45,7 +45,8 @@ from .step import compute_time, predict_step, simulate_hsdp_step, simulate_step
 __all__ = [
     "predict_step", "simulate_step", "simulate_hsdp_step", "compute_time",
     "Hardware", "HARDWARE", "cluster_hardware",
-    "CALLS", "Collective", "step_collectives", "step_bytes", "collective_bytes", "collective_elements", "hsdp_collectives", "replica_elements",
+    "CALLS", "Collective", "step_collectives", "step_bytes", "collective_bytes", "collective_elements",
+    "hsdp_collectives", "replica_elements",
     "comm_time", "wire_time", "wire_parts", "link_bytes", "host_time", "measured_call_s",
     "synchronous_step", "KERNEL_NAMES", "load_kernels", "kernel_gbps", "kernel_times",
     "Setup", "ShapeSetup", "fsdp2_setup", "gpt_shape", "model_params", "shard_sizes",
