@@ -246,10 +246,9 @@ class EmulatedCluster:
         # Two shaped hops per node-to-node path in the star, one with the veth pair.
         hop_delay = link.delay_ms / (1 if self.nodes == 2 else 2)
         rate_bytes = link.rate_mbit * 1e6 / 8
-        burst = max(64 * 1024, int(rate_bytes * 0.005))  # >= one GSO super-packet, 5 ms of tokens
         for ns, dev in self.shaped:
             netns.set_root_qdisc(ns, dev, "netem" if use_netem else "tbf", rate_bytes_s=rate_bytes,
-                                 delay_ms=hop_delay, burst_bytes=burst)
+                                 delay_ms=hop_delay)
         self.qdisc = "netem" if use_netem else "tbf"
         self.delay_applied_ms = link.delay_ms if use_netem else 0.0
 

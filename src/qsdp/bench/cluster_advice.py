@@ -49,6 +49,7 @@ import torch
 from qsdp.perfmodel import Collective, Hardware, step_collectives, synchronous_step
 from qsdp.train.model import MODEL_SIZES, default_vocab
 
+from . import netns
 from .comm_calls import fit_calls, measure_call_seconds, median_seconds
 from .report import BENCH_PRESETS
 
@@ -202,13 +203,6 @@ def measure_inputs(nodes: int, ranks_per_node: int, *, model: str, seq_len: int,
                        call_us=call_us, call_ns_per_element=call_ns)
 
 
-def shaper_burst_bytes(rate_mbit: float) -> float:
-    """The token bucket the emulation's ``tbf`` shaper gives a node's link at ``rate_mbit``
-    (:meth:`qsdp.bench.cluster.EmulatedCluster.shape`: at least one 64 KiB GSO super-packet, else
-    5 ms of tokens), in frame bytes."""
-    return max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.005))
-
-
 def emulated_hardware(inputs: ModelInputs, rate_mbit: float, ranks_per_node: int, qdisc: str = "tbf",
                       preset: str | None = None) -> Hardware:
     """The measured cluster as the model's :class:`~qsdp.perfmodel.Hardware`: a rank's share of
@@ -221,7 +215,8 @@ def emulated_hardware(inputs: ModelInputs, rate_mbit: float, ranks_per_node: int
     and speeds, so its FLOP/s are unused."""
     inter = (rate_mbit / 8e3 * TCP_PAYLOAD_FRACTION / ranks_per_node if rate_mbit > 0
              else math.inf)  # not shaped: the host's copy (at intra_gbps) is all there is
-    burst = (shaper_burst_bytes(rate_mbit) * TCP_PAYLOAD_FRACTION / ranks_per_node
+    # The bucket the emulation's shaper gives a node's link (netns.tbf_burst_bytes), in frame bytes.
+    burst = (netns.tbf_burst_bytes(rate_mbit * 1e6 / 8) * TCP_PAYLOAD_FRACTION / ranks_per_node
              if rate_mbit > 0 and qdisc == "tbf" else 0.0)
     return Hardware(name="emulated", gpus_per_node=ranks_per_node, tflops=1.0, mfu=1.0, hbm_gbps=1.0,
                     intra_gbps=inputs.intra_gbps, inter_gbps=inter, intra_latency_us=inputs.latency_us,

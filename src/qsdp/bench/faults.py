@@ -230,7 +230,7 @@ def _slow_link(cluster: EmulatedCluster, job: FaultJob) -> dict[str, Any]:
         return {"qdisc": "netem", "rate_mbit": job.slow_rate_mbit, "delay_ms": job.slow_delay_ms,
                 "loss_pct": job.slow_loss_pct}
     for ns, dev in cluster.shaped:
-        netns.set_root_qdisc(ns, dev, "tbf", rate_bytes_s=rate, burst_bytes=max(64 * 1024, int(rate * 0.005)))
+        netns.set_root_qdisc(ns, dev, "tbf", rate_bytes_s=rate)
     return {"qdisc": "tbf", "rate_mbit": job.slow_rate_mbit, "delay_ms": 0.0, "loss_pct": 0.0,
             "note": "this kernel has no netem qdisc: the rate alone is limited, no delay or loss"}
 

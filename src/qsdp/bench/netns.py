@@ -23,7 +23,7 @@ from qsdp.extras import missing
 __all__ = [
     "NetlinkError", "missing_package", "create_namespace", "remove_namespace", "list_namespaces",
     "namespace_pids", "process_alive", "kill_namespace_processes", "add_veth", "add_bridge", "attach_to_bridge",
-    "add_address", "set_up", "set_down", "set_root_qdisc", "clear_root_qdisc", "root_qdisc", "has_qdisc", "tx_bytes",
+    "add_address", "set_up", "set_down", "tbf_burst_bytes", "set_root_qdisc", "clear_root_qdisc", "root_qdisc", "has_qdisc", "tx_bytes",
     "popen_in_namespace",
 ]
 
@@ -229,12 +229,17 @@ def clear_root_qdisc(ns: str, dev: str) -> None:
         pass
 
 
+def tbf_burst_bytes(rate_bytes_s: float) -> int:
+    """The bucket :func:`set_root_qdisc` gives a ``tbf`` of ``rate_bytes_s``: 5 ms of tokens, and
+    at least one 64 KiB GSO super-packet (a smaller bucket could never pass one)."""
+    return max(64 * 1024, int(rate_bytes_s * 0.005))
+
+
 def set_root_qdisc(ns: str, dev: str, kind: str, *, rate_bytes_s: float = 0.0, delay_ms: float = 0.0,
-                   burst_bytes: int = 64 * 1024, latency_ms: float = 100.0, limit_packets: int = 100000,
-                   loss_pct: float = 0.0) -> None:
+                   latency_ms: float = 100.0, limit_packets: int = 100000, loss_pct: float = 0.0) -> None:
     """Replace the root qdisc of ``dev`` by ``tbf`` (``rate_bytes_s`` in bytes/s, a bucket of
-    ``burst_bytes``, queueing at most ``latency_ms``) or ``netem`` (``delay_ms``, a rate where
-    ``rate_bytes_s`` > 0, ``loss_pct`` percent of packets dropped)."""
+    :func:`tbf_burst_bytes`, queueing at most ``latency_ms``) or ``netem`` (``delay_ms``, a rate
+    where ``rate_bytes_s`` > 0, ``loss_pct`` percent of packets dropped)."""
     if kind not in ("tbf", "netem"):
         raise ValueError(f"qdisc {kind!r}: tbf or netem")
     if kind == "tbf" and rate_bytes_s <= 0:
@@ -245,7 +250,7 @@ def set_root_qdisc(ns: str, dev: str, kind: str, *, rate_bytes_s: float = 0.0, d
     with _route(ns, f"adding a {kind} qdisc to {dev}") as ipr:
         index = _index(ipr, dev)
         if kind == "tbf":
-            ipr.tc("add", "tbf", index=index, handle="1:", rate=int(rate_bytes_s), burst=int(burst_bytes),
+            ipr.tc("add", "tbf", index=index, handle="1:", rate=int(rate_bytes_s), burst=tbf_burst_bytes(rate_bytes_s),
                    latency=f"{int(latency_ms)}ms")
         else:
             opts: dict[str, Any] = {"delay": int(delay_ms * 1000), "limit": limit_packets}
