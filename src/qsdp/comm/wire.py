@@ -39,6 +39,12 @@ def _check_out(out: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     return out
 
 
+def _deliver(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Encoded ``rows`` where the caller asked for them: themselves (no ``out``, or ``out`` is
+    them), else copied into ``out`` (checked)."""
+    return rows if out is None or rows is out else _check_out(out, *rows.shape).copy_(rows)
+
+
 def sum_rows(x: torch.Tensor) -> torch.Tensor:
     """``x[0] + x[1] + ... + x[k-1]`` (over the first dimension), added left to right."""
     acc = x[0].clone()
@@ -99,7 +105,7 @@ class RowCodec:
         rows, length = x.shape
         if self.exact:
             raw = x.to(self.raw_dtype).contiguous().view(torch.uint8).view(rows, -1)
-            return raw if out is None else _check_out(out, rows, raw.shape[1]).copy_(raw)
+            return _deliver(raw, out)
         if self._fused(x) and x.dtype in _OUT_DTYPES:
             return self._encode_fused(x, None, seed=seed, transformed=transformed, out=out)
         lp = self.padded_len(length)
@@ -204,15 +210,13 @@ class RowCodec:
         ):
             tk = _tk()
             dests = buf.shape[0] // sources
-            direct = out is not None and out.is_contiguous()
-            packed = codec._alloc(dests, lp, buf.device, out if direct else None)
+            packed = codec._kernel_rows(dests, lp, buf.device, out)
             tk.dequantize_into(
                 self._packed(buf, lp), groups=lp // self.group_size, bits=self.bits, group_size=self.group_size,
                 symmetric=self.symmetric, sources=sources, outputs=dests, row_o=1, row_j=dests,
                 requantize=(codec._packed(packed, lp), codec.bits, codec.symmetric, codec.rounding, seed),
             )
-            # The kernel writes contiguous rows only: strided ``out`` rows get a copy.
-            return packed if out is None or direct else _check_out(out, dests, packed.shape[1]).copy_(packed)
+            return _deliver(packed, out)
         partial, _ = self._sum_sources(buf, length, sources, finish=False)
         return codec.encode(partial, seed=seed, transformed=True, out=out)
 
@@ -268,6 +272,12 @@ class RowCodec:
             out[:, used:].zero_()
         return out
 
+    def _kernel_rows(self, rows: int, lp: int, device, out: torch.Tensor | None) -> torch.Tensor:
+        """Packed rows a kernel can write into: ``out`` itself where it is contiguous, else new
+        ones (the kernels write contiguous rows only; :func:`_deliver` copies them into a strided
+        ``out``)."""
+        return self._alloc(rows, lp, device, out if out is not None and out.is_contiguous() else None)
+
     def _packed(self, buf: torch.Tensor, lp: int):
         return _tk().Packed.rows(buf.contiguous(), padded=lp, bits=self.bits, group_size=self.group_size,
                                  symmetric=self.symmetric)
@@ -282,15 +292,13 @@ class RowCodec:
             # The butterfly in torch is exact on any device; only the quantization is fused.
             xp = _pad_cols(x.float() if base is None else x.float() - base.float(), lp)
             x, base, length, hb = hadamard(xp, block=hb), None, lp, 0
-        direct = out is not None and out.is_contiguous()
-        packed = self._alloc(rows, lp, x.device, out if direct else None)
+        packed = self._kernel_rows(rows, lp, x.device, out)
         tk.quantize_into(
             x, self._packed(packed, lp), length=length, padded=lp, ncodes=lp, bits=self.bits,
             group_size=self.group_size, symmetric=self.symmetric, rounding=self.rounding, seed=seed,
             base=base, hadamard_block=hb,
         )
-        # The kernel writes contiguous rows only: strided ``out`` rows get a copy.
-        return packed if out is None or direct else _check_out(out, rows, packed.shape[1]).copy_(packed)
+        return _deliver(packed, out)
 
     def _decode_fused(self, buf: torch.Tensor, lp: int, out: torch.Tensor, *, add: bool) -> torch.Tensor:
         rows = buf.shape[0]
