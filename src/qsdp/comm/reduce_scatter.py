@@ -123,6 +123,9 @@ class QuantizedReduceScatter(GradReduceScatter):
         host_moves_bytes = not all(pipelines_exchanges(x.device.type, dist.get_backend(grp))
                                    for grp in (topo.intra_group, topo.inter_group))
         groups = exchange_groups(len(bounds), exchanges_pipelined(g, host_moves_bytes))
+        # Each exchange's slices side by side: their byte columns in hop 1's and hop 2's buffers.
+        cols1 = [_columns(hop1, bounds, slices) for slices in groups]
+        cols2 = [_columns(hop2, bounds, slices) for slices in groups]
         out = torch.empty(lp, dtype=torch.float32, device=x.device)
         n = len(groups)
         stage1: list[tuple[torch.Tensor, Any] | None] = [None] * n
@@ -130,31 +133,30 @@ class QuantizedReduceScatter(GradReduceScatter):
         for step in range(n + 2):
             i = step
             if i < n:
-                stage1[i] = self._intra_exchange(x, hop1, bounds, groups[i])
+                stage1[i] = self._intra_exchange(x, hop1, bounds, groups[i], cols1[i])
             i = step - 1
             if 0 <= i < n:
                 recv, work = stage1[i]
                 work.wait()
                 stage1[i] = None
-                stage2[i] = self._inter_exchange(recv, hop1, hop2, bounds, groups[i], s)
+                stage2[i] = self._inter_exchange(recv, hop1, hop2, bounds, groups[i], cols1[i], cols2[i], s)
             i = step - 2
             if 0 <= i < n:
                 recv2, work2 = stage2[i]
                 work2.wait()
                 stage2[i] = None
-                for k, (c0, c1) in zip(groups[i], _columns(hop2, bounds, groups[i])):
+                for k, (c0, c1) in zip(groups[i], cols2[i]):
                     a, b = bounds[k]
                     out[a:b] = hop2.decode_sum(recv2[:, c0:c1], b - a, finish=True)
         return out[:s]
 
     def _intra_exchange(self, x: torch.Tensor, hop1: RowCodec, bounds: list[tuple[int, int]],
-                        slices: range) -> tuple[torch.Tensor, Any]:
+                        slices: range, cols: list[tuple[int, int]]) -> tuple[torch.Tensor, Any]:
         """Hop 1 of rounding slices ``slices`` (of ``bounds``): each encoded with its own seed into
-        its columns of one send buffer, one asynchronous all-to-all inside the node."""
+        its columns ``cols`` of one send buffer, one asynchronous all-to-all inside the node."""
         topo = self.topology
         m, d = topo.ranks_per_node, topo.nodes
         s = x.shape[1]
-        cols = _columns(hop1, bounds, slices)
         send = torch.empty(x.shape[0], cols[-1][1], dtype=torch.uint8, device=x.device)
         for k, (c0, c1) in zip(slices, cols):
             a, b = bounds[k]
@@ -165,15 +167,15 @@ class QuantizedReduceScatter(GradReduceScatter):
         return recv, work
 
     def _inter_exchange(self, recv: torch.Tensor, hop1: RowCodec, hop2: RowCodec, bounds: list[tuple[int, int]],
-                        slices: range, s: int) -> tuple[torch.Tensor, Any]:
-        """Hop 2 of rounding slices ``slices``: each one's columns of the intra-node receive
-        buffer summed and requantized with its own seed into its columns of one send buffer,
-        one asynchronous all-to-all across nodes."""
+                        slices: range, cols1: list[tuple[int, int]], cols2: list[tuple[int, int]],
+                        s: int) -> tuple[torch.Tensor, Any]:
+        """Hop 2 of rounding slices ``slices``: each one's columns ``cols1`` of the intra-node
+        receive buffer summed and requantized with its own seed into its columns ``cols2`` of one
+        send buffer, one asynchronous all-to-all across nodes."""
         topo = self.topology
         m, d = topo.ranks_per_node, topo.nodes
-        cols2 = _columns(hop2, bounds, slices)
         send = torch.empty(d, cols2[-1][1], dtype=torch.uint8, device=recv.device)
-        for k, (c0, c1), (e0, e1) in zip(slices, _columns(hop1, bounds, slices), cols2):
+        for k, (c0, c1), (e0, e1) in zip(slices, cols1, cols2):
             a, b = bounds[k]
             hop1.decode_sum_encode(recv[:, c0:c1], b - a, sources=m, codec=hop2, seed=self._seed(5, k),
                                    out=send[:, e0:e1])
