@@ -26,6 +26,8 @@ def _child(fn, rank, world_size, port, local_world_size, pg_timeout, queue, args
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank % local_world_size), LOCAL_WORLD_SIZE=str(local_world_size),
+        # The node this rank emulates: qsdp places ranks on nodes by name, not by position.
+        QSDP_NODE=f"node{rank // local_world_size}",
     )
     try:
         dist.init_process_group(
@@ -53,7 +55,8 @@ def run_world(
     **kwargs: Any,
 ) -> list[Any]:
     """``[fn(rank, world_size, *args, **kwargs) for each rank]`` computed in ``world_size``
-    processes joined by a gloo group (``LOCAL_WORLD_SIZE`` set to ``local_world_size``)."""
+    processes joined by a gloo group, emulating nodes of ``local_world_size`` consecutive ranks
+    (``QSDP_NODE`` and ``LOCAL_WORLD_SIZE`` set as on such nodes)."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()

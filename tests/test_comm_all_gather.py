@@ -17,8 +17,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _config(mode="direct", bits=4, group_size=16, symmetric=True, rounding="stochastic", seed=0):
+    # The worlds here are one node, where the default replica layout holds none: the weight-
+    # difference algorithm is tested on SDP4Bit's full replica.
     return qsdp.QuantConfig(
-        weights=qsdp.WeightComm(mode, bits=bits, group_size=group_size, symmetric=symmetric, rounding=rounding),
+        weights=qsdp.WeightComm(mode, bits=bits, group_size=group_size, symmetric=symmetric, rounding=rounding,
+                                replica="full"),
         seed=seed,
     )
 

@@ -2,7 +2,9 @@
 
 FSDP2's public API sets a custom comm or a divide factor per module but cannot say which
 modules share one parameter group (``fully_shard([norm, output])`` makes two ``FSDPModule``
-objects over one group) or whether a divide factor was set. Both are read here and nowhere else;
+objects over one group), whether a divide factor was set, or which process groups a group's
+all-gathers and reduce-scatter run over (the mesh it shards over, and the smaller one of
+``reshard_after_forward=<int>``). They are read here and nowhere else;
 ``tests/test_fsdp2_internals.py`` checks that these symbols still exist in the installed torch.
 """
 
@@ -33,3 +35,18 @@ def has_custom_divide_factor(module: nn.Module) -> bool:
     """Whether ``set_gradient_divide_factor`` was called on ``module``'s group: FSDP2 then passes
     ``ReduceOp.PREMUL_SUM(1/factor)``, an op whose factor a custom reduce-scatter cannot read."""
     return any(getattr(g, "gradient_divide_factor", None) is not None for g in param_groups(module))
+
+
+def shard_groups(module: nn.Module) -> tuple[Any, Any] | None:
+    """``(shard group, post-forward group or None)`` of ``module``'s ``fully_shard`` call: the
+    process group FSDP2 all-gathers and reduce-scatters over (the shard dimension of its mesh,
+    whatever the mesh's other dimensions), and the smaller group it re-gathers over in backward
+    after ``reshard_after_forward=<int>``. ``None`` for a module that owns no parameter."""
+    groups = param_groups(module)
+    if not groups:
+        return None
+    g = groups[0]
+    post = getattr(g, "post_forward_mesh_info", None)
+    post_group = getattr(post, "shard_process_group", None)
+    main = g.mesh_info.shard_process_group
+    return main, (post_group if post is not None and post != g.mesh_info else None)

@@ -15,12 +15,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.distributed.fsdp import FSDPModule
 
 from . import hsdp as _hsdp
-from ._fsdp2 import fsdp_state, has_custom_divide_factor
+from ._fsdp2 import fsdp_state, has_custom_divide_factor, shard_groups
 from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
 from .comm.base import GradReduceScatter, WeightAllGather
 from .comm.meter import METER, ByteMeter, Stats
 from .comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
-from .comm.topology import Topology, build_topology
+from .comm.topology import Topology, build_topologies
 from .comm.versions import ChangeTracker, managed_parameters
 from .config import ConfigError, QuantConfig, config_diff, resolve_config
 
@@ -187,8 +187,9 @@ def quantize_comms(
             :func:`qsdp.preset_names`) or a :class:`QuantConfig`.
         overrides: field overrides, e.g. ``{"weights.bits": 8}``; ``{"local_world_size": M}``
             sets the ranks per node where ``LOCAL_WORLD_SIZE`` does not (emulated nodes).
-        group: the FSDP shard process group (default: the world; with ``replicate_group``, the
-            group of the 1-D mesh the parameters were sharded over).
+        group: the FSDP shard process group. Default: the group FSDP2 really shards over, read
+            from its state (a 1-D mesh, or the shard dimension of a dp x tp or 3-D mesh); a group
+            whose ranks differ from it is refused.
         replicate_group: HSDP: the ranks (one per node) holding the same shard as this rank;
             the gradient all-reduce across them travels as ``config.hsdp`` says, and their
             initial weights are made identical (see :mod:`qsdp.hsdp`). Required by configs that
@@ -205,12 +206,17 @@ def quantize_comms(
     if not fsdp_modules:
         raise _no_fsdp2_module(module)
     _hsdp.reject_native_hsdp(module)
+    members_of = _shard_groups(fsdp_modules)
+    meshes = [shard_groups(members[0]) for members in members_of]
+    group = _fsdp_group(meshes, group)
     if replicate_group is None:
         _hsdp.require_replicate_group(cfg)
-        check_same_config(cfg, group)
-        topology = build_topology(group, cfg.local_world_size)
+        check_same_config(cfg)
     else:
-        topology = _hsdp.prepare(module, cfg, group, replicate_group)
+        _hsdp.prepare(module, cfg, group, replicate_group)
+    post_groups = list({id(m[1]): m[1] for m in meshes if m is not None and m[1] is not None}.values())
+    topology, *post_topologies = build_topologies([group, *post_groups], cfg.local_world_size)
+    post_topology = {id(g): t for g, t in zip(post_groups, post_topologies)}
     if topology.world_size == 1 and replicate_group is None:
         warnings.warn("qsdp: the FSDP group has one rank; FSDP2 calls no custom collective on it, "
                       "so nothing is quantized or metered", stacklevel=2)
@@ -218,11 +224,13 @@ def quantize_comms(
         warnings.warn(unused, stacklevel=2)
     handle = QuantizedComms(cfg, topology, replicas=1 if replicate_group is None else replicate_group.size())
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
-    for i, members in enumerate(_shard_groups(fsdp_modules)):
+    for i, members in enumerate(members_of):
         m = members[0]
         label = ", ".join(names[id(x)] for x in members)
         ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i, handle.tracker)
         ag.track([p for x in members for p in managed_parameters(x, fsdp_modules)], f"group {i} ({label})")
+        if meshes[i] is not None and meshes[i][1] is not None:
+            ag.post_forward = _post_forward_gather(cfg, post_topology[id(meshes[i][1])], i, f"{ag.name} after forward")
         rs_cls = PlainReduceScatter if cfg.grads.mode == "plain" else QuantizedReduceScatter
         if replicate_group is None:
             rs = rs_cls(cfg, topology, i)
@@ -243,6 +251,45 @@ def quantize_comms(
     return handle
 
 
+def _ranks(group: dist.ProcessGroup) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
+def _fsdp_group(meshes: list[tuple[Any, Any] | None], given: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The one process group FSDP2 shards every group of the model over (read from its state:
+    a 1-D mesh, or the shard dimension of a 2-D/3-D one), checked against ``group=`` when one
+    was given; local, no collective. Raises :class:`ConfigError` naming the groups."""
+    found = {tuple(_ranks(m[0])): m[0] for m in meshes if m is not None}
+    if len(found) > 1:
+        raise ConfigError(f"the FSDP modules shard over different process groups {sorted(found)}; qsdp quantizes "
+                          "one shard group per model: pass one mesh (or one mesh dimension) to every fully_shard call")
+    if not found:
+        return given or dist.group.WORLD
+    ranks, mesh_group = next(iter(found.items()))
+    if given is not None and tuple(_ranks(given)) != ranks:
+        raise ConfigError(f"group= holds ranks {_ranks(given)} but FSDP2 shards this rank's parameters over ranks "
+                          f"{list(ranks)}; leave group= out (qsdp reads the mesh FSDP2 shards over) or pass that group")
+    return mesh_group
+
+
+def _post_forward_gather(cfg: QuantConfig, topology: Topology, comm_id: int, name: str) -> WeightAllGather:
+    """The comm of the backward all-gather over FSDP2's post-forward group
+    (``reshard_after_forward=<int>``): it re-gathers weights the forward gather delivered. Inside
+    a node it travels exactly (ZeRO++'s hpZ); across nodes it is quantized directly as the
+    config's weights are, except weight differences, whose replicas belong to the forward group:
+    those travel exactly, with one warning."""
+    mode = cfg.weights.mode if topology.nodes > 1 else "plain"
+    if mode == "difference":
+        if topology.rank == 0:
+            warnings.warn(f"qsdp: {cfg.name}: {name}: reshard_after_forward's group of {topology.world_size} ranks "
+                          "spans nodes, so the backward gather crosses nodes unquantized; set reshard_after_forward to "
+                          "the FSDP group's ranks per node to keep it inside the node", stacklevel=3)
+        mode = "plain"
+    comm = _ALL_GATHERS[mode](cfg, topology, comm_id, ChangeTracker(assume_changed=True))
+    comm.name = name
+    return comm
+
+
 def _unused_on_one_node(cfg: QuantConfig, topology: Topology) -> str | None:
     """What ``cfg`` sets for traffic between nodes that a one-node ``topology`` leaves unused,
     as a warning naming the override that emulates nodes, or ``None``."""
@@ -252,15 +299,12 @@ def _unused_on_one_node(cfg: QuantConfig, topology: Topology) -> str | None:
     if cfg.grads.mode == "two_level":
         unused.append(f"gradients take one {cfg.grads.bits_intra}-bit hop (grads.bits_inter={cfg.grads.bits_inter} unused)")
     if cfg.weights.mode == "difference" and cfg.weights.replica != "full":
-        unused.append("weights are gathered exactly" if cfg.weights.replica == "node"
-                      else "every rank holds a full weight-difference replica")
+        unused.append("weights are gathered exactly, no replica is held")
     if not unused:
         return None
-    m = topology.ranks_per_node
-    return (f"qsdp: {cfg.name}: the {topology.world_size} ranks are one node of {m} (local_world_size from the "
-            f"config, else LOCAL_WORLD_SIZE), so nothing crosses nodes: {'; '.join(unused)}. To emulate D "
-            "nodes of M ranks on one machine (torchrun sets LOCAL_WORLD_SIZE to the ranks it starts there), "
-            "pass overrides={'local_world_size': M}")
+    return (f"qsdp: {cfg.name}: the {topology.world_size} ranks of the FSDP group are on one node (the hosts, or "
+            f"QSDP_NODE, or the config's local_world_size say so), so nothing crosses nodes: {'; '.join(unused)}. "
+            "To emulate D nodes of M ranks on one machine, pass overrides={'local_world_size': M}")
 
 
 def _watch_parameter_changes(handle: QuantizedComms) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 from ._fsdp2 import has_custom_divide_factor
 from .codecs.rng import derive_seed
 from .comm.hsdp import HsdpReduceScatter, ReplicaAllReduce
-from .comm.topology import Topology, build_topology
+from .comm.topology import Topology
 from .config import ConfigError, QuantConfig, config_diff
 
 RECIPE = (
@@ -179,37 +179,9 @@ def hsdp_reduce_scatter(
     return rs
 
 
-def shard_group_of(module: nn.Module) -> dist.ProcessGroup:
-    """The process group of the one 1-D mesh that ``fully_shard`` sharded ``module``'s parameters
-    over (read from the parameters, FSDP2's DTensors; local, no collective). Raises
-    :class:`ConfigError` asking for ``group=`` when there is no such mesh: no sharded parameter,
-    a mesh of more than one dimension, or parameters sharded over different meshes."""
-    from torch.distributed.tensor import DTensor
-
-    meshes = {}
-    for p in module.parameters():
-        if isinstance(p, DTensor):
-            meshes.setdefault(id(p.device_mesh), p.device_mesh)
-    need = "replicate_group needs group= the shard group (the ranks FSDP2 shards over)"
-    if not meshes:
-        raise ConfigError(f"{need}: no parameter of {type(module).__name__} was sharded by fully_shard; " + RECIPE)
-    if any(m.ndim != 1 for m in meshes.values()):
-        dims = sorted({m.ndim for m in meshes.values()})
-        raise ConfigError(f"{need}: the parameters were sharded over a mesh of {dims[-1]} dimensions, not one; " + RECIPE)
-    groups = {tuple(dist.get_process_group_ranks(m.get_group())): m.get_group() for m in meshes.values()}
-    if len(groups) > 1:
-        raise ConfigError(f"{need}: the parameters were sharded over different ranks {sorted(groups)}; " + RECIPE)
-    return next(iter(groups.values()))
-
-
-def prepare(module: nn.Module, config: QuantConfig, group: dist.ProcessGroup | None,
-            replicate_group: dist.ProcessGroup) -> Topology:
-    """Check the two groups (locally, then across the world), make the replicas' weights
-    identical, and return the topology of the shard group (``group``, default: the group of the
-    mesh the module was sharded over, :func:`shard_group_of`)."""
-    if group is None:
-        group = shard_group_of(module)
+def prepare(module: nn.Module, config: QuantConfig, group: dist.ProcessGroup,
+            replicate_group: dist.ProcessGroup) -> None:
+    """Check the shard group ``group`` (the one FSDP2 shards over) and ``replicate_group``
+    (locally, then across the world), and make the replicas' weights identical."""
     check_same_layout(config, group, replicate_group)
     broadcast_replicas(module, replicate_group)
-    # The shard group is one node: every exchange inside it stays on the fast links.
-    return build_topology(group, config.local_world_size or group.size())

@@ -83,10 +83,11 @@ def _two_hops(grads: torch.Tensor, cfg: QuantConfig, m: int, d: int, seed) -> to
     hop2 = grad_codec(g, g.bits_inter, torch.float32)
     lp = hop1.padded_len(s)
     out = torch.empty(world, lp, dtype=torch.float32, device=grads.device)
+    order = torch.arange(world, device=grads.device).view(d, m).t().reshape(-1)  # Topology.exchange_order
     for k, (a, b) in enumerate(pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)):
         # hop 1: rows (l, n) of source r, destination-major; local rank l of r's node gets rows
         # [l * d, (l + 1) * d) of every local peer, in local-rank order
-        sent = [hop1.encode(destination_major(grads[r], d, a, b), seed=seed(r, 4, k)) for r in range(world)]
+        sent = [hop1.encode(destination_major(grads[r], order, a, b), seed=seed(r, 4, k)) for r in range(world)]
         partial: list[torch.Tensor] = []
         for r in range(world):
             node, local = divmod(r, m)

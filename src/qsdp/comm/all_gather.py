@@ -32,8 +32,8 @@ class PlainAllGather(WeightAllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
-        self.check_group(group)
-        self.plain(output_tensor, input_tensor, group)
+        if not self.handled_elsewhere(output_tensor, input_tensor, group, async_op):
+            self.plain(output_tensor, input_tensor, group)
         return None
 
 
@@ -59,7 +59,8 @@ class QuantizedAllGather(WeightAllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
-        self.check_group(group)
+        if self.handled_elsewhere(output_tensor, input_tensor, group, async_op):
+            return None
         n = input_tensor.numel()
         if not self.config.quantizes_shard(n):
             self.plain(output_tensor, input_tensor, group)

@@ -9,6 +9,7 @@ private module, imported here and nowhere else. :class:`WeightAllGather` and
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Sequence
 
@@ -20,6 +21,9 @@ from .collectives import all_gather_flat, reduce_scatter_flat
 from .meter import METER, ByteMeter
 from .topology import Topology
 from .versions import ChangeTracker
+
+# What a weight all-gather may quantize: anything else is bytes.
+NUMBER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 try:  # private in torch; a torch that moves it still gets the same interface from below
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -59,6 +63,9 @@ class CommBase:
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         """Count this comm's bytes in ``byte_meter`` from now on."""
         self.byte_meter = byte_meter
+        post = getattr(self, "post_forward", None)
+        if post is not None:
+            post.bind_meter(byte_meter)
 
     def meter(self, kind: str, nbytes: int, elements: int, peers: tuple[int, int] | None = None) -> None:
         """Record one buffer of ``nbytes`` carrying ``elements`` of ``kind`` (``weights``,
@@ -107,10 +114,38 @@ class WeightAllGather(CommBase, AllGather):
         self.tracker = tracker if tracker is not None else ChangeTracker(assume_changed=True)
         self.index = self.tracker.add()
         self.name = f"group {comm_id}"
+        # The comm of FSDP2's post-forward group, when reshard_after_forward=<int> makes one.
+        self.post_forward: WeightAllGather | None = None
+        self._warned_bytes = False
 
     @abstractmethod
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None: ...
+
+    def handled_elsewhere(self, output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
+                          async_op: bool = False) -> bool:
+        """Serve the calls this comm does not quantize itself, and say whether it did:
+
+        * the backward gather over FSDP2's post-forward group (``reshard_after_forward=<int>``)
+          goes to :attr:`post_forward`, the comm of the link that group crosses;
+        * a shard that is not fp32/bf16/fp16 (FSDP2 gathers raw bytes, e.g. a tensor subclass's
+          float8 ``fsdp_pre_all_gather``) travels as FSDP2 sends it: quantizing bytes as numbers
+          would corrupt the weights. One warning per comm names the group.
+
+        Otherwise the group must be the one set up (:meth:`check_group`)."""
+        post = self.post_forward
+        if post is not None and group is post.topology.group:
+            post(output, shard, group, async_op)
+            return True
+        self.check_group(group)
+        if shard.dtype in NUMBER_DTYPES:
+            return False
+        if not self._warned_bytes and self.config.weights.mode != "plain":
+            self._warned_bytes = True
+            warnings.warn(f"qsdp: {self.name}: FSDP2 all-gathers this group as {shard.dtype} (a tensor subclass's "
+                          "fsdp_pre_all_gather, e.g. float8): it travels unquantized, byte for byte", stacklevel=2)
+        self.plain(output, shard, group)
+        return True
 
     def track(self, params: list[torch.Tensor], name: str) -> None:
         """Watch ``params`` (the group's sharded parameters) for changes."""

@@ -7,7 +7,8 @@ copies of a row stay bit-identical and the quantization error does not accumulat
 difference is taken against the replica, which already contains it).
 
 * ``full`` replica: every rank holds all ``world`` rows; one all-gather of the differences.
-* ``node`` replica (D nodes x M ranks): rank (d, j) holds the D rows ``(d', j)``: full/M of the
+* ``node`` replica (D nodes x M ranks): rank (d, j) holds the D rows ``(d', j)`` of the ranks
+  with its local index on every node (by the nodes the ranks are really on): full/M of the
   group. The differences travel among the D ranks with local rank ``j`` (between nodes, in
   ``bits``); then the node's ranks all-gather their updated rows exactly, in the parameter dtype,
   to fill the output. Each row gets the same arithmetic as in the full design, so the weights
@@ -38,11 +39,10 @@ from .weight_codec import weight_codec
 def replica_layout(choice: str, nodes: int, ranks_per_node: int) -> str:
     """``full``, ``node`` or ``exact``: where replicas of the ``weights.replica`` ``choice``
     live with ``nodes`` x ``ranks_per_node`` ranks."""
+    # ``auto`` is ``node``: on one node nothing crosses a node, so nothing needs a replica.
     d, m = nodes, ranks_per_node
     if choice == "full" or m == 1:
         return "full"
-    if choice == "auto":
-        return "node" if d > 1 else "full"
     return "node" if d > 1 else "exact"
 
 
@@ -64,7 +64,7 @@ class DifferenceAllGather(WeightAllGather):
         """The rows of the gathered ``[world, n]`` buffer this rank's replica holds, in order."""
         t = self.topology
         if self.layout == "node":
-            return [d * t.ranks_per_node + t.local_rank for d in range(t.nodes)]
+            return list(t.inter_ranks[t.local_rank])
         return [] if self.layout == "exact" else list(range(t.world_size))
 
     def _holders(self, group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, tuple[int, int]]:
@@ -79,7 +79,8 @@ class DifferenceAllGather(WeightAllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
-        self.check_group(group)
+        if self.handled_elsewhere(output_tensor, input_tensor, group, async_op):
+            return None
         n = input_tensor.numel()
         if self.layout == "exact" or not self.config.quantizes_shard(n):
             self.plain(output_tensor, input_tensor, group)
@@ -106,7 +107,7 @@ class DifferenceAllGather(WeightAllGather):
         """Send this rank's quantized difference; add every holder's to the replica rows."""
         self.version += 1
         n = shard.shape[1]
-        own = self.topology.node if self.layout == "node" else self.topology.rank
+        own = self.topology.inter_position if self.layout == "node" else self.topology.rank
         seed = derive_seed(self.config.seed, self.comm_id, self.version, self.topology.rank, 2)
         # quantize(shard - replica[own row]) in one pass on CUDA
         send = self.codec.encode_difference(shard, self.replica[own].view(1, n), seed=seed)
@@ -125,11 +126,12 @@ class DifferenceAllGather(WeightAllGather):
             return
         t = self.topology
         mine = self.replica.view(-1)
-        # One temporary of the group's size: rows arrive local-rank-major, the output is rank-major.
-        buf = torch.empty(t.ranks_per_node, t.nodes, n, dtype=mine.dtype, device=mine.device)
+        # One temporary of the group's size: rows arrive in the exchange order (local index
+        # major), the output is in group-rank order.
+        buf = torch.empty(t.world_size, n, dtype=mine.dtype, device=mine.device)
         all_gather_flat(buf.view(-1), mine, t.intra_group)
         self.meter("weights", mine.numel() * mine.element_size(), mine.numel(), (t.ranks_per_node - 1, 0))
-        output.view(t.nodes, t.ranks_per_node, n).copy_(buf.transpose(0, 1))
+        output.view(t.world_size, n).index_copy_(0, t.exchange_index(buf.device), buf)
 
     def _checksum(self, chunk: int = 1 << 20) -> torch.Tensor:
         """An exact integer checksum of the replica's bits (position-weighted and plain sums),

@@ -158,9 +158,10 @@ class QuantizedReduceScatter(GradReduceScatter):
         m, d = topo.ranks_per_node, topo.nodes
         s = x.shape[1]
         send = torch.empty(x.shape[0], cols[-1][1], dtype=torch.uint8, device=x.device)
+        order = topo.exchange_index(x.device)
         for k, (c0, c1) in zip(slices, cols):
             a, b = bounds[k]
-            hop1.encode(destination_major(x, d, a, b), seed=self._seed(4, k), out=send[:, c0:c1])
+            hop1.encode(destination_major(x, order, a, b), seed=self._seed(4, k), out=send[:, c0:c1])
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
         self.meter("grads", d * send.shape[1], d * sum(real_elements(*bounds[k], s) for k in slices), (m - 1, 0))
@@ -196,14 +197,15 @@ def _columns(codec: RowCodec, bounds: list[tuple[int, int]], slices: range) -> l
     return out
 
 
-def destination_major(x: torch.Tensor, nodes: int, a: int, b: int) -> torch.Tensor:
-    """Columns ``[a, b)`` of the gradient ``x`` (``[world, s]``, rank-major) padded to ``b - a``
-    by repeating its last column, as fp32 ``[world, b - a]`` in destination-major order for the
-    intra-node exchange: row ``(l, n)`` holds the chunk of the rank with local rank ``l`` on node
-    ``n``, so local peer ``l`` receives its D rows contiguously. One slice at a time: no copy
-    of the whole gradient is made."""
-    world, s = x.shape
-    part = x[:, a:min(b, s)].view(nodes, world // nodes, -1).transpose(0, 1).reshape(world, -1)
+def destination_major(x: torch.Tensor, order: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Columns ``[a, b)`` of the gradient ``x`` (``[world, s]``, group-rank order) padded to
+    ``b - a`` by repeating its last column, as fp32 ``[world, b - a]`` in destination-major order
+    for the intra-node exchange: row ``k`` holds the chunk of group rank ``order[k]``
+    (:meth:`Topology.exchange_index`: local index major, then the inter-node group's order), so
+    local peer ``l`` receives the D rows its inter-node group owns contiguously. One slice at a
+    time: no copy of the whole gradient is made."""
+    s = x.shape[1]
+    part = x[:, a:min(b, s)].index_select(0, order)
     return _pad_cols(part.float(), b - a)
 
 
