@@ -85,21 +85,24 @@ def _differing(expected, got):
     return [i for i, (a, b) in enumerate(zip(expected, got)) if not torch.equal(a, b)]
 
 
-def _assert_native_and_warned_once(native, ours):
+def _assert_native_and_warned_once(native, ours, warned=True):
     for rank, ((seen0, computed0, _, _), (seen1, computed1, byte_warnings, name)) in enumerate(zip(native, ours)):
         for step, (params0, params1) in enumerate(zip(seen0, seen1)):
             bad = _differing(params0, params1)
             assert not bad, f"rank {rank}, forward {step}: gathered parameters {bad} differ"
         bad = _differing(computed0, computed1)
         assert not bad, f"rank {rank}: outputs / input gradients {bad} differ"
-        assert len(byte_warnings) == 1 and name in byte_warnings[0], f"rank {rank}: {byte_warnings}"
+        if warned:
+            assert len(byte_warnings) == 1 and name in byte_warnings[0], f"rank {rank}: {byte_warnings}"
+        else:  # the fsdp preset quantizes nothing: nothing to warn about
+            assert byte_warnings == [], f"rank {rank}: {byte_warnings}"
 
 
 @pytest.mark.parametrize("preset", ["qsdp", "sdp4bit", "fsdp"])
 def test_a_group_gathered_as_bytes_gets_native_fsdp2_weights_and_one_warning(preset):
     native = run_world(_bytes_weight_run, 2, None, local_world_size=1, timeout=80)
     ours = run_world(_bytes_weight_run, 2, preset, local_world_size=1, timeout=80)
-    _assert_native_and_warned_once(native, ours)
+    _assert_native_and_warned_once(native, ours, warned=preset != "fsdp")
 
 
 def _float8_run(rank, world, preset, bias):

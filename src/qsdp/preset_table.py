@@ -52,9 +52,11 @@ def link_bits(config: str | QuantConfig, *, shard: int = SHARD, nodes: int = NOD
     return out
 
 
-def listing(names: list[str] | None = None) -> dict[str, Any]:
+def listing(names: list[str] | None = None, nodes: int = NODES, ranks_per_node: int = RANKS_PER_NODE) -> dict[str, Any]:
     """The JSON of ``qsdp presets``: the assumptions, the default fields, and per preset its
-    fields, the ones that differ from the defaults, and :func:`link_bits`."""
+    fields, the ones that differ from the defaults, and :func:`link_bits` for an FSDP group of
+    ``nodes`` x ``ranks_per_node`` ranks (a dp x tp mesh's dp group with one rank per node:
+    ``ranks_per_node=1``)."""
     defaults = QuantConfig().to_dict()
     presets = {}
     for name in names or preset_names():
@@ -62,10 +64,10 @@ def listing(names: list[str] | None = None) -> dict[str, Any]:
         presets[name] = {
             "fields": cfg.to_dict(),
             "differs_from_defaults": {k: b for k, _, b in config_diff(defaults, cfg.to_dict()) if k != "name"},
-            "bits_per_element": link_bits(cfg),
+            "bits_per_element": link_bits(cfg, nodes=nodes, ranks_per_node=ranks_per_node),
         }
     return {
-        "assumptions": {"shard_elements": SHARD, "nodes": NODES, "ranks_per_node": RANKS_PER_NODE,
+        "assumptions": {"shard_elements": SHARD, "nodes": nodes, "ranks_per_node": ranks_per_node,
                         "param_dtype": "bf16", "reduce_dtype": "fp32", "steady_state": True, "zero3": True},
         "defaults": defaults,
         "presets": presets,
@@ -90,7 +92,8 @@ def format_listing(data: dict[str, Any]) -> str:
     lines = [
         "Bits per element on each link in a steady-state step (W: weight all-gathers, G: gradient",
         f"reductions; {a['param_dtype']} weights, {a['reduce_dtype']} gradients, shards of whole groups).",
-        f"FSDP: quantize_comms(model, NAME) on {a['nodes']} nodes x {a['ranks_per_node']} ranks. HSDP: with",
+        f"FSDP: quantize_comms(model, NAME) on {a['nodes']} node{'s' * (a['nodes'] != 1)} x {a['ranks_per_node']} "
+        f"rank{'s' * (a['ranks_per_node'] != 1)}. HSDP: with",
         "replicate_group=, sharded inside the node; HSDP G inter is the all-reduce across replicas.",
         "",
         *aligned(rows, rule=True),
@@ -123,10 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         "on each link, computed from the configs and the wire format."))
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"presets to show (default all: {', '.join(preset_names())})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--nodes", type=int, default=NODES, help=f"nodes the FSDP group spans (default {NODES})")
+    parser.add_argument("--ranks-per-node", type=int, default=RANKS_PER_NODE,
+                        help=f"ranks of the FSDP group on each node (default {RANKS_PER_NODE}; 1 for the dp group of a "
+                             "dp x tp mesh whose dp ranks sit on different nodes)")
     ns = parser.parse_args(argv)
+    if ns.nodes < 1 or ns.ranks_per_node < 1:
+        parser.error(f"--nodes {ns.nodes} and --ranks-per-node {ns.ranks_per_node} must be positive")
     unknown = [n for n in ns.names if n not in preset_names()]
     if unknown:
         parser.error(f"unknown preset {unknown[0]!r}; allowed: {', '.join(preset_names())}")
-    data = listing(ns.names)
+    data = listing(ns.names, ns.nodes, ns.ranks_per_node)
     print(json.dumps(data, indent=2) if ns.json else format_listing(data))
     return 0
