@@ -121,13 +121,11 @@ def test_dp_ranks_on_different_nodes_cross_the_node_link_with_the_bits_presets_p
 def _hpz(rank, world, preset):
     built = layouts.build("1d", reshard=2)
     handle = qsdp.quantize_comms(built.model, preset) if preset else None
-    losses = layouts.train(built, 2)
-    stats = handle.comm_stats() if handle else None
+    losses = layouts.train(built, 2)  # the first step establishes the weight-difference replicas
     if handle is not None:
         handle.comm_stats(reset=True)
-        layouts.train(built, 1)
-        stats = handle.comm_stats()
-    return losses, layouts.full_params(built.model), stats
+    losses += layouts.train(built, 1)
+    return losses, layouts.full_params(built.model), handle.comm_stats() if handle else None
 
 
 @pytest.mark.parametrize("preset", ["qsdp", "sdp4bit"])
@@ -138,9 +136,14 @@ def test_the_backward_gather_of_hpz_stays_inside_the_node_exactly(preset):
         assert all(math.isfinite(x) for x in losses)
         w = stats["weights"]
         assert w["intra"]["elements"] > 0 and w["inter"]["elements"] > 0
-        # sdp4bit: the node replicas' rows and hpZ's gathers inside the node, both exact.
-        assert w["intra"]["bits_per_element"] == pytest.approx(32.0)
-        assert w["inter"]["bits_per_element"] < 9.0
+        inter, intra = w["inter"]["bits_per_element"], w["intra"]["bits_per_element"]
+        # 8-bit weights (qsdp) or 4-bit differences (sdp4bit) between nodes, plus the scales and
+        # the padding of the root's ~100-element shard to a whole 1024- or 2048-element group
+        assert inter < 16.0
+        if preset == "sdp4bit":  # the node replicas' rows and hpZ's regathers inside the node: exact
+            assert intra == pytest.approx(32.0)
+        else:  # half of it the forward gather's bytes to the node peer, half hpZ's exact regather
+            assert intra == pytest.approx(inter / 2 + 16.0)
 
 
 def test_hpz_gathers_the_same_weights_as_native_fsdp2_with_the_fsdp_preset():
