@@ -142,8 +142,9 @@ def test_the_backward_gather_of_hpz_stays_inside_the_node_exactly(preset):
         assert inter < 16.0
         if preset == "sdp4bit":  # the node replicas' rows and hpZ's regathers inside the node: exact
             assert intra == pytest.approx(32.0)
-        else:  # half of it the forward gather's bytes to the node peer, half hpZ's exact regather
-            assert intra == pytest.approx(inter / 2 + 16.0)
+        else:  # the forward gather's shard to the node peer (n elements at the inter rate) and
+            # hpZ's exact regather of the node's two shards (2n elements at 32 bits)
+            assert intra == pytest.approx((inter + 2 * 32.0) / 3)
 
 
 def test_hpz_gathers_the_same_weights_as_native_fsdp2_with_the_fsdp_preset():
