@@ -128,19 +128,18 @@ def _name(row: Mapping[str, Any]) -> str:
 
 
 def measure_inter_gbps(nbytes: int = 64 << 20, iters: int = 5) -> float:
-    """Collective over the current world (``D`` nodes x ``LOCAL_WORLD_SIZE`` ranks): every rank
+    """Collective over the current world (``D`` nodes x ``M`` ranks, nodes from the hosts): every rank
     all-gathers ``nbytes`` with the ranks of its local rank on the other nodes, all local ranks
     at once, as the data-parallel groups of a job do. Returns the slowest rank's received bytes
     per second per GPU, in GB/s (the simulator's ``inter_gbps``)."""
     import torch.distributed as dist
 
     from .comm.collectives import all_gather_flat
-    from .comm.topology import build_topology, local_world_size_from_env
+    from .comm.topology import build_topology
 
-    world = dist.get_world_size()
-    topo = build_topology(None, local_world_size_from_env(world))
+    topo = build_topology(None)  # nodes from the hosts (or QSDP_NODE)
     if topo.nodes < 2:
-        raise ValueError("--measure needs a torchrun world of at least 2 nodes (LOCAL_WORLD_SIZE < WORLD_SIZE)")
+        raise ValueError("--measure needs a world of at least 2 nodes (its ranks all run on one host)")
     group = topo.inter_group if topo.ranks_per_node > 1 else topo.group
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     chunk = torch.ones(nbytes // 4, dtype=torch.float32, device=device)

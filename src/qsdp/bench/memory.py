@@ -14,7 +14,8 @@ processes treated as 2 nodes x 2 ranks (gloo), once per case. Per rank:
 
 Cases: ``fsdp`` (ZeRO-3), ``fsdp-zero2`` (``reshard_after_forward=False``: unsharded parameters
 kept from forward to backward), ``qsdp``, ``zeropp``, ``sdp4bit`` (node replicas, the default on
-2 x 2) and ``sdp4bit-full`` (``weights.replica=full``).
+2 x 2), ``sdp4bit-full`` (``weights.replica=full``) and ``sdp4bit-one-node`` (the 4 ranks as one node,
+where nothing crosses a node and no replica is held).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ CASES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "zeropp": ("zeropp", {}, True),
     "sdp4bit": ("sdp4bit", {}, True),
     "sdp4bit-full": ("sdp4bit", {"weights.replica": "full"}, True),
+    # The same 4 ranks as one node: nothing crosses a node, so no replica is held.
+    "sdp4bit-one-node": ("sdp4bit", {"local_world_size": 4}, True),
 }
 
 
@@ -90,7 +93,7 @@ def _one_case(name: str, layers: int, width: int, seq_len: int, batch: int, rank
     for block in transformer_blocks(model):
         fully_shard(block, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
-    handle = qsdp.quantize_comms(model, preset, overrides={**overrides, "local_world_size": ranks_per_node})
+    handle = qsdp.quantize_comms(model, preset, overrides={"local_world_size": ranks_per_node, **overrides})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(dist.get_rank())
 

@@ -131,7 +131,7 @@ class Topology:
 
 _CACHE: dict[tuple, Topology] = {}
 _SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-_NODES: dict[tuple, tuple[int, ...]] = {}
+_NODES: dict[tuple, tuple[str, ...]] = {}  # every world rank's node name
 
 
 def _world_key() -> tuple:
@@ -147,12 +147,12 @@ def _node_indices(names: Sequence[str]) -> tuple[int, ...]:
     return tuple(first.setdefault(n, len(first)) for n in names)
 
 
-def _layout(global_ranks: tuple[int, ...], world_nodes: tuple[int, ...], what: str
+def _layout(global_ranks: tuple[int, ...], world_nodes: tuple[str, ...], what: str
             ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """``(node_of, intra_ranks, inter_ranks)`` of the group of ``global_ranks`` (group rank
     order) given every world rank's node. Raises :class:`ConfigError` naming the nodes when they
     hold unequal numbers of the group's ranks."""
-    node_of = _node_indices([str(world_nodes[g]) for g in global_ranks])
+    node_of = _node_indices([world_nodes[g] for g in global_ranks])
     members: list[list[int]] = [[] for _ in range(max(node_of) + 1)]
     for p, d in enumerate(node_of):
         members[d].append(p)
@@ -190,7 +190,7 @@ def build_topologies(groups: Sequence[dist.ProcessGroup | None], local_world_siz
     dist.all_gather_object(everyone, (None if lws else node_name(), mine))
     key = (*_world_key(), lws)
     if key not in _NODES:
-        _NODES[key] = tuple(r // lws for r in range(world)) if lws else _node_indices([e[0] for e in everyone])
+        _NODES[key] = tuple(str(r // lws) for r in range(world)) if lws else tuple(e[0] for e in everyone)
     world_nodes = _NODES[key]
     every_group = sorted({ranks for _, theirs in everyone for ranks in theirs})
     layouts = {ranks: _layout(ranks, world_nodes, what) for ranks in every_group}
