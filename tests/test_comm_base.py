@@ -38,7 +38,7 @@ def test_every_gradient_reduce_scatter_is_a_complete_fsdp2_reduce_scatter(cls):
 
 def _comm(nodes: int, ranks_per_node: int) -> CommBase:
     # A topology needs no process group for its arithmetic: the meter only reads the counts.
-    topology = Topology(None, nodes * ranks_per_node, 0, ranks_per_node, None, None)
+    topology = Topology.contiguous(nodes, ranks_per_node)
     comm = CommBase(resolve_config("sdp4bit"), topology, comm_id=0)
     comm.bind_meter(ByteMeter())
     return comm

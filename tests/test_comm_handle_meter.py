@@ -26,7 +26,7 @@ def _two_models(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_world(_two_models, 2)
+    return run_world(_two_models, 2, local_world_size=1)
 
 
 def _total(stats, kind="weights"):

@@ -119,7 +119,7 @@ def test_the_registered_spec_is_llama3_with_the_qsdp_parallelize_fn():
 
 
 def test_a_checkpoint_loaded_after_the_first_gather_is_resent_exactly(tmp_path):
-    for same, comms in run_world(_resume_gathers_loaded_weights, 2, str(tmp_path / "ckpt")):
+    for same, comms in run_world(_resume_gathers_loaded_weights, 2, str(tmp_path / "ckpt"), local_world_size=1):
         assert same, "the first forward after the load must see the loaded weights bit for bit"
         # embeddings, two blocks, the grouped [norm, output] tail (the root holds no parameter)
         resends = [resent for gathers, resent in comms if gathers > 0]
@@ -141,7 +141,7 @@ def _edit_first_module_of_the_grouped_tail(rank, world):
 
 
 def test_an_edit_of_any_module_in_a_grouped_fully_shard_is_resent_exactly():
-    assert run_world(_edit_first_module_of_the_grouped_tail, 2) == [1, 1]
+    assert run_world(_edit_first_module_of_the_grouped_tail, 2, local_world_size=1) == [1, 1]
 
 
 def _train_meta_built(rank, world, attach):

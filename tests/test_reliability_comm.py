@@ -103,7 +103,7 @@ def _first_loss_after(rank, world, action):
 
 @pytest.mark.parametrize("action", ["load_state_dict", "edit", "dcp"])
 def test_parameters_changed_outside_the_optimizer_re_establish_the_replicas(action):
-    for loss, reference, resends in run_world(_first_loss_after, 2, action):
+    for loss, reference, resends in run_world(_first_loss_after, 2, action, local_world_size=1):
         assert resends >= 1
         assert loss == reference
 
@@ -119,7 +119,7 @@ def _edit_one_group(rank, world):
 
 
 def test_an_edit_of_one_weight_re_establishes_only_its_group():
-    for resends in run_world(_edit_one_group, 2):
+    for resends in run_world(_edit_one_group, 2, local_world_size=1):
         assert resends == [0, 1, 0]  # root, blocks.0 (edited), blocks.1
 
 
@@ -140,7 +140,7 @@ def _one_rank_edits_alone(rank, world):
 
 
 def test_an_edit_on_one_rank_alone_re_establishes_the_group_on_every_rank():
-    for exact, resends in run_world(_one_rank_edits_alone, 2):
+    for exact, resends in run_world(_one_rank_edits_alone, 2, local_world_size=1):
         assert resends == [0, 1, 0]  # root, blocks.0 (edited on rank 1 only), blocks.1
         assert exact  # the gathered weights are the edited ones, exactly
 
@@ -153,7 +153,7 @@ def _no_spurious_resends(rank, world):
 
 
 def test_ordinary_training_never_resends_exact_weights():
-    assert run_world(_no_spurious_resends, 2) == [0, 0]
+    assert run_world(_no_spurious_resends, 2, local_world_size=1) == [0, 0]
 
 
 def _corrupt_replica(rank, world):
@@ -172,7 +172,7 @@ def _corrupt_replica(rank, world):
 @pytest.mark.parametrize("world", [2, 4], ids=["full-replica", "node-replica-2x2"])
 def test_diverged_replicas_are_an_error_naming_the_group_and_step(world):
     # Every rank raises, also those whose own replica rows agree (node replicas: local rank 0).
-    for rank, msg in enumerate(run_world(_corrupt_replica, world, local_world_size=2)):
+    for rank, msg in enumerate(run_world(_corrupt_replica, world, local_world_size=2 if world == 4 else 1)):
         assert "replicas diverged" in msg and "group 1 (blocks.0)" in msg and "at gather" in msg
 
 

@@ -70,7 +70,7 @@ def _syncs_with_nonfinite_check(rank, world):
 
 
 def test_the_nonfinite_check_adds_exactly_one_sync_for_all_groups():
-    for log in run_world(_syncs_with_nonfinite_check, 2):
+    for log in run_world(_syncs_with_nonfinite_check, 2, local_world_size=1):
         # the forward's agreement after the warm-up's step, then the check's all-reduce, read
         # once after the groups' flags were combined on the device
         assert log == ["tolist from qsdp.comm.versions", "item from qsdp.fsdp"]

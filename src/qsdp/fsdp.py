@@ -208,6 +208,9 @@ def quantize_comms(
     _hsdp.reject_native_hsdp(module)
     members_of = _shard_groups(fsdp_modules)
     meshes = [shard_groups(members[0]) for members in members_of]
+    if group is None and replicate_group is not None and all(m is None for m in meshes):
+        raise ConfigError("replicate_group needs group= the shard group (the ranks FSDP2 shards over): no parameter "
+                          f"of {type(module).__name__} was sharded by fully_shard; " + _hsdp.RECIPE)
     group = _fsdp_group(meshes, group)
     if replicate_group is None:
         _hsdp.require_replicate_group(cfg)

@@ -107,6 +107,16 @@ class Topology:
         m = self.ranks_per_node
         return all(self.inter_ranks[j] == tuple(d * m + j for d in range(self.nodes)) for j in range(m))
 
+    @classmethod
+    def contiguous(cls, nodes: int, ranks_per_node: int, rank: int = 0, group: dist.ProcessGroup | None = None
+                   ) -> "Topology":
+        """``nodes`` nodes of ``ranks_per_node`` consecutive ranks (torchrun's numbering over a
+        1-D group), without subgroups: the layout's arithmetic alone, for models and tests."""
+        m, d = ranks_per_node, nodes
+        return cls(group, d * m, rank, tuple(r // m for r in range(d * m)),
+                   tuple(tuple(n * m + j for j in range(m)) for n in range(d)),
+                   tuple(tuple(n * m + j for n in range(d)) for j in range(m)))
+
     def same_node(self, other_rank: int) -> bool:
         return self.node_of[other_rank] == self.node
 
