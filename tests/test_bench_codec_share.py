@@ -3,6 +3,8 @@ profile arithmetic, and the measurement of a tiny GPT."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -159,3 +161,13 @@ def test_the_command_is_a_benchmark_of_the_cli(capsys):
     with pytest.raises(SystemExit) as e:
         codec_share.main(["--device", "cpu", "--rank", "9"])
     assert e.value.code == 2 and "rank=9" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_the_gpu_the_triton_kernels_lie_inside_the_codec_ranges():
+    pytest.importorskip("triton", reason="triton is not installed")
+    spec = dataclasses.replace(TINY, device="cuda", param_dtype="bfloat16", warmup=2, steps=2)
+    row = codec_share.measure(spec, "sdp4bit")
+    assert row["codec_kernels"] == "triton" and row["gpu_codec_ranges"] > 0
+    assert 0 < row["triton_ms"] <= row["qsdp_ms"] < row["step_ms"]
