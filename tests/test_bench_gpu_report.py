@@ -144,10 +144,14 @@ def test_the_kernels_summary_reads_the_kernel_benchmarks_json(tmp_path):
                     "below 1x: quantize")
 
 
-def test_the_smoke_summary_counts_its_stages(tmp_path):
+def test_the_smoke_summary_counts_its_stages_and_quotes_pytests_count(tmp_path):
+    smoke = json.loads((MEASURED / "gpu_smoke-train-example.json").read_text())
+    log = (MEASURED / "pytest-gpu.log").read_text()
+    smoke["stages"].insert(0, {"name": "gpu tests", "passed": False, "output_tail": log})
     (tmp_path / "test-gpu").mkdir()
-    shutil.copy(MEASURED / "gpu_smoke-train-example.json", tmp_path / "test-gpu" / "gpu_smoke.json")
-    assert gpu_report.summarize_test_gpu(tmp_path).startswith("8/9 smoke stages passed")
+    (tmp_path / "test-gpu" / "gpu_smoke.json").write_text(json.dumps(smoke))
+    assert gpu_report.summarize_test_gpu(tmp_path) == ("8/10 smoke stages passed; pytest: 2 failed, 223 passed, "
+                                                       "1 skipped, 1615 deselected in 29.12s")
 
 
 def test_the_sweep_summary_gives_the_advisors_error_and_picks(tmp_path):

@@ -20,8 +20,9 @@ under ``torch.profiler``:
 
 ``share`` = qsdp's time / the step's, also per codec step (the ranges are named after the
 workloads of ``qsdp bench kernels`` where one matches). The step measured here has no collective
-and none of FSDP2's copies into and out of the gathered buffers, so a real rank's step is longer
-and its share smaller: the number is an upper bound.
+(device copies of the rank's own rows stand in for what each delivers, far shorter than a
+transfer) and none of FSDP2's copies into and out of the gathered buffers, so a real rank's step
+is longer and its share smaller: the number is an upper bound.
 """
 
 from __future__ import annotations
