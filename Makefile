@@ -42,8 +42,9 @@ test-gpu:
 # the codec's share of a step, a 4-rank gloo step, the kernels at four sizes, the cluster sweep
 # on the GPU; into $(GPU_OUT)/<device>-<commit>/. STAGES="kernels cluster": those stages only,
 # added to that folder. WHEELS=DIR: pyroute2 for the sweep from a wheel there (`make gpu-wheels
-# WHEELS=DIR` writes it where pyroute2 is installed). DRY_RUN=1: list the stages and budgets
-# (no GPU needed; the development environment's Python where there is one).
+# WHEELS=DIR` writes it where pyroute2 is installed). COMMIT=abc1234: the folder's commit in a
+# copy without .git. DRY_RUN=1: list the stages and budgets (no GPU needed; the development
+# environment's Python where there is one).
 gpu-report:
 ifdef DRY_RUN
 	$(if $(wildcard $(PY)),$(PY),$(GPU_PYTHON)) -m qsdp.bench.gpu_report --dry-run --out "$(GPU_OUT)" \
@@ -51,7 +52,7 @@ ifdef DRY_RUN
 else
 	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(GPU_PYTHON) -m qsdp.bench.gpu_report --out "$(GPU_OUT)" $(if $(STAGES),--only $(STAGES)) \
-		$(if $(WHEELS),--wheels "$(WHEELS)")
+		$(if $(WHEELS),--wheels "$(WHEELS)") $(if $(COMMIT),--commit $(COMMIT))
 endif
 
 gpu-wheels: $(VENV)/.dev
