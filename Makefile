@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install test test-all test-gpu demo clean
+.PHONY: install test test-all test-gpu gpu-report gpu-wheels demo clean
 
 # The package with its train extra (what the demo needs: corpus, plots, progress bar), then the
 # dev extra on top (what the tests need; it includes train and bench).
@@ -37,6 +37,27 @@ GPU_OUT ?= $(if $(OUT),$(OUT),benchmarks/results/gpu)
 test-gpu:
 	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(GPU_PYTHON) -m qsdp.bench.gpu_smoke --out "$(GPU_OUT)"
+
+# Every GPU measurement in one command on such a machine, within 30 minutes: test-gpu's smoke,
+# the codec's share of a step, a 4-rank gloo step, the kernels at four sizes, the cluster sweep
+# on the GPU; into $(GPU_OUT)/<device>-<commit>/. STAGES="kernels cluster": those stages only,
+# added to that folder. WHEELS=DIR: pyroute2 for the sweep from a wheel there (`make gpu-wheels
+# WHEELS=DIR` writes it where pyroute2 is installed). COMMIT=abc1234: the folder's commit in a
+# copy without .git. DRY_RUN=1: list the stages and budgets (no GPU needed; the development
+# environment's Python where there is one).
+gpu-report:
+ifdef DRY_RUN
+	$(if $(wildcard $(PY)),$(PY),$(GPU_PYTHON)) -m qsdp.bench.gpu_report --dry-run --out "$(GPU_OUT)" \
+		$(if $(STAGES),--only $(STAGES)) $(if $(WHEELS),--wheels "$(WHEELS)")
+else
+	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(GPU_PYTHON) -m qsdp.bench.gpu_report --out "$(GPU_OUT)" $(if $(STAGES),--only $(STAGES)) \
+		$(if $(WHEELS),--wheels "$(WHEELS)") $(if $(COMMIT),--commit $(COMMIT))
+endif
+
+gpu-wheels: $(VENV)/.dev
+	$(if $(WHEELS),,$(error gpu-wheels writes into WHEELS=DIR; name the folder))
+	$(PY) -m qsdp.bench.gpu_report --pack-wheels "$(WHEELS)"
 
 demo: $(VENV)/.base
 	$(VENV)/bin/qsdp demo

@@ -56,6 +56,7 @@ BENCHMARKS = {
     "faults": "qsdp.bench.faults",
     "kernels": "qsdp.bench.kernels",
     "codecs": "qsdp.bench.codecs",
+    "codec-share": "qsdp.bench.codec_share",
     "convergence": "qsdp.bench.convergence",
     "soak": "qsdp.bench.soak",
     "memory": "qsdp.bench.memory",

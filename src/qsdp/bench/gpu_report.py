@@ -1,0 +1,561 @@
+"""``python -m qsdp.bench.gpu_report`` (``make gpu-report``): every GPU measurement, one command.
+
+For a CUDA host at hand for a short while, where torch, Triton and pytest are installed and no
+package registry is reachable. The stages (:data:`STAGES`), each run as its own process with a
+time budget, their budgets summing to at most :data:`TOTAL_BUDGET_S` (30 minutes, the first
+compilations included):
+
+1. ``test-gpu``: ``make test-gpu``'s smoke (:mod:`qsdp.bench.gpu_smoke`: the ``gpu`` tests, the
+   codec steps, the presets trained with the Triton kernels against the reference, the FSDP2
+   example), less its one-size kernel table, which ``kernels`` measures at that size and others;
+2. ``codec-share``: ``qsdp bench codec-share`` on the GPU: the share of qsdp's kernels in one
+   rank's step of a GPT of 162M parameters (``gpt2-125m``, an untied head) in bf16, per preset;
+3. ``gloo-step``: one step of the same GPT and micro-batch on 4 ranks (2 emulated nodes x 2)
+   sharing the GPU over gloo, per preset (:mod:`qsdp.bench.workload` under torchrun);
+4. ``kernels``: ``qsdp bench kernels`` at 1M, 16M, 64M and 256M elements, against a device copy
+   and ``torch.compile`` of each kernel's reference;
+5. ``cluster``: ``qsdp bench cluster --device cuda`` at 20 Mbit/s, 1 Gbit/s and unlimited, with
+   the advisor's predictions. It needs root and ``pyroute2``: a host without the package gets it
+   from a wheel in ``--wheels DIR`` (``--pack-wheels DIR`` writes one here from this
+   installation); without either the stage is skipped and says why.
+
+A stage past its budget is stopped (SIGTERM to its process group, SIGKILL 15 s later), recorded
+as ``over_budget``, and the next one runs. One line is printed per stage. Everything goes to
+``<out>/<device>-<commit>/`` (e.g. ``benchmarks/results/gpu/h100-0ddf04a/``): ``report.json``
+(the host's versions and every stage's record), a ``README.md`` naming the device, driver, CUDA,
+torch, Triton, NCCL and Python versions, the command and the date, with a row per stage, and
+each stage's own JSON. Stages named with ``--only`` are added to a folder that already holds
+others (a host that limits one command to a few minutes runs the report stage by stage; every
+budget is under 10 minutes). ``--dry-run`` lists the stages, their budgets and commands without
+running anything (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .report import cpu_model
+
+__all__ = ["TOTAL_BUDGET_S", "STAGES", "Command", "Stage", "StageRecord", "Context", "device_slug",
+           "result_dir", "git_commit", "environment", "run_command", "run_stage", "run_stages", "write_readme", "main"]
+
+TOTAL_BUDGET_S = 30 * 60
+ROOT = Path(__file__).resolve().parents[3]  # the repository: the tests and the example live there
+TAIL_CHARS = 3000
+KILL_GRACE_S = 15.0
+PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
+KERNEL_SIZES = ("1M", "16M", "64M", "256M")
+RATES = ("20mbit", "1gbit", "unlimited")
+# The step both the codec share and the gloo step measure: GPT-2 small's shape (162M parameters
+# with its untied head), 8 sequences of 1024 tokens per rank, bf16.
+STEP_MODEL = ("--model", "gpt2-125m", "--batch-size", "8", "--seq-len", "1024", "--param-dtype", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One process of a stage; ``stdout_to``: a file (in the results folder) its stdout goes to."""
+
+    argv: tuple[str, ...]
+    stdout_to: str | None = None
+
+    def text(self) -> str:
+        return " ".join(self.argv) + (f" > {self.stdout_to}" if self.stdout_to else "")
+
+
+@dataclass
+class Context:
+    """Where a run writes (``folder``), what runs its commands (``python``), what it may install
+    from (``wheels``) and the environment it adds to a stage's (by stage name)."""
+
+    folder: Path
+    python: str = sys.executable
+    wheels: str | None = None
+    scratch: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / f"qsdp-gpu-report-{os.getpid()}")
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its name, time budget, what it shows, its commands, what it writes, why it
+    cannot run here (``None``: it can; it may prepare the context first), what it does after its
+    commands, and its one-line result from its files."""
+
+    name: str
+    budget_s: float
+    what: str
+    commands: Callable[[Context], list[Command]]
+    files: tuple[str, ...] = ()
+    blocker: Callable[[Context], str | None] = lambda ctx: None
+    finish: Callable[[Context], None] = lambda ctx: None
+    summary: Callable[[Path], str] = lambda folder: ""
+
+
+@dataclass
+class StageRecord:
+    """How a stage ended: ``passed``, ``failed``, ``over_budget`` or ``skipped``."""
+
+    name: str
+    budget_s: float
+    status: str = "not run"
+    seconds: float = 0.0
+    commands: list[str] = field(default_factory=list)
+    returncodes: list[int] = field(default_factory=list)
+    reason: str = ""
+    summary: str = ""
+    files: list[str] = field(default_factory=list)
+    output_tail: str = ""
+
+
+# --------------------------------------------------------------------------- the stages
+
+
+def _py(ctx: Context, *args: str, stdout_to: str | None = None) -> Command:
+    return Command((ctx.python, *args), stdout_to)
+
+
+def _test_gpu(ctx: Context) -> list[Command]:
+    return [_py(ctx, "-m", "qsdp.bench.gpu_smoke", "--out", str(ctx.folder / "test-gpu"), "--skip", "kernels")]
+
+
+def _codec_share(ctx: Context) -> list[Command]:
+    return [_py(ctx, "-m", "qsdp.cli", "bench", "codec-share", "--device", "cuda", *STEP_MODEL,
+                "--presets", *PRESETS, "--save", str(ctx.folder / "codec-share.json"))]
+
+
+def _gloo_runs(ctx: Context) -> Path:
+    return ctx.scratch / "gloo-step"
+
+
+def _gloo_prepare(ctx: Context) -> None:
+    _gloo_runs(ctx).mkdir(parents=True, exist_ok=True)  # each run writes its JSON there
+
+
+def _gloo_step(ctx: Context) -> list[Command]:
+    runs = _gloo_runs(ctx)
+    return [_py(ctx, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
+                "qsdp.bench.workload", "--preset", p, *STEP_MODEL, "--device", "cuda", "--ranks-per-node", "2",
+                "--warmup", "2", "--steps", "3", "--out", str(runs / f"{p}.json")) for p in PRESETS]
+
+
+def _gloo_finish(ctx: Context) -> None:
+    rows = {}
+    for p in PRESETS:
+        path = _gloo_runs(ctx) / f"{p}.json"
+        if path.exists():
+            r = json.loads(path.read_text())
+            rows[p] = {k: r.get(k) for k in ("step_time_s", "step_times_s", "tokens_per_step", "n_params",
+                                             "param_dtype", "codec_kernels", "stats")}
+    result = {"ranks": 4, "nodes": 2, "ranks_per_node": 2, "backend": "gloo (CUDA tensors through the host)",
+              "model": "gpt2-125m", "batch_size": 8, "seq_len": 1024, "warmup": 2, "steps": 3,
+              "step_time": "median of rank 0's timed steps", "presets": rows}
+    (ctx.folder / "gloo-step.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _kernels(ctx: Context) -> list[Command]:
+    return [_py(ctx, "-m", "qsdp.cli", "bench", "kernels", "--json", "--sizes", *KERNEL_SIZES,
+                stdout_to="kernels.json")]
+
+
+def _cluster(ctx: Context) -> list[Command]:
+    return [_py(ctx, "-m", "qsdp.cli", "bench", "cluster", "--device", "cuda", "--rates", *RATES,
+                "--save", str(ctx.folder / "cluster-rates.json"))]
+
+
+def cluster_blocker(ctx: Context, euid: int | None = None) -> str | None:
+    """Why the sweep cannot run here (``None``: it can): root, and ``pyroute2``, installed or
+    installed now from a wheel in ``ctx.wheels`` into the scratch folder (added to the stage's
+    ``PYTHONPATH``)."""
+    from . import netns
+    from .wheels import find_wheel, install_target
+
+    if (os.geteuid() if euid is None else euid) != 0:
+        return "needs root (network namespaces and qdiscs): run the report as root"
+    if netns.missing_package() is None:
+        return None
+    wheel = find_wheel(ctx.wheels, "pyroute2") if ctx.wheels else None
+    if wheel is None:
+        where = f"no pyroute2-*.whl in {ctx.wheels}" if ctx.wheels else "no --wheels folder was given"
+        return (f"pyroute2 is not installed here and {where}: write its wheel on a machine that has it "
+                "with `python -m qsdp.bench.gpu_report --pack-wheels DIR`, carry DIR here and pass "
+                "--wheels DIR (make gpu-report WHEELS=DIR)")
+    try:
+        site = install_target(wheel, ctx.scratch / "site", ctx.python)
+    except subprocess.CalledProcessError as e:
+        return f"pip could not install {wheel.name}: {(e.stderr or e.stdout or '').strip()[-300:]}"
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    ctx.env["cluster"] = {"PYTHONPATH": path}
+    return None
+
+
+def _load(folder: Path, name: str) -> Any:
+    return json.loads((folder / name).read_text())
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def summarize_test_gpu(folder: Path) -> str:
+    """The smoke's stages passed, and pytest's own count line."""
+    smoke = _load(folder, "test-gpu/gpu_smoke.json")
+    stages = smoke["stages"]
+    ok = sum(s["passed"] for s in stages)
+    counts = ""
+    for s in stages:
+        if s["name"] == "gpu tests":
+            found = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", s["output_tail"], re.MULTILINE)
+            counts = f"; pytest: {found[-1]}" if found else ""
+    return f"{ok}/{len(stages)} smoke stages passed{counts}"
+
+
+def summarize_codec_share(folder: Path) -> str:
+    """Each preset's share of the step (the goal: sdp4bit at most 3%)."""
+    rows = _load(folder, "codec-share.json")["presets"]
+    parts = [f"{p} {_pct(r['share'])}" for p, r in rows.items()]
+    goal = ""
+    if "sdp4bit" in rows and rows["sdp4bit"]["share"] is not None:
+        goal = f" (sdp4bit <= 3%: {'met' if rows['sdp4bit']['share'] <= 0.03 else 'missed'})"
+    return "qsdp's share of a step: " + ", ".join(parts) + goal
+
+
+def summarize_gloo_step(folder: Path) -> str:
+    rows = _load(folder, "gloo-step.json")["presets"]
+    return "4-rank gloo step: " + ", ".join(f"{p} {r['step_time_s']:.2f} s" for p, r in rows.items())
+
+
+def summarize_kernels(folder: Path) -> str:
+    """Bit-exactness, the slowest kernel against ``torch.compile`` and those below it, the
+    range of fractions of a device copy."""
+    kernels = _load(folder, "kernels.json")["kernels"]
+    runs = [(name, r) for name, k in kernels.items() for r in k["by_size"]]
+    exact = all(r["matches_reference"] for _, r in runs)
+    ratios = [(r["speedup_vs_compiled_torch"], name, r["n"]) for name, r in runs
+              if r.get("speedup_vs_compiled_torch") is not None]
+    copy = [r["fraction_of_copy"] for _, r in runs]
+    text = f"bit-exact: {'yes' if exact else 'NO'}; {min(copy):.0%}-{max(copy):.0%} of a copy"
+    if ratios:
+        worst = min(ratios)
+        slower = sorted({name for ratio, name, _ in ratios if ratio < 1})
+        text += (f"; vs torch.compile min {worst[0]:.2f}x ({worst[1]} at {worst[2] / 2**20:g}M); "
+                 f"below 1x: {', '.join(slower) if slower else 'none'}")
+    return text
+
+
+def summarize_cluster(folder: Path) -> str:
+    """The advisor's mean |error| and right picks (goals: at most 20%, every rate)."""
+    adv = _load(folder, "cluster-rates.json").get("advisor")
+    if not adv:
+        return "no advisor predictions"
+    return (f"advisor: mean |error| {_pct(adv['mean_abs_error'])} (goal <= 20%), right pick at "
+            f"{adv['picks_ok']}/{adv['rates']} rates")
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("test-gpu", 450, "make test-gpu: the gpu tests, codec steps, Triton vs reference training, the example",
+          _test_gpu, ("test-gpu/gpu_smoke.json", "test-gpu/codecs.json"), summary=summarize_test_gpu),
+    Stage("codec-share", 240, "qsdp's kernels' share of one rank's step, GPT 162M bf16, per preset",
+          _codec_share, ("codec-share.json",), summary=summarize_codec_share),
+    Stage("gloo-step", 240, "one step of that GPT on 4 ranks sharing the GPU over gloo, per preset",
+          _gloo_step, ("gloo-step.json",), blocker=_gloo_prepare, finish=_gloo_finish, summary=summarize_gloo_step),
+    Stage("kernels", 390, "the Triton kernels at 1M-256M elements: GB/s, of a copy, vs torch.compile",
+          _kernels, ("kernels.json",), summary=summarize_kernels),
+    Stage("cluster", 360, "qsdp bench cluster --device cuda at 20 Mbit/s, 1 Gbit/s, unlimited, with predictions",
+          _cluster, ("cluster-rates.json", "cluster-rates.png"), blocker=cluster_blocker, summary=summarize_cluster),
+)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_command(command: Command, timeout: float, *, cwd: Path, env: dict[str, str] | None = None,
+                folder: Path | None = None) -> tuple[int | None, str, bool]:
+    """Run one command in a process group of its own for at most ``timeout`` seconds:
+    ``(exit status, output tail, stopped)``; a command still running then gets SIGTERM (its
+    cleanup may run), SIGKILL ``KILL_GRACE_S`` later, and ``stopped`` is True."""
+    with tempfile.TemporaryFile("w+") as log:
+        out = open(folder / command.stdout_to, "w") if command.stdout_to and folder else None
+        try:
+            proc = subprocess.Popen(list(command.argv), stdout=out or log, stderr=log, cwd=cwd, text=True,
+                                    env={**os.environ, **(env or {})}, start_new_session=True)
+            stopped = False
+            try:
+                proc.wait(timeout=max(0.0, timeout))
+            except subprocess.TimeoutExpired:
+                stopped = True
+                _stop_group(proc)
+        finally:
+            if out is not None:
+                out.close()
+        log.seek(0)
+        tail = log.read()[-TAIL_CHARS:]
+    if stopped:
+        tail += f"\nstopped after its budget of {timeout:.0f} s"
+    return (None if stopped else proc.returncode), tail, stopped
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_stage(stage: Stage, ctx: Context, *, cwd: Path = ROOT) -> StageRecord:
+    """Run one stage within its budget (see the module doc); never raises for the stage's own
+    failure, which its record says."""
+    record = StageRecord(stage.name, stage.budget_s)
+    started = time.monotonic()
+    reason = stage.blocker(ctx)
+    if reason:
+        record.status, record.reason = "skipped", reason
+        return record
+    deadline = started + stage.budget_s
+    commands = stage.commands(ctx)
+    record.commands = [c.text() for c in commands]
+    record.status = "passed"
+    tails = []
+    for command in commands:
+        rc, tail, stopped = run_command(command, deadline - time.monotonic(), cwd=cwd,
+                                        env=ctx.env.get(stage.name), folder=ctx.folder)
+        tails.append(tail)
+        if stopped:
+            record.status, record.reason = "over_budget", f"stopped after its budget of {stage.budget_s:.0f} s"
+            break
+        record.returncodes.append(rc)
+        if rc != 0:
+            record.status = "failed"
+            record.reason = record.reason or f"`{' '.join(command.argv[1:5])} ...` exited with {rc}"
+    record.output_tail = "\n".join(tails)[-TAIL_CHARS:]
+    if record.status != "over_budget":
+        try:
+            stage.finish(ctx)
+            record.summary = stage.summary(ctx.folder)
+        except (OSError, KeyError, ValueError, TypeError) as e:  # a result that is missing or malformed
+            record.summary = f"no result to summarize ({type(e).__name__}: {e})"
+            if record.status == "passed":
+                record.status, record.reason = "failed", record.summary
+    record.files = [f for f in stage.files if (ctx.folder / f).exists()]
+    record.seconds = time.monotonic() - started
+    return record
+
+
+# --------------------------------------------------------------------------- the folder
+
+
+def device_slug(name: str) -> str:
+    """A folder-name part for a device: its model, vendor words dropped, lower case.
+    ``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``, ``"NVIDIA A100-SXM4-80GB"`` -> ``"a100"``,
+    ``"NVIDIA GeForce RTX 4090"`` -> ``"rtx4090"``."""
+    vendor = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct", "intel"}
+    words = [w for w in re.split(r"[\s_\-/]+", name.lower()) if w and w not in vendor]
+    picked = []
+    for w in words:
+        picked.append(re.sub(r"[^a-z0-9]", "", w))
+        if any(c.isdigit() for c in w):
+            break
+    return "".join(picked) or "device"
+
+
+def result_dir(out: str | Path, device_name: str, commit: str) -> Path:
+    """``out/<device>-<commit>``."""
+    return Path(out) / f"{device_slug(device_name)}-{commit}"
+
+
+def git_commit(cwd: Path = ROOT) -> str:
+    """The checkout's short commit, ``-dirty`` when tracked files differ from it, ``unknown``
+    without git."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "") if sha else "unknown"
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def environment() -> dict[str, Any]:
+    """The host's device and versions: device, driver, CUDA, torch, Triton, NCCL, Python, CPU."""
+    import platform
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    nccl = None
+    if cuda:
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError):
+            pass
+    return {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "driver": _driver() if cuda else None,
+            "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton_version, "nccl": nccl,
+            "python": platform.python_version(), "host_cpu": f"{cpu_model()}, {os.cpu_count()} cores"}
+
+
+def write_readme(folder: Path, env: dict[str, Any], records: Sequence[StageRecord], command: str,
+                 date: str) -> Path:
+    """``folder/README.md``: what produced the folder and a row per stage."""
+    head = [f"# {env['device']}, qsdp at commit {env['commit']}", "",
+            f"What `{command}` measured on {date}: a row per stage, with the files it wrote here. "
+            "`report.json` holds each stage's commands, exit statuses, time and output tail.", "",
+            "| | |", "|---|---|"]
+    for key, label in (("device", "device"), ("driver", "driver"), ("cuda", "CUDA"), ("torch", "torch"),
+                       ("triton", "Triton"), ("nccl", "NCCL"), ("python", "Python"), ("host_cpu", "host CPU"),
+                       ("commit", "qsdp commit")):
+        head.append(f"| {label} | {env.get(key) or 'unknown'} |")
+    head += [f"| command | `{command}` |", f"| date | {date} |", "",
+             "| stage | budget s | seconds | status | files | result |", "|---|---|---|---|---|---|"]
+    for r in records:
+        files = ", ".join(f"`{f}`" for f in r.files)
+        result = r.summary or r.reason
+        status = r.status.replace("_", " ")
+        head.append(f"| `{r.name}` | {r.budget_s:.0f} | {r.seconds:.0f} | {status} | {files} | "
+                    f"{result.replace('|', '/')} |")
+    path = folder / "README.md"
+    path.write_text("\n".join(head) + "\n", encoding="utf-8")
+    return path
+
+
+def _merge(previous: list[dict[str, Any]], new: Sequence[StageRecord]) -> list[StageRecord]:
+    """The folder's records after this run: the new ones replace their names', in stage order."""
+    records = {r["name"]: StageRecord(**r) for r in previous}
+    records.update({r.name: r for r in new})
+    order = [s.name for s in STAGES]
+    return sorted(records.values(), key=lambda r: order.index(r.name) if r.name in order else len(order))
+
+
+def line(record: StageRecord) -> str:
+    """The one line printed for a finished stage."""
+    text = record.summary or record.reason
+    return (f"{record.name:<12} {record.seconds:5.0f}/{record.budget_s:.0f} s  "
+            f"{record.status.replace('_', ' '):<11} {text}")
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m qsdp.bench.gpu_report", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None,
+                   help="where the <device>-<commit> folder goes (default $OUT when set, else benchmarks/results/gpu)")
+    p.add_argument("--only", nargs="+", choices=[s.name for s in STAGES], metavar="STAGE",
+                   help="run these stages only, adding them to the folder's report")
+    p.add_argument("--skip", nargs="+", default=[], choices=[s.name for s in STAGES], metavar="STAGE",
+                   help="stages to leave out")
+    p.add_argument("--wheels", metavar="DIR", help="a folder of wheels to install missing pure-Python packages from "
+                   "(pyroute2 for the cluster stage)")
+    p.add_argument("--commit", help="the commit to name the folder by (default: git's; for a copy without .git)")
+    p.add_argument("--dry-run", action="store_true", help="list the stages, budgets and commands; run nothing")
+    p.add_argument("--pack-wheels", metavar="DIR",
+                   help="write the wheels a GPU host may lack (pyroute2) into DIR from this installation, then exit")
+    return p
+
+
+def selected(only: Sequence[str] | None, skip: Sequence[str]) -> list[Stage]:
+    """The stages to run, in their order."""
+    return [s for s in STAGES if (not only or s.name in only) and s.name not in skip]
+
+
+def dry_run(stages: Sequence[Stage], ctx: Context) -> str:
+    """The stages, their budgets and commands, and the total against :data:`TOTAL_BUDGET_S`."""
+    lines = [f"results: {ctx.folder}/"]
+    for s in stages:
+        lines.append(f"{s.name:<12} {s.budget_s:5.0f} s  {s.what}")
+        lines += [f"    {c.text()}" for c in s.commands(ctx)]
+    total = sum(s.budget_s for s in stages)
+    lines.append(f"total budget {total:.0f} s ({total / 60:.1f} min) of at most {TOTAL_BUDGET_S / 60:.0f} min")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the report (see the module doc): 0 when every stage run passed (skipped ones
+    included), 1 otherwise, 2 for a bad argument or a host without CUDA."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.pack_wheels:
+        from .wheels import pack_installed
+
+        try:
+            print(pack_installed("pyroute2", args.pack_wheels))
+        except ValueError as e:
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        return 0
+    stages = selected(args.only, args.skip)
+    out = args.out or os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "gpu")
+    commit = args.commit or git_commit()
+    if args.dry_run:
+        print(dry_run(stages, Context(Path(out) / f"<device>-{commit}", wheels=args.wheels)))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: error: torch.cuda.is_available() is False here: the report needs a "
+                       "CUDA GPU (--dry-run lists its stages without one)\n")
+    env = {**environment(), "commit": commit}
+    folder = result_dir(out, env["device"], commit)
+    folder.mkdir(parents=True, exist_ok=True)
+    command = "python -m qsdp.bench.gpu_report " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"{env['device']}, driver {env['driver']}, torch {env['torch']}, Triton {env['triton']}, "
+          f"NCCL {env['nccl']}; results in {folder}", flush=True)
+    done = run_stages(stages, Context(folder, wheels=args.wheels), env, command)
+    ok = all(r.status in ("passed", "skipped") for r in done)
+    print(f"{'every stage passed' if ok else 'NOT every stage passed'}; {folder / 'README.md'}")
+    return 0 if ok else 1
+
+
+def run_stages(stages: Sequence[Stage], ctx: Context, env: dict[str, Any], command: str,
+               cwd: Path = ROOT) -> list[StageRecord]:
+    """Run ``stages`` one after the other, printing a line for each, and after each write
+    ``report.json`` and ``README.md`` of ``ctx.folder`` (what it held from earlier runs kept,
+    the stages run now replacing theirs): a run cut short keeps what it did. The records of
+    this run."""
+    report_path = ctx.folder / "report.json"
+    previous = json.loads(report_path.read_text())["stages"] if report_path.exists() else []
+    date = time.strftime("%Y-%m-%d")
+    done: list[StageRecord] = []
+    for stage in stages:
+        done.append(run_stage(stage, ctx, cwd=cwd))
+        print(line(done[-1]), flush=True)
+        records = _merge(previous, done)
+        report = {"environment": env, "command": command, "date": date, "stages": [asdict(r) for r in records]}
+        report_path.write_text(json.dumps(report, indent=2) + "\n")
+        write_readme(ctx.folder, env, records, command, date)
+    return done
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
