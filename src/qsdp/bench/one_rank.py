@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from ..codecs.rng import derive_seed
 from ..comm.difference import replica_layout
 from ..comm.reduce_scatter import destination_major, grad_codec, pipeline_slices_bounds
+from ..comm.topology import Topology
 from ..comm.weight_codec import weight_codec
 from ..comm.wire import sum_rows
 from ..config import QuantConfig
@@ -164,9 +165,10 @@ class RankReduceScatter:
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
         out = torch.empty(lp, dtype=torch.float32, device=grads.device)
+        order = Topology.contiguous(d, m).exchange_index(grads.device)
         for k, (a, b) in enumerate(pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)):
             with _codec(_encode_step(hop1)):
-                send = hop1.encode(destination_major(grads, d, a, b), seed=self._seed(4, k))
+                send = hop1.encode(destination_major(grads, order, a, b), seed=self._seed(4, k))
             # hop 1 inside the node: every local peer's D rows for this local rank
             recv = _peers(send[self.local * d:(self.local + 1) * d], m)
             with _codec("dequantize_requantize"):

@@ -19,6 +19,7 @@ import torch
 from ..codecs.rng import derive_seed
 from ..comm.difference import replica_layout
 from ..comm.reduce_scatter import destination_major, grad_codec, pipeline_slices_bounds
+from ..comm.topology import Topology
 from ..comm.weight_codec import weight_codec
 from ..comm.wire import RowCodec, sum_rows
 from ..config import QuantConfig
@@ -83,7 +84,7 @@ def _two_hops(grads: torch.Tensor, cfg: QuantConfig, m: int, d: int, seed) -> to
     hop2 = grad_codec(g, g.bits_inter, torch.float32)
     lp = hop1.padded_len(s)
     out = torch.empty(world, lp, dtype=torch.float32, device=grads.device)
-    order = torch.arange(world, device=grads.device).view(d, m).t().reshape(-1)  # Topology.exchange_order
+    order = Topology.contiguous(d, m).exchange_index(grads.device)
     for k, (a, b) in enumerate(pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)):
         # hop 1: rows (l, n) of source r, destination-major; local rank l of r's node gets rows
         # [l * d, (l + 1) * d) of every local peer, in local-rank order
