@@ -186,7 +186,8 @@ def quantize_comms(
         config: a preset name (``fsdp``, ``qsdp``, ``sdp4bit``, ``zeropp`` or a variant, see
             :func:`qsdp.preset_names`) or a :class:`QuantConfig`.
         overrides: field overrides, e.g. ``{"weights.bits": 8}``; ``{"local_world_size": M}``
-            sets the ranks per node where ``LOCAL_WORLD_SIZE`` does not (emulated nodes).
+            emulates nodes of ``M`` consecutive ranks (otherwise each rank's node comes from
+            its host, see :mod:`qsdp.comm.topology`).
         group: the FSDP shard process group. Default: the group FSDP2 really shards over, read
             from its state (a 1-D mesh, or the shard dimension of a dp x tp or 3-D mesh); a group
             whose ranks differ from it is refused.

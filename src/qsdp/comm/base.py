@@ -63,9 +63,6 @@ class CommBase:
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         """Count this comm's bytes in ``byte_meter`` from now on."""
         self.byte_meter = byte_meter
-        post = getattr(self, "post_forward", None)
-        if post is not None:
-            post.bind_meter(byte_meter)
 
     def meter(self, kind: str, nbytes: int, elements: int, peers: tuple[int, int] | None = None) -> None:
         """Record one buffer of ``nbytes`` carrying ``elements`` of ``kind`` (``weights``,
@@ -121,6 +118,11 @@ class WeightAllGather(CommBase, AllGather):
     @abstractmethod
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None: ...
+
+    def bind_meter(self, byte_meter: ByteMeter) -> None:
+        super().bind_meter(byte_meter)
+        if self.post_forward is not None:
+            self.post_forward.bind_meter(byte_meter)
 
     def handled_elsewhere(self, output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                           async_op: bool = False) -> bool:
