@@ -52,14 +52,18 @@ def batch(step: int, rank: int, n: int = 16, dtype=torch.float32):
     return x.to(dtype), y.to(dtype)
 
 
-def train(model, steps: int, rank: int, lr: float = 1e-2, dtype=torch.float32) -> list[float]:
-    """Adam on a fixed regression task; returns the (rank-local) losses."""
+def train(model, steps: int, rank: int, lr: float = 1e-2, dtype=torch.float32, accumulate: int = 1) -> list[float]:
+    """Adam on a fixed regression task, ``accumulate`` micro-batches a step (gradient sync only
+    on the last, as FSDP2 users accumulate); returns the (rank-local) losses."""
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        x, y = batch(step, rank, dtype=dtype)
-        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
-        loss.backward()
+        for micro in range(accumulate):
+            if accumulate > 1:
+                model.set_requires_gradient_sync(micro == accumulate - 1)
+            x, y = batch(step * accumulate + micro, rank, dtype=dtype)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

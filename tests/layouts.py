@@ -97,24 +97,9 @@ def build(layout: str, *, reshard: bool | int = True, param_dtype=None, reduce_d
     return Built(model, data_rank, replicate_group)
 
 
-def train(built: Built, steps: int, accumulate: int = 1, lr: float = 1e-2) -> list[float]:
-    """Adam on ``fsdp_models``' regression task, ``accumulate`` micro-batches a step (gradient
-    sync only on the last, as FSDP2 users accumulate); returns the rank's losses."""
-    model = built.model
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        for micro in range(accumulate):
-            last = micro == accumulate - 1
-            if accumulate > 1:
-                model.set_requires_gradient_sync(last)
-            x, y = fm.batch(step * accumulate + micro, built.data_rank)
-            loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+def train(built: Built, steps: int, accumulate: int = 1) -> list[float]:
+    """``fsdp_models.train`` on the batches of this rank's data-parallel place."""
+    return fm.train(built.model, steps, built.data_rank, accumulate=accumulate)
 
 
 def full_params(model) -> list[torch.Tensor]:
