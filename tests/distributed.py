@@ -45,6 +45,17 @@ def _child(fn, rank, world_size, port, local_world_size, pg_timeout, queue, args
             dist.destroy_process_group()
 
 
+def on_one_rank_nodes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with every rank on a node of its own (``QSDP_NODE``), while ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` stay those of one machine: frameworks that pick devices, caches or
+    their local main process by local rank (Accelerate, the HF Trainer, Lightning) see one
+    node as they would, and qsdp sees nodes that weight differences cross."""
+    def run(rank, world, *args, **kwargs):
+        os.environ["QSDP_NODE"] = f"node{rank}"
+        return fn(rank, world, *args, **kwargs)
+    return run
+
+
 def run_world(
     fn: Callable[..., Any],
     world_size: int,

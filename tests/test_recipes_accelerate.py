@@ -20,7 +20,7 @@ import torch
 
 from qsdp._fsdp2 import fsdp_state
 
-from distributed import run_world
+from distributed import on_one_rank_nodes, run_world
 
 pytest.importorskip("accelerate", reason="needs the optional 'accelerate' extra: pip install -e '.[accelerate]'")
 pytest.importorskip("transformers", reason="needs the optional 'accelerate' extra: pip install -e '.[accelerate]'")
@@ -124,7 +124,7 @@ def _resume(rank, world, ckpt):
 
 
 def test_after_load_fsdp_model_the_gathers_send_the_loaded_weights_exactly(tmp_path):
-    for err, resent in run_world(_resume, 2, str(tmp_path / "ckpt"), local_world_size=1):
+    for err, resent in run_world(on_one_rank_nodes(_resume), 2, str(tmp_path / "ckpt")):
         # a 4-bit difference against stale replicas would be off by ~1e-2
         assert err < 1e-5
         assert resent and all(r == 1 for r in resent)

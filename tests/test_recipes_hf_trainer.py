@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import on_one_rank_nodes, run_world
 
 pytest.importorskip("transformers", reason="needs the optional 'accelerate' extra: pip install -e '.[accelerate]'")
 pytest.importorskip("accelerate", reason="needs the optional 'accelerate' extra: pip install -e '.[accelerate]'")
@@ -46,7 +46,7 @@ def _train(rank, world, out):
 
 
 def test_the_trainer_trains_with_sdp4bit_attached_at_train_begin(tmp_path):
-    for losses, gathers in run_world(_train, 2, str(tmp_path / "out"), local_world_size=1):
+    for losses, gathers in run_world(on_one_rank_nodes(_train), 2, str(tmp_path / "out")):
         # one FSDP group per decoder layer (auto-wrapped) and the root, all through qsdp
         assert len([g for g in gathers if g > 0]) >= 3
         assert losses[-1] < 0.9 * losses[0]

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import on_one_rank_nodes, run_world
 
 pytest.importorskip("lightning", reason="needs the optional 'lightning' extra: pip install -e '.[lightning]'")
 pytest.importorskip("transformers", reason="needs the optional 'lightning' extra: pip install -e '.[lightning]'")
@@ -171,7 +171,7 @@ def _fabric(rank, world, root):
 
 
 def test_fabric_parallelize_fn_trains_an_hf_model_and_resumes_from_its_checkpoint(tmp_path):
-    for at_start, losses, err, resent in run_world(_fabric, 2, str(tmp_path), local_world_size=1):
+    for at_start, losses, err, resent in run_world(on_one_rank_nodes(_fabric), 2, str(tmp_path)):
         assert at_start == dict(finite=True, unit_norms=True, conv_std=True, tied=True)
         assert all(math.isfinite(x) for x in losses)
         assert losses[7] < 0.8 * losses[0]
