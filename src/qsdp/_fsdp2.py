@@ -33,3 +33,9 @@ def has_custom_divide_factor(module: nn.Module) -> bool:
     """Whether ``set_gradient_divide_factor`` was called on ``module``'s group: FSDP2 then passes
     ``ReduceOp.PREMUL_SUM(1/factor)``, an op whose factor a custom reduce-scatter cannot read."""
     return any(getattr(g, "gradient_divide_factor", None) is not None for g in param_groups(module))
+
+
+def all_gather_comms(module: nn.Module) -> list[Any]:
+    """The all-gather comm objects ``module``'s parameter groups call now (FSDP2's default, or
+    what ``set_custom_all_gather`` set): FSDP2 sets them but offers no getter."""
+    return [g._all_gather_comm for g in param_groups(module)]
