@@ -50,7 +50,7 @@ from ..perfmodel import (
 )
 from ..text_table import aligned
 
-from .report import BENCH_PRESETS, bar_chart, emit, meta, png_next_to
+from .report import BENCH_PRESETS, bar_chart, description, emit, meta, png_next_to
 
 DEFAULT_PRESETS = BENCH_PRESETS
 HSDP_PRESETS = ("fsdp", "hsdp4", "sdp4bit")
@@ -268,7 +268,7 @@ _HW_FLAGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qsdp bench simulate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="qsdp bench simulate", description=description(__doc__))
     parser.add_argument("--gpu", choices=[*PAPER_GPUS, "all"], default="all",
                         help="the paper's GPU type(s) and their clusters")
     parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
