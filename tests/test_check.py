@@ -244,6 +244,17 @@ def test_check_runs_on_a_module_factory(tmp_path, capsys):
     assert res["preset"] == "qw4" and res["total"]["weight_ratio"] > 0
 
 
+def test_a_module_factory_is_imported_from_the_current_directory_as_python_m_would(tmp_path, monkeypatch):
+    from qsdp.check.models import build_model
+
+    (tmp_path / "lm_in_cwd.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    # the `qsdp` console script's import path: its own directory first, not the current one
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    model = build_model("lm_in_cwd:make", vocab_size=256, seq_len=8, seed=0)
+    assert type(model).__name__ == "LM"
+
+
 def test_bad_model_is_a_one_line_usage_error(capsys):
     assert qsdp_main(["check", "--model", "no-such-model"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
