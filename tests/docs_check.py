@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["DocCommand", "Problem", "LONG_RUNNING", "markdown_files", "anchors", "broken_links",
-           "doc_commands", "parse_error", "run_command"]
+           "doc_commands", "parse_error", "run_command", "python_blocks"]
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG_RUNNING = "# long-running"
@@ -144,6 +144,12 @@ def _code_blocks(text: str) -> list[tuple[str, list[tuple[int, str]]]]:
         if block is not None:
             blocks.setdefault(block, []).append((number, line))
     return [(block.info, lines) for block, lines in blocks.items()]
+
+
+def python_blocks(page: Path) -> list[str]:
+    """The text of every ```` ```python ```` block of ``page``, in order."""
+    return ["\n".join(line for _, line in body) + "\n"
+            for info, body in _code_blocks(page.read_text(encoding="utf-8")) if info == "python"]
 
 
 def _link_targets(text: str) -> Iterator[tuple[int, str]]:

@@ -1,5 +1,6 @@
-"""`qsdp advise`: predictions from the simulator, the recommendation, the command line and
-the measured inter-node bandwidth."""
+"""`qsdp advise`: predictions from the simulator, the recommendation, the command line, the
+links in the units of the hardware, what limits each setup, and the measured inter-node
+bandwidth."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import pytest
 
 from qsdp import advise as adv
+from qsdp import perfmodel as pm
 from qsdp.cli import main as cli_main
 from distributed import run_world
 
@@ -35,7 +37,7 @@ def test_a_slow_link_recommends_a_quantized_setup():
 
 
 def test_when_nothing_pays_by_the_margin_the_unquantized_setup_is_recommended():
-    r = adv.advise(int(1.3e9), 2, 8, "h800", inter_gbps=1e6, margin=10.0)
+    r = adv.advise(int(1.3e9), 2, 8, "h800", link_gbit_per_gpu=8e6, margin=10.0)
     assert r["recommendation"]["preset"] == "fsdp"
     assert "would not pay" in r["recommendation"]["reason"]
 
@@ -46,9 +48,10 @@ def test_one_node_has_no_hsdp_rows():
 
 
 def test_the_command_prints_json_with_the_recommendation(capsys):
-    assert cli_main(["advise", "--params", "2.7B", "--nodes", "4", "--gpu", "h800", "--inter-gbps", "12.5", "--json"]) == 0
+    assert cli_main(["advise", "--params", "2.7B", "--nodes", "4", "--gpu", "h800", "--link", "800gbit", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["inter_gbps_per_gpu"] == 12.5 and out["nodes"] == 4 and out["ranks_per_node"] == 8
+    assert out["link"] == {"gbit_per_node": 800.0, "gbit_per_gpu": 100.0, "source": "given per node"}
+    assert out["nodes"] == 4 and out["ranks_per_node"] == 8
     rec = out["recommendation"]
     assert any((r["layout"], r["preset"], r["step_ms"]) == (rec["layout"], rec["preset"], rec["step_ms"]) for r in out["rows"])
     assert out["meta"]["command"].startswith("qsdp advise --params 2.7B")
@@ -90,10 +93,126 @@ def test_the_command_prints_a_table_naming_the_recommendation(capsys):
     (["--params", "1B"], "--nodes is required"),
     (["--params", "1B", "--nodes", "0"], "--nodes=0 must be positive"),
     (["--nodes", "2"], "one of the arguments --params --config is required"),
+    (["--params", "1B", "--nodes", "2", "--link", "100"], "--link: '100' is not a link rate with its unit"),
+    (["--params", "1B", "--nodes", "2", "--link", "100gbit", "--link-per-gpu", "12.5gbit"], "not allowed with"),
+    (["--params", "1B", "--nodes", "2", "--inter-gbps", "12.5"], "write --link-per-gpu 12.5GB/s"),
+    (["--params", "1B", "--nodes", "2", "--gpu", "custom", "--tflops", "300"],
+     "--gpu custom needs --hbm, --intra-link, --link or --link-per-gpu, --ranks-per-node"),
+    (["--params", "1B", "--nodes", "2", "--gpu", "h100", "--tflops", "300"], "--tflops describe a --gpu custom"),
 ])
 def test_bad_arguments_are_named(argv, words, capsys):
     assert cli_main(["advise", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,gbit", [("100gbit", 100.0), ("400Gbit/s", 400.0), ("3.2tbit", 3200.0),
+                                       ("400Gbps", 400.0), ("50GB/s", 400.0), ("800 Mbit", 0.8)])
+def test_a_rate_is_read_with_its_unit_in_gbit_per_second(text, gbit):
+    assert pm.parse_rate(text) == pytest.approx(gbit)
+
+
+@pytest.mark.parametrize("text", ["100", "100g", "12.5 GBit/z", "fast"])
+def test_a_rate_without_its_unit_is_refused(text):
+    with pytest.raises(ValueError, match="with its unit"):
+        pm.parse_rate(text)
+
+
+def test_a_nodes_nics_are_counted_times_their_rate():
+    assert pm.parse_link("8x400gbit") == (8, 400.0)
+    assert pm.parse_link("8 x 400 Gbit/s") == (8, 400.0)
+    assert pm.parse_link("100gbit") == (1, 100.0)
+
+
+def _advice(capsys, *args):
+    assert cli_main(["advise", "--params", "7B", "--nodes", "4", "--json", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    return out["rows"], out["recommendation"]
+
+
+def test_a_nodes_link_gives_the_advice_of_the_per_gpu_share_it_stands_for(capsys):
+    # 100 Gbit/s Ethernet shared by 8 GPUs: 12.5 Gbit/s, 1.5625 GB/s each
+    per_node = _advice(capsys, "--gpu", "h100", "--link", "100gbit")
+    assert per_node == _advice(capsys, "--gpu", "h100", "--link-per-gpu", "12.5gbit")
+    assert per_node == _advice(capsys, "--gpu", "h100", "--link-per-gpu", "1.5625GB/s")
+    rows, rec = per_node
+    assert rec["preset"] == "sdp4bit" and rec["speedup_over_unquantized"] > 4
+
+
+def test_the_python_api_and_the_command_take_the_same_units(capsys):
+    rows, rec = _advice(capsys, "--gpu", "h100", "--link", "8x400gbit")
+    api = adv.advise(int(7e9), 4, None, "h100", link_gbit=3200.0)
+    assert api["rows"] == rows and api["recommendation"] == rec
+    for row in rows:
+        r = pm.predict_step(row["preset"], int(7e9), 4, 8, gpu="h100", link_gbit=3200.0, hsdp=row["layout"] == "hsdp")
+        assert row["step_ms"] == pytest.approx(1e3 * r["step_s"], rel=1e-12)
+
+
+def test_every_gpu_type_has_its_nvlink_memory_and_default_nics():
+    assert {"a100", "h100", "h200", "h800"} <= set(pm.HARDWARE)
+    for hw in pm.HARDWARE.values():
+        assert hw.intra_gbps > 0 and hw.memory_gb > 0 and hw.nics >= 1
+        # the model's link is the NICs' line rate at the type's efficiency, shared by the node's GPUs
+        assert hw.inter_gbps == pytest.approx(hw.nics * hw.nic_gbit * hw.link_efficiency / 8 / hw.gpus_per_node, rel=1e-3)
+
+
+def test_the_help_states_the_default_gpu_and_every_types_links(capsys):
+    with pytest.raises(SystemExit):
+        adv.main(["--help"])
+    out = capsys.readouterr().out
+    assert f"default {adv.DEFAULT_GPU}" in out and f"{adv.DEFAULT_GPU} (default)" in out
+    for name in ("a100", "h100", "h200", "h800", "custom"):
+        assert f"  {name}" in out
+    assert "8 x 400 Gbit/s NICs at 80%" in out
+
+
+def test_a_custom_gpu_is_priced_with_the_figures_given(capsys):
+    custom = ["--gpu", "custom", "--tflops", "989", "--hbm", "3350GB/s", "--intra-link", "360GB/s",
+              "--link", "100gbit", "--ranks-per-node", "8", "--memory-gb", "80"]
+    assert _advice(capsys, *custom) == _advice(capsys, "--gpu", "h100", "--link", "100gbit")
+
+
+def test_fewer_bytes_but_slower_is_explained_by_the_all_to_alls_fan_out():
+    r = adv.advise(int(7e9), 4, 8, "h100", link_gbit=100.0)
+    rows = {(x["layout"], x["preset"]): x for x in r["rows"]}
+    fsdp, qsdp = rows["fsdp", "fsdp"], rows["fsdp", "qsdp"]
+    assert qsdp["step_ms"] > fsdp["step_ms"] and qsdp["limit"] == "fan-out"
+    assert qsdp["nic_gb_per_gpu"] > fsdp["nic_gb_per_gpu"]
+    assert "24 ranks on other nodes" in qsdp["why"] and "more than fsdp's" in qsdp["why"]
+    assert fsdp["limit"] == "link" and fsdp["why"].startswith("link bytes:")
+
+
+def test_an_all_to_all_over_d_nodes_of_m_sends_about_m_times_a_rings_nic_bytes():
+    for d, m in ((4, 8), (2, 4), (16, 8)):
+        colls = [c for c in pm.step_collectives("qsdp", [1 << 20], d, m) if c.kind == "grads"]
+        parts = pm.step_parts(colls, pm.HARDWARE["h100"], d, m)
+        assert pm.fan_out(parts) == pytest.approx(m * m * (d - 1) / (d * m - 1))
+
+
+def test_a_setup_whose_state_does_not_fit_names_memory_and_is_not_recommended():
+    r = adv.advise(int(70e9), 4, 8, "h100")
+    hsdp = [x for x in r["rows"] if x["layout"] == "hsdp"]
+    assert all(not x["fits"] and x["limit"] == "memory" and "more than the h100's 80 GB" in x["why"] for x in hsdp)
+    assert r["recommendation"]["layout"] == "fsdp"
+
+
+def test_a_slow_intra_node_link_prices_the_node_replicas_exact_weights():
+    nvlink, pcie = (adv.advise(int(7e9), 4, 8, "h100", link_gbit=100.0, intra_gbps=g) for g in (None, 25.0))
+    rows = {k: {(x["layout"], x["preset"]): x for x in r["rows"]} for k, r in (("nvlink", nvlink), ("pcie", pcie))}
+    sdp4bit, zeropp = ("fsdp", "sdp4bit"), ("fsdp", "zeropp")
+    # the same bytes; on PCIe sdp4bit's exact intra-node weights, not its NIC bytes, bound it
+    assert rows["pcie"][sdp4bit]["intra_gb_per_gpu"] == rows["nvlink"][sdp4bit]["intra_gb_per_gpu"]
+    assert rows["nvlink"][sdp4bit]["limit"] == "link" and rows["pcie"][sdp4bit]["limit"] == "intra"
+    assert "node replicas' exact weights" in rows["pcie"][sdp4bit]["why"]
+    assert rows["nvlink"][sdp4bit]["step_ms"] < rows["nvlink"][zeropp]["step_ms"]
+    assert rows["pcie"][sdp4bit]["step_ms"] > rows["pcie"][zeropp]["step_ms"]
+
+
+def test_the_table_names_what_limits_each_setup(capsys):
+    assert cli_main(["advise", "--params", "7B", "--nodes", "4", "--gpu", "h100", "--link", "100gbit"]) == 0
+    out = capsys.readouterr().out
+    assert "100 Gbit/s per node, 12.5 Gbit/s per GPU (given)" in out
+    assert "limited by" in out and "what limits each setup" in out
+    assert "  qsdp          all-to-all fan-out:" in out
 
 
 def _measure(rank, world):
@@ -110,7 +229,7 @@ def test_measure_times_an_all_gather_between_the_nodes_of_the_world():
 
 def _measure_one_node(rank, world):
     try:
-        adv.measure_inter_gbps()
+        adv.measure_link_gbit()
     except ValueError as e:
         return str(e)
     return None

@@ -1,11 +1,16 @@
-"""Every benchmark's result says what produced it, is saved as JSON and printed."""
+"""Every benchmark's result says what produced it, is saved as JSON and printed; its --help
+says what it is in whole sentences."""
 
+import importlib
 import json
 import os
 
+import pytest
 import torch
 
+from qsdp.bench import report
 from qsdp.bench.report import emit, meta
+from qsdp.cli import BENCHMARKS
 
 
 def test_meta_names_the_command_torch_device_and_date():
@@ -36,3 +41,12 @@ def test_bar_chart_writes_a_png_beside_the_json(tmp_path):
     assert path.endswith("x.png")
     bar_chart(path, ["a", "b"], {"measured": [1.0, 2.0], "ideal": [1.5, 3.0]}, ylabel="speedup", title="t")
     assert (tmp_path / "res" / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_every_benchmarks_help_describes_it_in_whole_sentences(name, capsys):
+    module = importlib.import_module(BENCHMARKS[name])
+    with pytest.raises(SystemExit):
+        module.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert report.description(module.__doc__) in shown

@@ -244,6 +244,17 @@ def test_check_runs_on_a_module_factory(tmp_path, capsys):
     assert res["preset"] == "qw4" and res["total"]["weight_ratio"] > 0
 
 
+def test_a_module_factory_is_imported_from_the_current_directory_as_python_m_would(tmp_path, monkeypatch):
+    from qsdp.check.models import build_model
+
+    (tmp_path / "lm_in_cwd.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    # the `qsdp` console script's import path: its own directory first, not the current one
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    model = build_model("lm_in_cwd:make", vocab_size=256, seq_len=8, seed=0)
+    assert type(model).__name__ == "LM"
+
+
 def test_bad_model_is_a_one_line_usage_error(capsys):
     assert qsdp_main(["check", "--model", "no-such-model"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -256,3 +267,29 @@ def test_a_config_json_without_model_type_is_a_one_line_usage_error(tmp_path, ca
     assert qsdp_main(["check", "--model", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no model_type" in err[0]
+
+
+def test_layers_below_the_calibrated_sgd_variance_are_flagged_with_the_fix():
+    from qsdp.check.verdict import CALIBRATION_SGD_VAR, sgd_var_note
+
+    note = sgd_var_note([("root", 0.3), ("blocks.0", 0.06), ("blocks.1", None), ("blocks.2", 0.04)],
+                        resolve_config("sdp4bit"))
+    assert note.startswith("outside the calibration: SGD var 0.04-0.06 in blocks.0, blocks.2, under half the 0.2-0.48")
+    assert "more --warmup-steps" in note
+    assert sgd_var_note([("root", CALIBRATION_SGD_VAR[0] / 2)], resolve_config("sdp4bit")) is None
+    # an exact gradient path has no q/SGD to overstate
+    assert sgd_var_note([("root", 0.01)], resolve_config("qwd4")) is None
+
+
+def test_the_calibrated_sgd_variance_is_the_calibration_runs():
+    from qsdp.check.verdict import CALIBRATION_SGD_VAR
+
+    checked = {r["preset"]: r for r in json.loads(CALIBRATION.read_text())["results"]}
+    sgd = [x["grad_sgd"] for x in checked["sdp4bit"]["layers"]]
+    assert (round(min(sgd), 2), round(max(sgd), 2)) == CALIBRATION_SGD_VAR
+
+
+def test_a_check_without_warm_up_prints_the_calibration_note(capsys):
+    assert check_main(["--model", "tiny", "--warmup-steps", "0", "--steps", "2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "outside the calibration: SGD var" in out and "more --warmup-steps" in out

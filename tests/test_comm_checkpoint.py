@@ -9,7 +9,7 @@ import torch
 import qsdp
 from distributed import run_world
 import fsdp_models as fm
-from qsdp.train.checkpoint import load_checkpoint, save_checkpoint
+from qsdp.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -85,3 +85,11 @@ def test_resume_on_another_world_size_re_establishes_the_replicas_with_exact_val
         assert exact == [True] * 4  # inp, blocks.0.fc1 / fc2, ...: the first gathers are exact
         assert all(s[0] == 2 for s in shapes)  # 2 nodes x 1: full replicas of the new shards
         assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_loading_the_run_directory_instead_of_a_checkpoint_names_latest_checkpoint(tmp_path):
+    (tmp_path / "checkpoints" / "step_00000005").mkdir(parents=True)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path, torch.nn.Linear(2, 2), None, None, torch.device("cpu"))
+    assert str(info.value) == (f"{tmp_path} is a run directory, not a checkpoint: pass latest_checkpoint("
+                               f"{str(tmp_path)!r}) (a directory under {tmp_path / 'checkpoints'})")

@@ -93,6 +93,20 @@ def test_bad_values_raise_config_errors_naming_field_and_value(config, overrides
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("overrides,message", [
+    ({"grads.bits_inter": "4"}, "grads.bits_inter='4' must be an integer, one of 2, 4, 8 (got str)"),
+    ({"weights.bits": 4.0}, "weights.bits=4.0 must be an integer, one of 2, 4, 8 (got float)"),
+    ({"hsdp.bits": True}, "hsdp.bits=True must be an integer, one of 2, 4, 8 (got bool)"),
+    ({"grads.group_size": "128"}, "grads.group_size='128' must be an integer, a positive multiple of 8"),
+    ({"weights": 4}, "weights=4 must be a dict of its fields, e.g. {'bits': 4}, or given as dotted keys (weights.bits=4)"),
+    (["weights.bits", 4], "overrides must be a dict such as {'weights.bits': 8}, got list"),
+])
+def test_a_wrong_typed_override_is_one_line_naming_the_type_it_must_have(overrides, message):
+    with pytest.raises(qsdp.ConfigError) as info:
+        resolve_config("sdp4bit", overrides)
+    assert str(info.value) == message
+
+
 def test_unknown_preset_lists_the_allowed_names():
     with pytest.raises(qsdp.ConfigError, match="allowed: fsdp, qsdp, sdp4bit, zeropp"):
         resolve_config("fsdp2")

@@ -3,14 +3,17 @@ real command line, and every command not marked `# long-running` runs (see tests
 
 import contextlib
 import io
+import os
 import shutil
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
 import qsdp.cli
 
-from docs_check import ROOT, broken_links, doc_commands, markdown_files, parse_error, run_command
+from docs_check import ROOT, broken_links, doc_commands, markdown_files, parse_error, python_blocks, run_command
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -153,3 +156,20 @@ def test_every_command_not_marked_long_running_runs_as_shown(tmp_path):
     assert quick, "no command in the docs is run by this test"
     errors = [f"{c}\n    {err}" for c in quick.values() if (err := run_command(c, tmp_path))]
     assert not errors, "\n".join(errors)
+
+
+def test_the_own_loop_checkpoint_example_trains_saves_and_resumes_as_shown(tmp_path):
+    [script] = [b for b in python_blocks(ROOT / "docs" / "checkpoints.md") if b.startswith("# own_loop.py")]
+    (tmp_path / "own_loop.py").write_text(script, encoding="utf-8")
+
+    def run() -> str:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "own_loop.py"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    assert "trained steps 0-4, saved runs/own_loop/checkpoints/step_00000005" in run()
+    assert "trained steps 5-9, saved runs/own_loop/checkpoints/step_00000010" in run()
+    meta = (tmp_path / "runs/own_loop/checkpoints/step_00000010/trainer.json").read_text()
+    assert '"data_seed": 1000' in meta and '"step": 10' in meta

@@ -26,7 +26,7 @@ def test_predict_step_is_the_simulated_step_of_the_job_it_describes(hsdp):
 
 
 def test_advise_predicts_the_steps_of_predict_step():
-    rows = advise(int(2.7e9), 4, 8, "h800", inter_gbps=12.5)["rows"]
+    rows = advise(int(2.7e9), 4, 8, "h800", link_gbit_per_gpu=100.0)["rows"]
     for row in rows:
         r = pm.predict_step(row["preset"], int(2.7e9), 4, 8, gpu="h800", link_gbit=12.5 * 8 * 8,
                             hsdp=row["layout"] == "hsdp")
@@ -38,6 +38,8 @@ def test_a_nodes_link_is_shared_by_its_ranks():
     assert (hw.gpus_per_node, hw.inter_gbps, hw.inter_latency_us, hw.intra_gbps) == (4, 100.0 / 8 / 4, 1000.0, 5.0)
     slow, fast = (pm.predict_step("fsdp", int(1e9), 4, 4, gpu="a100", link_gbit=g)["comm_s"] for g in (10.0, 100.0))
     assert slow > 5 * fast
+    share = pm.predict_step("fsdp", int(1e9), 4, 4, gpu="a100", link_gbit_per_gpu=2.5)
+    assert share == pm.predict_step("fsdp", int(1e9), 4, 4, gpu="a100", link_gbit=10.0)
 
 
 def test_a_measured_compute_time_replaces_the_flops_model():
@@ -58,7 +60,8 @@ def test_a_given_shape_on_an_fp32_wire():
     ({"params": None}, "give either params or shape"),
     ({"shape": {"n_layer": 2, "n_embd": 64, "n_head": 4}}, "give either params or shape"),
     ({"link_gbit": 0.0}, "link_gbit=0.0 must be positive"),
-    ({"gpu": "v100"}, "gpu='v100'; known: a100, h800"),
+    ({"gpu": "v100"}, "gpu='v100'; known: a100, h100, h200, h800"),
+    ({"link_gbit": 100.0, "link_gbit_per_gpu": 12.5}, "not both"),
     ({"nodes": 0}, "nodes=0 and ranks_per_node=4 must be positive"),
     ({"overlap": 2.0}, "overlap=2.0 must be in [0, 1]"),
 ])

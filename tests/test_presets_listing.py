@@ -82,6 +82,15 @@ def test_the_listing_shows_every_preset_with_its_bits(capsys):
     assert set(qsdp.preset_names()) <= fields
 
 
+def test_the_legend_explains_only_the_marks_the_table_shows(capsys):
+    assert cli_main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "(n/a: the config needs replicate_group=)" in out and "-: nothing travels" not in out
+    assert cli_main(["presets", "sdp4bit"]) == 0
+    out = capsys.readouterr().out
+    assert "n/a" not in out and "nothing travels" not in out
+
+
 def test_the_json_listing_holds_each_presets_whole_config(capsys):
     assert cli_main(["presets", "--json", "qsdp", "hsdp8"]) == 0
     data = json.loads(capsys.readouterr().out)

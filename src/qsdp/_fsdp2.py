@@ -50,3 +50,9 @@ def shard_groups(module: nn.Module) -> tuple[Any, Any] | None:
     post_group = getattr(post, "shard_process_group", None)
     main = g.mesh_info.shard_process_group
     return main, (post_group if post is not None and post != g.mesh_info else None)
+
+
+def all_gather_comms(module: nn.Module) -> list[Any]:
+    """The all-gather comm objects ``module``'s parameter groups call now (FSDP2's default, or
+    what ``set_custom_all_gather`` set): FSDP2 sets them but offers no getter."""
+    return [g._all_gather_comm for g in param_groups(module)]

@@ -199,6 +199,8 @@ def preset_names() -> list[str]:
 
 def _apply_overrides(cfg: QuantConfig, overrides: Mapping[str, Any]) -> QuantConfig:
     """Overrides are ``{"weights.bits": 4}`` (dotted) or ``{"weights": {"bits": 4}}``."""
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"overrides must be a dict such as {{'weights.bits': 8}}, got {type(overrides).__name__}")
     top: dict[str, Any] = {}
     sub: dict[str, dict[str, Any]] = {"weights": {}, "grads": {}, "hsdp": {}}
     for key, value in overrides.items():
@@ -207,6 +209,9 @@ def _apply_overrides(cfg: QuantConfig, overrides: Mapping[str, Any]) -> QuantCon
             sub[head][rest] = value
         elif head in sub and isinstance(value, Mapping):
             sub[head].update(value)
+        elif head in sub and not isinstance(value, type(getattr(cfg, head))):
+            raise ConfigError(f"{head}={value!r} must be a dict of its fields, e.g. {{'bits': 4}}, or "
+                              f"given as dotted keys ({head}.bits=4)")
         else:
             top[key] = value
     for name, fields in sub.items():
@@ -251,13 +256,17 @@ def is_int(v: Any) -> bool:
 
 
 def _check_quantizer(prefix: str, bits_fields: dict[str, Any], group_size: Any, rounding: Any) -> None:
+    allowed = ", ".join(map(str, SUPPORTED_BITS))
     for name, bits in bits_fields.items():
-        if not is_int(bits) or bits not in SUPPORTED_BITS:
-            raise ConfigError(f"{prefix}.{name}={bits!r} is not supported; allowed: {', '.join(map(str, SUPPORTED_BITS))}")
+        if not is_int(bits):
+            raise ConfigError(f"{prefix}.{name}={bits!r} must be an integer, one of {allowed} "
+                              f"(got {type(bits).__name__})")
+        if bits not in SUPPORTED_BITS:
+            raise ConfigError(f"{prefix}.{name}={bits!r} is not supported; allowed: {allowed}")
     # Collectives lay groups out on byte and word boundaries: a multiple of 8 keeps every bit
     # width's packed group a whole number of bytes.
     if not is_int(group_size) or group_size < 8 or group_size % 8:
-        raise ConfigError(f"{prefix}.group_size={group_size!r} must be a positive multiple of 8")
+        raise ConfigError(f"{prefix}.group_size={group_size!r} must be an integer, a positive multiple of 8")
     if rounding not in ROUNDINGS:
         raise ConfigError(f"{prefix}.rounding={rounding!r} is not supported; allowed: {', '.join(ROUNDINGS)}")
 

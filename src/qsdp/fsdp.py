@@ -15,7 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.distributed.fsdp import FSDPModule
 
 from . import hsdp as _hsdp
-from ._fsdp2 import fsdp_state, has_custom_divide_factor, shard_groups
+from ._fsdp2 import all_gather_comms, fsdp_state, has_custom_divide_factor, shard_groups
 from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
 from .comm.base import GradReduceScatter, WeightAllGather
 from .comm.meter import METER, ByteMeter, Stats
@@ -51,7 +51,7 @@ class QuantizedComms:
         t = self.topology
         hsdp = f", HSDP over {self.replicas} replicas" if self.replicas > 1 else ""
         return (f"QuantizedComms({self.config.name!r}, {len(self.modules)} FSDP groups, "
-                f"{t.world_size} ranks = {t.nodes} nodes x {t.ranks_per_node}{hsdp})")
+                f"{t.world_size} ranks = {t.nodes} node{'s' if t.nodes != 1 else ''} x {t.ranks_per_node}{hsdp})")
 
     def nonfinite_gradients(self) -> bool:
         """Collective: ``True`` on every rank if any rank reduced a NaN/Inf gradient since the
@@ -83,10 +83,13 @@ class QuantizedComms:
             comm.bind_meter(self.meter)
 
     def close(self) -> None:
-        """Remove the optimizer hooks this handle registered."""
+        """Remove the optimizer hooks this handle registered and let :func:`quantize_comms` be
+        called on the model again (its comms stay attached until that call replaces them)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for comm in [*self.all_gathers, *self.reduce_scatters]:
+            comm.closed = True
 
     def reset_replicas(self) -> None:
         """Collective by convention (every rank calls it): make the next gather of every
@@ -170,6 +173,32 @@ def _no_fsdp2_module(module: nn.Module) -> ValueError:
     return ValueError(f"{what}: call torch.distributed.fsdp.fully_shard on its blocks and on the root first")
 
 
+def _refuse_misuse(module: nn.Module, fsdp_modules: list[nn.Module]) -> None:
+    """Raise naming the fix for a model that quantize_comms would set up wrongly without a word:
+    one whose comms are already qsdp's (the second handle would take them over, and the first
+    one's meter would read 0), or a root that ``fully_shard`` left out while its children are
+    sharded (its own parameters would be neither sharded nor reduced across ranks)."""
+    current = next((c for m in fsdp_modules for c in all_gather_comms(m)
+                    if isinstance(c, WeightAllGather) and not c.closed), None)
+    if current is not None:
+        raise RuntimeError(
+            f"quantize_comms was already called on this model (its {current.config.name!r} comms are attached): "
+            "call close() on the handle it returned before quantizing again")
+    if isinstance(module, FSDPModule):
+        return
+    names = {id(m): n for n, m in module.named_modules()}
+    fsdp_names = [names[id(m)] for m in fsdp_modules]
+    roots = [n for n in fsdp_names if not any(n.startswith(o + ".") for o in fsdp_names if o != n)]
+    sharded = {id(p) for m in fsdp_modules for p in m.parameters()}
+    outside = [n for n, p in module.named_parameters() if id(p) not in sharded]
+    if len(roots) > 1 or outside:
+        left = f"; its parameters outside them ({outside[0]}, ...) would be neither sharded nor reduced" if outside else ""
+        raise ValueError(
+            f"the root {type(module).__name__} was not passed to fully_shard while {len(roots)} of its submodules "
+            f"were ({', '.join(roots[:2])}{', ...' if len(roots) > 2 else ''}){left}: call fully_shard(model) "
+            "after fully_shard on its blocks")
+
+
 def quantize_comms(
     module: nn.Module,
     config: str | QuantConfig = "sdp4bit",
@@ -197,7 +226,9 @@ def quantize_comms(
             quantize nothing else (``hsdp4``, ``hsdp8``).
 
     The config is validated first and then compared across ranks with one collective; both
-    raise :class:`qsdp.ConfigError` naming the problem before any data moves. On one node
+    raise :class:`qsdp.ConfigError` naming the problem before any data moves. A model whose comms
+    are already qsdp's (``close()`` the first handle to replace them) or whose root was left out
+    of ``fully_shard`` while its blocks were sharded is refused, naming the fix. On one node
     (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
     """
     cfg = resolve_config(config, overrides)
@@ -206,6 +237,7 @@ def quantize_comms(
     fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not fsdp_modules:
         raise _no_fsdp2_module(module)
+    _refuse_misuse(module, fsdp_modules)
     _hsdp.reject_native_hsdp(module)
     members_of = _shard_groups(fsdp_modules)
     meshes = [shard_groups(members[0]) for members in members_of]

@@ -89,6 +89,10 @@ def format_listing(data: dict[str, Any]) -> str:
     for name, p in data["presets"].items():
         bits = p["bits_per_element"]
         rows.append([name, *(_cell(bits[m], k, lv) for m, k, lv in LINKS)])
+    # Explain only the marks the table shows.
+    marks = {cell for row in rows[1:] for cell in row[1:]}
+    legend = "; ".join(text for mark, text in (("-", "-: nothing travels on that link"),
+                                               ("n/a", "n/a: the config needs replicate_group=")) if mark in marks)
     lines = [
         "Bits per element on each link in a steady-state step (W: weight all-gathers, G: gradient",
         f"reductions; {a['param_dtype']} weights, {a['reduce_dtype']} gradients, shards of whole groups).",
@@ -97,7 +101,7 @@ def format_listing(data: dict[str, Any]) -> str:
         "replicate_group=, sharded inside the node; HSDP G inter is the all-reduce across replicas.",
         "",
         *aligned(rows, rule=True),
-        "(-: nothing travels on that link; n/a: the config needs replicate_group=)",
+        *([f"({legend})"] if legend else []),
         "",
         "Fields (QuantConfig; each preset lists where it differs from the defaults):",
         _fields_line("defaults", {k: v for k, v in _dotted(data["defaults"]).items() if k != "name"}),

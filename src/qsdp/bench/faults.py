@@ -67,7 +67,7 @@ from qsdp.train.metrics import read_metrics, read_summary
 from . import netns
 from .cluster import (ClusterError, EmulatedCluster, Job, Link, _Emulation,
                       missing_requirements, node_env, run_guarded, torchrun_command)
-from .report import emit
+from .report import description, emit
 
 CASES = ("link-down", "node-kill", "slow-link")
 EXIT_GRACE_S = 5.0  # a worker's collective has raised; the process still has to exit
@@ -471,7 +471,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     d = FaultJob()
-    p = argparse.ArgumentParser(prog="qsdp bench faults", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="qsdp bench faults", description=description(__doc__),
                                 epilog="Needs root and the pyroute2 package (pip install 'qsdp[bench]').")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES, help="faults to inject, one job each")
     p.add_argument("--preset", default=d.preset)

@@ -41,6 +41,12 @@ def host() -> str:
     return f"{cpu_model()}, {cores} cores, {torch.backends.cpu.get_cpu_capability()}"
 
 
+def description(doc: str | None) -> str:
+    """A module docstring's first paragraph as one line, for ``--help``: the whole sentence
+    where it runs over more than one line."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
 def meta(name: str, argv: list[str] | None, device: str, **extra: Any) -> dict[str, Any]:
     """The ``meta`` block of a result file: the command, torch version, device, host and date."""
     args = argv if argv is not None else sys.argv[1:]

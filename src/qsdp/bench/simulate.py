@@ -32,6 +32,7 @@ from ..perfmodel import (
     GPT2_VOCAB,
     HARDWARE,
     KERNEL_NAMES,
+    PAPER_GPUS,
     MICRO_BATCH,
     MICRO_BATCHES,
     MODEL_SHAPES,
@@ -49,7 +50,7 @@ from ..perfmodel import (
 )
 from ..text_table import aligned
 
-from .report import BENCH_PRESETS, bar_chart, emit, meta, png_next_to
+from .report import BENCH_PRESETS, bar_chart, description, emit, meta, png_next_to
 
 DEFAULT_PRESETS = BENCH_PRESETS
 HSDP_PRESETS = ("fsdp", "hsdp4", "sdp4bit")
@@ -122,7 +123,7 @@ def _table4(hw: Hardware, kernels) -> dict[str, Any]:
     return out
 
 
-def run(gpus_types: Sequence[str] = ("a100", "h800"), *, overrides: Mapping[str, Any] | None = None,
+def run(gpus_types: Sequence[str] = PAPER_GPUS, *, overrides: Mapping[str, Any] | None = None,
         overlap: float = 0.0, kernels: Mapping[str, float] | None = None,
         presets: Sequence[str] = DEFAULT_PRESETS, layout: str = "flat", zero3: bool = False,
         scale_model: str = "6.7B", scale_gpus: Sequence[int] = (16, 32, 64, 128, 256, 512, 1024),
@@ -267,8 +268,9 @@ _HW_FLAGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qsdp bench simulate", description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", choices=[*HARDWARE, "all"], default="all", help="hardware preset(s)")
+    parser = argparse.ArgumentParser(prog="qsdp bench simulate", description=description(__doc__))
+    parser.add_argument("--gpu", choices=[*PAPER_GPUS, "all"], default="all",
+                        help="the paper's GPU type(s) and their clusters")
     parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
     parser.add_argument("--models", nargs="+", choices=list(PAPER_MODELS), default=list(PAPER_MODELS))
     parser.add_argument("--kernels", metavar="FILE", help='kernel benchmark JSON {"kernels": {"quantize": {"gbps": ..}, ...}}')
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             kernels = load_kernels(args.kernels)
         except (OSError, ValueError) as e:
             parser.error(f"--kernels: {e}")
-    gpus = list(HARDWARE) if args.gpu == "all" else [args.gpu]
+    gpus = list(PAPER_GPUS) if args.gpu == "all" else [args.gpu]
     try:
         result = run(gpus, overrides=overrides, overlap=args.overlap, kernels=kernels, presets=args.presets,
                      layout=args.layout, zero3=args.zero3, scale_model=args.scale_model,

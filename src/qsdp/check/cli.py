@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
-                   help=f"exact optimizer steps before measuring (default {d.warmup_steps})")
+                   help=f"exact optimizer steps before measuring (default {d.warmup_steps}; too few and "
+                   "q/SGD overstates the gradient risk: the output flags it)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"measured optimizer steps (default {d.steps})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"AdamW's learning rate (default {d.lr:g}); the "
                    "weight error per step grows as it falls: check with your schedule's smallest")

@@ -7,8 +7,8 @@ A model is named in one of three ways:
   has 162M parameters; the byte tokens use its first 256 ids), else the byte vocabulary;
 * a Hugging Face config JSON (a local file with a ``model_type``), built randomly initialised
   with ``AutoModelForCausalLM.from_config`` (nothing is downloaded);
-* ``module:function`` (``package.module:function`` or ``path/to/file.py:function``): a
-  function called without arguments that returns an ``nn.Module`` mapping token ids ``[B, T]``
+* ``module:function`` (``package.module:function``, imported from the current directory as
+  ``python -m`` would, or ``path/to/file.py:function``): a function called without arguments that returns an ``nn.Module`` mapping token ids ``[B, T]``
   (int64) to logits ``[B, T, V]`` (or a tuple, or an output with ``.logits``, holding them).
 
 The FSDP groups are those of the usual ``fully_shard`` recipe: one per transformer block (the
@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -99,9 +100,10 @@ def _factory_model(spec: str) -> nn.Module:
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
-            module = importlib.import_module(where)
+            module = _import_from_here(where)
     except ImportError as e:
-        raise ModelError(f"cannot import {where!r} for model {spec!r}: {e}") from None
+        raise ModelError(f"cannot import {where!r} for model {spec!r} (from the current directory or "
+                         f"sys.path): {e}") from None
     factory = getattr(module, name, None)
     if not callable(factory):
         raise ModelError(f"{where!r} has no function {name!r} (model {spec!r})")
@@ -109,6 +111,20 @@ def _factory_model(spec: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ModelError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _import_from_here(name: str):
+    """Import ``name`` as ``python -m`` would: the current directory first on the import path
+    (a console script's path starts at its own directory instead)."""
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module(name)
+    finally:
+        if added:
+            sys.path.remove(here)
 
 
 def block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:

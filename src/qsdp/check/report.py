@@ -16,6 +16,7 @@ from .verdict import (
     WEIGHT_RATIO_LIMIT,
     Ratios,
     judge,
+    sgd_var_note,
 )
 
 
@@ -41,6 +42,7 @@ def result(m: Measurement) -> dict[str, Any]:
     return {
         **as_dict(m), "preset": m.config.name, "layers": layers, "total": total,
         "verdict": LEVELS[max(worst, LEVELS.index(total["level"]))],
+        "calibration_note": sgd_var_note([(x["layer"], x["grad_sgd"]) for x in layers], m.config),
         "thresholds": {"weight_ratio_limit": WEIGHT_RATIO_LIMIT, "grad_ratio_validated": GRAD_RATIO_VALIDATED,
                        "grad_ratio_limit": GRAD_RATIO_LIMIT, "delta_limit": DELTA_LIMIT,
                        "tolerance": TOLERANCE},
@@ -75,6 +77,8 @@ def format_table(res: dict[str, Any]) -> str:
         fixes += [f for f in x["fixes"] if f not in fixes]
     if fixes:
         notes.append("try: " + "; or ".join(fixes))
+    if res.get("calibration_note"):
+        notes.append(res["calibration_note"])
     t = res["thresholds"]
     legend = (f"q/SGD: variance the gradient path adds / variance SGD's step already has (ok <= "
               f"{t['grad_ratio_validated']:g}, shown harmless; fail > {t['grad_ratio_limit']:g}). "

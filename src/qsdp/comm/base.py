@@ -59,6 +59,8 @@ class CommBase:
         self.topology = topology
         self.comm_id = comm_id
         self.byte_meter: ByteMeter = METER
+        # Set by the handle's close(): the module may then take another quantize_comms.
+        self.closed = False
 
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         """Count this comm's bytes in ``byte_meter`` from now on."""

@@ -25,7 +25,10 @@ class Hardware:
     A collective whose step is named here costs the host that instead of its latency, copies and
     codecs priced one by one.
     ``inter_burst_bytes``: a shaped inter-node link's token bucket, a GPU's share (bytes that
-    pass at once after the link was idle long enough to refill it at ``inter_gbps``)."""
+    pass at once after the link was idle long enough to refill it at ``inter_gbps``).
+    ``memory_gb``: one GPU's memory (0: not known). ``nics`` x ``nic_gbit``: a node's NICs and
+    the line rate of each, of which the collectives achieve ``link_efficiency``; ``inter_gbps``
+    is that, a GPU's share, in GB/s."""
 
     name: str
     gpus_per_node: int
@@ -43,16 +46,24 @@ class Hardware:
     call_us: Mapping[str, float] = field(default_factory=dict)
     call_ns_per_element: Mapping[str, float] = field(default_factory=dict)
     inter_burst_bytes: float = 0.0
+    memory_gb: float = 0.0
+    nics: int = 0
+    nic_gbit: float = 0.0
+    link_efficiency: float = 1.0
 
     @property
     def quant_gbps(self) -> float:
         return self.quant_hbm_fraction * self.hbm_gbps
 
 
+# NCCL over InfiniBand achieves about 80% of a NIC's line rate: the GPU types' default links.
+NIC_EFFICIENCY = 0.8
+
 HARDWARE: dict[str, Hardware] = {
     "a100": Hardware(
         name="a100", gpus_per_node=4, tflops=312.0, mfu=0.40, hbm_gbps=1555.0,
         intra_gbps=200.0, inter_gbps=3.36, intra_latency_us=3.0, inter_latency_us=8.0,
+        memory_gb=40.0, nics=1, nic_gbit=107.52, link_efficiency=1.0,
         notes=(
             "4 A100-SXM4 per node: the authors' README says their A100 nodes hold 4 GPUs (so 128 "
             "GPUs = 32 nodes), and sets TP/PP so that TP stays inside a node",
@@ -63,40 +74,97 @@ HARDWARE: dict[str, Hardware] = {
             "312 TFLOP/s bf16 peak, MFU 0.40 (assumed), HBM 1555 GB/s (40 GB part)",
         ),
     ),
+    "h100": Hardware(
+        name="h100", gpus_per_node=8, tflops=989.0, mfu=0.40, hbm_gbps=3350.0,
+        intra_gbps=360.0, inter_gbps=40.0, intra_latency_us=3.0, inter_latency_us=8.0,
+        memory_gb=80.0, nics=8, nic_gbit=400.0, link_efficiency=NIC_EFFICIENCY,
+        notes=(
+            "8 H100-SXM5 per node (DGX/HGX H100)",
+            "NVLink4 450 GB/s per GPU per direction; 360 GB/s effective (assumed: the 80% that "
+            "H800's achieved 160 GB/s is of its 200)",
+            "inter-node one 400 Gb/s InfiniBand NIC per GPU (8 per node, the DGX H100 build) at "
+            "80% efficiency: 40 GB/s per GPU",
+            "989 TFLOP/s bf16 dense peak, MFU 0.40 (assumed), HBM3 3350 GB/s, 80 GB",
+        ),
+    ),
+    "h200": Hardware(
+        name="h200", gpus_per_node=8, tflops=989.0, mfu=0.40, hbm_gbps=4800.0,
+        intra_gbps=360.0, inter_gbps=40.0, intra_latency_us=3.0, inter_latency_us=8.0,
+        memory_gb=141.0, nics=8, nic_gbit=400.0, link_efficiency=NIC_EFFICIENCY,
+        notes=(
+            "8 H200-SXM per node (HGX H200)",
+            "NVLink4 as H100: 360 GB/s per GPU per direction effective (assumed)",
+            "inter-node one 400 Gb/s NIC per GPU (8 per node, the usual HGX H200 build; assumed) "
+            "at 80% efficiency: 40 GB/s per GPU",
+            "989 TFLOP/s bf16 dense peak (H100's compute), MFU 0.40 (assumed), HBM3e 4800 GB/s, 141 GB",
+        ),
+    ),
     "h800": Hardware(
         name="h800", gpus_per_node=8, tflops=989.0, mfu=0.40, hbm_gbps=3350.0,
         intra_gbps=160.0, inter_gbps=40.0, intra_latency_us=3.0, inter_latency_us=8.0,
+        memory_gb=80.0, nics=8, nic_gbit=400.0, link_efficiency=NIC_EFFICIENCY,
         notes=(
             "8 H800-SXM5 per node (the authors' README)",
             "NVLink 160 GB/s per GPU effective (H800's 400 GB/s NVLink; the achieved figure "
             "DeepSeek-V3's report gives for H800 nodes)",
             "inter-node one 400 Gb/s InfiniBand NIC per GPU (8 per node, the usual HGX H800 "
             "build; assumed) at 80% efficiency: 40 GB/s per GPU",
-            "989 TFLOP/s bf16 dense peak, MFU 0.40 (assumed), HBM 3350 GB/s",
+            "989 TFLOP/s bf16 dense peak, MFU 0.40 (assumed), HBM 3350 GB/s, 80 GB",
         ),
     ),
 }
+# The GPU types of the SDP4Bit paper, whose measurements `qsdp bench simulate` compares with.
+PAPER_GPUS = ("a100", "h800")
 
 
-def cluster_hardware(gpu: str = "h800", ranks_per_node: int | None = None, *, link_gbit: float | None = None,
+def custom_hardware(ranks_per_node: int, *, tflops: float, hbm_gbps: float, intra_gbps: float,
+                    link_gbit: float, memory_gb: float = 0.0, mfu: float = 0.40,
+                    intra_latency_us: float = 3.0, inter_latency_us: float = 8.0) -> Hardware:
+    """A GPU type of the caller's figures (``qsdp advise --gpu custom``): ``ranks_per_node``
+    GPUs of ``tflops`` bf16 peak (at ``mfu``), ``hbm_gbps`` GB/s of memory bandwidth and
+    ``memory_gb`` of memory, ``intra_gbps`` GB/s per GPU inside the node, and a node link of
+    ``link_gbit`` Gbit/s as the collectives achieve it."""
+    figures = {"ranks_per_node": ranks_per_node, "tflops": tflops, "hbm_gbps": hbm_gbps,
+               "intra_gbps": intra_gbps, "link_gbit": link_gbit, "mfu": mfu}
+    for name, value in figures.items():
+        if value is None or value <= 0:
+            raise ValueError(f"{name}={value} must be positive")
+    return Hardware(name="custom", gpus_per_node=ranks_per_node, tflops=tflops, mfu=mfu, hbm_gbps=hbm_gbps,
+                    intra_gbps=intra_gbps, inter_gbps=link_gbit / 8 / ranks_per_node,
+                    intra_latency_us=intra_latency_us, inter_latency_us=inter_latency_us,
+                    memory_gb=memory_gb, nics=1, nic_gbit=link_gbit, notes=("the caller's figures",))
+
+
+def cluster_hardware(gpu: str | Hardware = "h800", ranks_per_node: int | None = None, *,
+                     link_gbit: float | None = None, link_gbit_per_gpu: float | None = None,
                      link_latency_us: float | None = None, intra_gbps: float | None = None) -> Hardware:
-    """``HARDWARE[gpu]`` with nodes of ``ranks_per_node`` GPUs (default: the type's) and, where
-    given, the measured or shaped links: ``link_gbit`` is one node's inter-node link in Gbit/s per
-    direction (shared by its GPUs: each gets ``link_gbit / 8 / ranks_per_node`` GB/s),
-    ``link_latency_us`` its latency per step, ``intra_gbps`` a GPU's intra-node GB/s."""
-    if gpu not in HARDWARE:
+    """``HARDWARE[gpu]`` (or the given ``Hardware``) with nodes of ``ranks_per_node`` GPUs
+    (default: the type's) and, where given, the measured or stated links: ``link_gbit`` is one
+    node's inter-node link in Gbit/s per direction as the collectives achieve it (shared by its
+    GPUs: each gets ``link_gbit / 8 / ranks_per_node`` GB/s), ``link_gbit_per_gpu`` the same as
+    one GPU's share, ``link_latency_us`` its latency per step, ``intra_gbps`` a GPU's intra-node
+    GB/s."""
+    if isinstance(gpu, Hardware):
+        hw = gpu
+    elif gpu in HARDWARE:
+        hw = HARDWARE[gpu]
+    else:
         raise ValueError(f"gpu={gpu!r}; known: {', '.join(HARDWARE)}")
-    hw = HARDWARE[gpu]
     m = hw.gpus_per_node if ranks_per_node is None else ranks_per_node
-    given = {"ranks_per_node": m, "link_gbit": link_gbit, "intra_gbps": intra_gbps}
+    given = {"ranks_per_node": m, "link_gbit": link_gbit, "link_gbit_per_gpu": link_gbit_per_gpu,
+             "intra_gbps": intra_gbps}
     for name, value in given.items():
         if value is not None and value <= 0:
             raise ValueError(f"{name}={value} must be positive")
+    if link_gbit is not None and link_gbit_per_gpu is not None:
+        raise ValueError("give link_gbit (a node's) or link_gbit_per_gpu (a GPU's share), not both")
     if link_latency_us is not None and link_latency_us < 0:
         raise ValueError(f"link_latency_us={link_latency_us} must not be negative")
     changes: dict[str, float] = {"gpus_per_node": m}
     if link_gbit is not None:
         changes["inter_gbps"] = link_gbit / 8 / m
+    if link_gbit_per_gpu is not None:
+        changes["inter_gbps"] = link_gbit_per_gpu / 8
     if link_latency_us is not None:
         changes["inter_latency_us"] = link_latency_us
     if intra_gbps is not None:

@@ -23,6 +23,7 @@ from ..gpt_shape import flops_per_token, n_params
 from .collectives import Collective, collective_bytes, hsdp_collectives, replica_elements, step_collectives
 from .comm_time import comm_time
 from .hardware import Hardware, cluster_hardware
+from .limits import step_parts
 from .setup import SEQ_LEN, Setup, fsdp2_setup, gpt_shape, shard_sizes
 
 
@@ -44,7 +45,7 @@ def _timed(colls: Sequence[Collective], hw: Hardware, ring_nodes: int, m: int, s
     exposed = max(0.0, comm - overlap * comp)
     return {"step_s": comp + exposed, "compute_s": comp, "comm_s": comm, "exposed_comm_s": exposed,
             "weights_s": ct["weights"], "grads_s": ct["grads"], "kernels_s": ct["kernels"],
-            "bytes": collective_bytes(colls)}
+            "bytes": collective_bytes(colls), "parts": step_parts(colls, hw, ring_nodes, m, kernels)}
 
 
 def simulate_step(setup: Setup, preset: str | QuantConfig, hw: Hardware, *, overlap: float = 0.0,
@@ -53,7 +54,8 @@ def simulate_step(setup: Setup, preset: str | QuantConfig, hw: Hardware, *, over
     """Predicted fully sharded step and its parts, for one preset: seconds ``step_s``,
     ``compute_s`` (``compute_s`` given: that), ``comm_s``, ``exposed_comm_s``, ``weights_s``,
     ``grads_s``, ``kernels_s`` (codec time, inside the two before); ``bytes`` one rank puts on
-    the wire (:func:`~qsdp.perfmodel.collectives.step_bytes`); ``replica_bytes`` its
+    the wire (:func:`~qsdp.perfmodel.collectives.step_bytes`); ``parts``: where the
+    communication time goes (:func:`~qsdp.perfmodel.limits.step_parts`); ``replica_bytes`` its
     weight-difference replicas hold; the data-parallel group's ``dp_nodes`` x ``dp_ranks_per_node``."""
     nodes, m = setup.dp_topology(hw.gpus_per_node)
     shards = shard_sizes(setup)
@@ -81,7 +83,8 @@ def simulate_hsdp_step(setup: Setup, preset: str | QuantConfig, hw: Hardware, *,
 
 
 def predict_step(preset: str | QuantConfig, params: int | None = None, nodes: int = 1, ranks_per_node: int = 8, *,
-                 shape: Mapping[str, int] | None = None, gpu: str = "h800", link_gbit: float | None = None,
+                 shape: Mapping[str, int] | None = None, gpu: str | Hardware = "h800",
+                 link_gbit: float | None = None, link_gbit_per_gpu: float | None = None,
                  link_latency_us: float | None = None, intra_gbps: float | None = None,
                  kernels: Mapping[str, float] | None = None, hsdp: bool = False, seq_len: int = SEQ_LEN,
                  micro_batch: int = 1, overlap: float = 0.0, compute_s: float | None = None,
@@ -91,9 +94,11 @@ def predict_step(preset: str | QuantConfig, params: int | None = None, nodes: in
 
     The model: ``params`` parameters (a GPT-3-like shape is chosen) or ``shape`` (``n_layer``,
     ``n_embd``, ``n_head``, optional ``vocab_size``), ``micro_batch`` sequences of ``seq_len``
-    tokens per rank. The cluster: GPU type ``gpu`` (:data:`~qsdp.perfmodel.hardware.HARDWARE`),
+    tokens per rank. The cluster: GPU type ``gpu`` (a name of
+    :data:`~qsdp.perfmodel.hardware.HARDWARE`, or a :class:`~qsdp.perfmodel.hardware.Hardware`),
     its links replaced where given: ``link_gbit`` (one node's inter-node link, Gbit/s per
-    direction), ``link_latency_us``, ``intra_gbps`` (GB/s per GPU); ``kernels`` the codec speeds
+    direction, as the collectives achieve it) or ``link_gbit_per_gpu`` (a GPU's share of it),
+    ``link_latency_us``, ``intra_gbps`` (GB/s per GPU); ``kernels`` the codec speeds
     (:func:`~qsdp.perfmodel.codec_time.load_kernels`). ``hsdp``: shard inside the node, replicate
     across nodes. ``compute_s``: a measured forward+backward time instead of the FLOPs model.
     ``param_bytes``/``grad_bytes``: the all-gather and reduce dtypes' sizes (2 or 4).
@@ -105,10 +110,10 @@ def predict_step(preset: str | QuantConfig, params: int | None = None, nodes: in
         raise ValueError("give either params or shape")
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap={overlap} must be in [0, 1]")
-    setup = fsdp2_setup(gpu, nodes, ranks_per_node, shape if shape is not None else gpt_shape(params),
+    hw = cluster_hardware(gpu, ranks_per_node, link_gbit=link_gbit, link_gbit_per_gpu=link_gbit_per_gpu,
+                          link_latency_us=link_latency_us, intra_gbps=intra_gbps)
+    setup = fsdp2_setup(hw.name, nodes, ranks_per_node, shape if shape is not None else gpt_shape(params),
                         seq_len=seq_len, micro_batch=micro_batch)
-    hw = cluster_hardware(gpu, ranks_per_node, link_gbit=link_gbit, link_latency_us=link_latency_us,
-                          intra_gbps=intra_gbps)
     simulate = simulate_hsdp_step if hsdp else simulate_step
     r = simulate(setup, preset, hw, overlap=overlap, kernels=kernels, param_bytes=param_bytes,
                  grad_bytes=grad_bytes, compute_s=compute_s)

@@ -160,11 +160,13 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep: int = 2,
 ) -> Path:
-    """Save a checkpoint of ``step`` (collective: every rank calls it); returns its directory.
+    """Save a checkpoint of ``step`` (collective: every rank calls it); returns its directory,
+    ``out/checkpoints/step_XXXXXXXX``, which :func:`latest_checkpoint` then names.
 
-    ``handle`` is the :class:`qsdp.QuantizedComms` of the model; ``meta`` (JSON-able, the same
-    on every rank) is written to ``trainer.json`` with ``step`` added. After the new checkpoint
-    is ``latest``, all but the newest ``keep`` checkpoints are removed (``keep <= 0`` keeps all).
+    ``out`` is the run directory; ``handle`` is the :class:`qsdp.QuantizedComms` of the model;
+    ``meta`` (JSON-able, the same on every rank: what your loop needs back, e.g. its data
+    position) is written to ``trainer.json`` with ``step`` added. After the new checkpoint is
+    ``latest``, all but the newest ``keep`` checkpoints are removed (``keep <= 0`` keeps all).
     """
     rank = dist.get_rank()
     root = checkpoint_root(out)
@@ -225,11 +227,19 @@ def load_checkpoint(
     device: torch.device,
 ) -> dict[str, Any]:
     """Load the checkpoint in ``path`` into ``model``, ``optimizer``, the comm state of
-    ``handle`` and the RNGs (collective); returns its ``trainer.json`` dict.
+    ``handle`` and the RNGs (collective); returns its ``trainer.json`` dict: the ``meta`` given to
+    :func:`save_checkpoint` plus ``step``.
 
-    Call it after ``fully_shard`` and ``quantize_comms``, before the first forward.
+    ``path`` is one checkpoint's directory (``latest_checkpoint(out)``, or any
+    ``out/checkpoints/step_XXXXXXXX``), not the run directory ``out``. ``device`` is where this
+    rank's comm state and weight-difference replicas go, the device of the process group's
+    tensors: ``cpu`` with gloo, this rank's ``cuda`` device with NCCL. Call it after
+    ``fully_shard`` and ``quantize_comms``, before the first forward.
     """
     path = Path(path)
+    if not (path / META_FILE).exists() and checkpoint_root(path).is_dir():
+        raise CheckpointError(f"{path} is a run directory, not a checkpoint: pass latest_checkpoint({str(path)!r}) "
+                              f"(a directory under {checkpoint_root(path)})")
     meta = read_meta(path)
     rank = dist.get_rank()
     model_sd, optim_sd = get_state_dict(model, optimizer)
