@@ -52,12 +52,12 @@ def batch(step: int, rank: int, n: int = 16, dtype=torch.float32):
     return x.to(dtype), y.to(dtype)
 
 
-def train(model, steps: int, rank: int, lr: float = 1e-2, dtype=torch.float32) -> list[float]:
+def train(model, steps: int, rank: int, lr: float = 1e-2, dtype=torch.float32, device="cpu") -> list[float]:
     """Adam on a fixed regression task; returns the (rank-local) losses."""
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
-        x, y = batch(step, rank, dtype=dtype)
+        x, y = (t.to(device) for t in batch(step, rank, dtype=dtype))
         loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
         loss.backward()
         opt.step()
