@@ -117,11 +117,12 @@ def check_gradients(
             optimizer step needs no agreement of its own. A promise: until the next forward the
             parameters change only through one optimizer step on every rank (taken when
             ``nonfinite`` is false) or through none; a change made outside the optimizer after
-            the check is sent exactly only after the next check.
+            the check is sent exactly at the gathers after the next check.
     """
-    flags = [f for f in (rs.take_nonfinite_flag() for rs in comms.reduce_scatters) if f is not None]
+    # Checked before the flags are taken: a refused call leaves them for the next check.
     shards = _local_shards(parameters, comms.topology.group) if parameters is not None else []
     group = _sum_group(comms)
+    flags = [f for f in (rs.take_nonfinite_flag() for rs in comms.reduce_scatters) if f is not None]
     device = _device(comms, flags, shards)
     tracker = comms.tracker if agree_ahead and comms.config.weights.mode == "difference" else None
     ahead = tracker.ahead_flags() if tracker is not None else []
