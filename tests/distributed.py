@@ -1,9 +1,11 @@
-"""Run a function on a real gloo process group of N local processes, with a hard deadline.
+"""Run a function on a real process group (gloo, or NCCL with one GPU a rank) of N local
+processes, with a hard deadline.
 
 Children are forked from the test process (torch is already imported, so a world starts in a
-fraction of a second). Each child returns a picklable value or raises; the parent re-raises the
-first child error with its traceback, and kills every child and fails if the deadline passes,
-so a hang costs at most ``timeout`` seconds.
+fraction of a second), or spawned (``start_method="spawn"``) where the test process may already
+hold a CUDA context, which a forked child cannot use. Each child returns a picklable value or
+raises; the parent re-raises the first child error with its traceback, and kills every child and
+fails if the deadline passes, so a hang costs at most ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from typing import Any, Callable
 from qsdp.launch import free_port
 
 
-def _child(fn, rank, world_size, port, local_world_size, pg_timeout, queue, args, kwargs):
+def _child(fn, rank, world_size, port, local_world_size, pg_timeout, backend, queue, args, kwargs):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank % local_world_size), LOCAL_WORLD_SIZE=str(local_world_size),
@@ -31,7 +35,7 @@ def _child(fn, rank, world_size, port, local_world_size, pg_timeout, queue, args
     )
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size,
+            backend, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world_size, *args, **kwargs)
@@ -63,17 +67,21 @@ def run_world(
     local_world_size: int | None = None,
     timeout: float = 120.0,
     pg_timeout: float = 60.0,
+    start_method: str = "fork",
+    backend: str = "gloo",
     **kwargs: Any,
 ) -> list[Any]:
     """``[fn(rank, world_size, *args, **kwargs) for each rank]`` computed in ``world_size``
-    processes joined by a gloo group, emulating nodes of ``local_world_size`` consecutive ranks
-    (``QSDP_NODE`` and ``LOCAL_WORLD_SIZE`` set as on such nodes)."""
-    ctx = mp.get_context("fork")
+    processes joined by a ``backend`` group, emulating nodes of ``local_world_size`` consecutive
+    ranks (``QSDP_NODE`` and ``LOCAL_WORLD_SIZE`` set as on such nodes; ``nccl``: rank ``r`` on
+    GPU ``r``). ``start_method="spawn"`` needs ``fn`` importable by name (a test module's
+    function)."""
+    ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     port = free_port()
     lws = local_world_size or world_size
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, lws, pg_timeout, queue, args, kwargs))
+        ctx.Process(target=_child, args=(fn, r, world_size, port, lws, pg_timeout, backend, queue, args, kwargs))
         for r in range(world_size)
     ]
     for p in procs:

@@ -52,7 +52,8 @@ def batch(step: int, rank: int, n: int = 16, dtype=torch.float32):
     return x.to(dtype), y.to(dtype)
 
 
-def train(model, steps: int, rank: int, lr: float = 1e-2, dtype=torch.float32, accumulate: int = 1) -> list[float]:
+def train(model, steps: int, rank: int, lr: float = 1e-2, dtype=torch.float32, accumulate: int = 1,
+          device="cpu") -> list[float]:
     """Adam on a fixed regression task, ``accumulate`` micro-batches a step (gradient sync only
     on the last, as FSDP2 users accumulate); returns the (rank-local) losses."""
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -61,7 +62,7 @@ def train(model, steps: int, rank: int, lr: float = 1e-2, dtype=torch.float32, a
         for micro in range(accumulate):
             if accumulate > 1:
                 model.set_requires_gradient_sync(micro == accumulate - 1)
-            x, y = batch(step * accumulate + micro, rank, dtype=dtype)
+            x, y = (t.to(device) for t in batch(step * accumulate + micro, rank, dtype=dtype))
             loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
             loss.backward()
         opt.step()

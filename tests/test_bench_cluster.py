@@ -423,6 +423,7 @@ def test_each_preset_runs_the_comm_steps_of_its_modes():
 
 def test_a_dearer_comm_step_slows_the_presets_that_run_it_once_per_collective():
     from qsdp.bench.cluster_advice import ModelInputs, bench_shards, predict_step_s
+    from qsdp.config import resolve_config
     from qsdp.perfmodel import step_collectives
 
     shape = dict(nodes=2, ranks_per_node=2, model="tiny", seq_len=64, batch_size=4, param_dtype="float32")
@@ -431,8 +432,11 @@ def test_a_dearer_comm_step_slows_the_presets_that_run_it_once_per_collective():
     cheap = ModelInputs(compute_s=0.05, intra_gbps=0.3, latency_us=900.0, kernels={}, call_us=calls)
     dear = dataclasses.replace(cheap, call_us={**calls, "sdp4bit": {"two_level_slice": 2000.0}})
     shards = bench_shards("tiny", 64, 4)
-    slices = sum(c.call == "two_level_slice" for c in step_collectives("sdp4bit", shards, 2, 2))
-    assert slices == 13  # the root's shard in one slice, each block's in three
+    # the root's shard in one slice, each block's in three, each in an exchange of its own where
+    # every slice reaches grads.pipeline_min_bytes (the tiny model's never reach the default 1 MiB)
+    every_slice = resolve_config("sdp4bit", {"grads.pipeline_min_bytes": 1})
+    assert sum(c.call == "two_level_slice" for c in step_collectives(every_slice, shards, 2, 2)) == 13
+    assert sum(c.call == "two_level_slice" for c in step_collectives("sdp4bit", shards, 2, 2)) == 5
     # on gloo, pipeline_slices="auto" sends every group's slices in one exchange per hop
     slices = sum(c.call == "two_level_slice" for c in step_collectives("sdp4bit", shards, 2, 2, host_staged=True))
     assert slices == 5

@@ -231,14 +231,73 @@ def test_auto_on_gloo_sends_one_all_to_all_per_hop_and_a_slice_count_one_per_sli
 
 
 def test_auto_pipelines_the_exchanges_only_where_the_host_does_not_move_the_bytes():
-    from qsdp.comm.reduce_scatter import exchange_groups, pipelines_exchanges
+    import math
+
+    from qsdp.comm.reduce_scatter import exchange_min_bytes, pipelines_exchanges
 
     assert pipelines_exchanges("cuda", "nccl")
     assert not pipelines_exchanges("cpu", "gloo")
     assert not pipelines_exchanges("cuda", "gloo")  # CUDA tensors staged through the host
     assert pipelines_exchanges("cuda", "cpu:gloo,cuda:nccl") and not pipelines_exchanges("cpu", "cpu:gloo,cuda:nccl")
-    assert exchange_groups(3, pipelined=True) == [range(0, 1), range(1, 2), range(2, 3)]
-    assert exchange_groups(3, pipelined=False) == [range(0, 3)]
+    auto = qsdp.resolve_config("sdp4bit", {"grads.pipeline_min_bytes": 5000}).grads
+    assert exchange_min_bytes(auto, host_moves_bytes=False) == 5000
+    assert exchange_min_bytes(auto, host_moves_bytes=True) == math.inf  # one exchange per hop
+    eight = qsdp.resolve_config("sdp4bit", {"grads.pipeline_slices": 8}).grads
+    assert exchange_min_bytes(eight, host_moves_bytes=True) == exchange_min_bytes(eight, False) == 0
+
+
+def test_an_exchange_carries_consecutive_slices_until_they_reach_the_minimum_bytes():
+    import math
+
+    from qsdp.comm.reduce_scatter import exchange_groups
+
+    assert exchange_groups([10, 10, 10], 0) == [range(0, 1), range(1, 2), range(2, 3)]  # one slice each
+    assert exchange_groups([10, 10, 10], math.inf) == [range(0, 3)]  # all in one
+    assert exchange_groups([10] * 8, 25) == [range(0, 3), range(3, 8)]  # the short tail joins the last
+    assert exchange_groups([10] * 8, 20) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert exchange_groups([10] * 8, 1000) == [range(0, 8)]  # a small shard: one exchange
+    assert exchange_groups([10, 10, 10, 4], 10) == [range(0, 1), range(1, 2), range(2, 4)]
+
+
+def _grouped_by_bytes(rank, world, min_bytes):
+    """sdp4bit's auto slices on gloo as if an engine moved the bytes (``pipelines_exchanges``
+    answers yes), against 8 slices: outputs, bytes and this rank's all-to-alls per hop."""
+    import qsdp.comm.reduce_scatter as rs
+    from qsdp.comm.meter import METER
+
+    rs.pipelines_exchanges = lambda device_type, backend: True
+    real, calls = dist.all_to_all_single, []
+
+    def counting(*args, **kwargs):  # the real collective still runs
+        calls.append(kwargs.get("group"))
+        return real(*args, **kwargs)
+
+    results = []
+    for slices in ("auto", 8):
+        cfg = qsdp.resolve_config("sdp4bit", {"grads.pipeline_slices": slices, "grads.pipeline_min_slice": 1,
+                                              "grads.pipeline_min_bytes": min_bytes})
+        topo = build_topology()
+        comm = QuantizedReduceScatter(cfg, topo, 3)
+        METER.snapshot(reset=True)
+        calls.clear()
+        dist.all_to_all_single = counting
+        try:
+            out = _reduce_scatter(comm, _grad(rank, world * 8 * 4096))
+        finally:
+            dist.all_to_all_single = real
+        results.append((out, METER.snapshot()["grads"], sum(g is topo.inter_group for g in calls)))
+    (auto, auto_bytes, auto_calls), (eight, eight_bytes, eight_calls) = results
+    return torch.equal(auto, eight), auto_bytes == eight_bytes, auto_calls, eight_calls
+
+
+# A shard of 8 x 4096 elements on 2 x 2 ranks, 8 slices of 4096: each adds 2 rows of 4096 4-bit
+# codes and 32 fp32 scales (2 x 2176 bytes) to hop 2's buffer, less than hop 1's 4 rows of 8 bits.
+@pytest.mark.parametrize("min_bytes,exchanges", [(1, 8), (3 * 4352, 2), (8 * 4352, 1), (1 << 30, 1)])
+def test_auto_groups_the_slices_by_bytes_with_the_bits_and_bytes_of_eight_slices(min_bytes, exchanges):
+    for same_output, same_bytes, auto_calls, eight_calls in run_world(_grouped_by_bytes, 4, min_bytes,
+                                                                       local_world_size=2):
+        assert same_output and same_bytes
+        assert (auto_calls, eight_calls) == (exchanges, 8)
 
 
 @pytest.mark.parametrize("bits", [None, 8])

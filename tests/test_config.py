@@ -83,6 +83,7 @@ def test_presets_are_frozen_data():
     ("qsdp", {"weights.mode": "magic"}, "weights.mode='magic'"),
     ("sdp4bit", {"grads.hadamard_block": 24}, "grads.hadamard_block=24"),
     ("sdp4bit", {"grads.pipeline_slices": 0}, "grads.pipeline_slices=0"),
+    ("sdp4bit", {"grads.pipeline_min_bytes": 0}, "grads.pipeline_min_bytes=0 must be a positive integer"),
     ("qsdp", {"local_world_size": 0}, "local_world_size=0"),
     ("qsdp", {"weights.colour": 1}, "unknown config field weights.colour"),
     ("qsdp", {"speed": 1}, "unknown config field speed"),

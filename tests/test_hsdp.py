@@ -3,6 +3,8 @@ across the nodes quantized; replicas, accuracy, convergence, checkpoints and bad
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,12 +19,12 @@ pytestmark = pytest.mark.timeout(240)
 NODES, PER_NODE = 2, 2
 
 
-def _hsdp_model(seed: int = 0, width: int = 32, depth: int = 2, native: bool = False, mp=None):
+def _hsdp_model(seed: int = 0, width: int = 32, depth: int = 2, native: bool = False, mp=None, device="cpu"):
     """TinyNet sharded with 1-D FSDP2 on this node's ranks (``native``: FSDP2's own HSDP on the
     2-D mesh); returns the model and the groups."""
-    groups = qsdp.hsdp_groups(nodes=NODES, device_type="cpu")
+    groups = qsdp.hsdp_groups(nodes=NODES, device_type=device)
     torch.manual_seed(seed)
-    model = fm.TinyNet(width, depth)
+    model = fm.TinyNet(width, depth).to(device)
     mesh = groups.mesh if native else groups.shard_mesh
     kw = {"mp_policy": mp} if mp is not None else {}
     for b in model.blocks:
@@ -122,6 +124,133 @@ def test_quantized_all_reduce_is_unbiased(overrides):
     assert (std > 0).all()
     z = err.mean(dim=0) / (std / trials**0.5)
     assert z.abs().max() < 5.0  # 256 elements: P(max |z| > 5) is about 1e-4 for an unbiased quantizer
+
+
+# ------------------------------------------------------------------ FSDP2's all-reduce hook
+
+
+def _spy_on_the_all_reduce(record) -> None:
+    """Call ``record()`` at every call of ReplicaAllReduce (in a child process: the patch dies
+    with it)."""
+    from qsdp.comm.hsdp import ReplicaAllReduce
+
+    original = ReplicaAllReduce.__call__
+
+    def spy(self, x, inplace=False):
+        record()
+        return original(self, x, inplace)
+
+    ReplicaAllReduce.__call__ = spy
+
+
+def _callers() -> list[tuple[str, str]]:
+    """(function, class of its ``self``) of every frame above the spy."""
+    frame, out = sys._getframe(2), []
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        out.append((frame.f_code.co_name, type(owner).__name__ if owner is not None else ""))
+        frame = frame.f_back
+    return out
+
+
+def _who_calls_the_all_reduce(rank, world):
+    calls: list[list[tuple[str, str]]] = []
+    _spy_on_the_all_reduce(lambda: calls.append(_callers()))
+    model, _, _ = _quantized_hsdp("hsdp4")
+    fm.train(model, 1, rank)
+    return calls
+
+
+def test_the_inter_node_all_reduce_runs_in_fsdp2s_all_reduce_hook_not_in_the_reduce_scatter():
+    for calls in run_world(_who_calls_the_all_reduce, 4, local_world_size=PER_NODE):
+        assert len(calls) == 3  # one per FSDP group
+        for frames in calls:
+            assert ("hook", "HsdpReduceScatter") in frames
+            assert ("__call__", "HsdpReduceScatter") not in frames
+            assert "foreach_reduce" in [name for name, _ in frames]  # FSDP2 calls the hook
+
+
+class _ReduceScatterThenAllReduce:
+    """The reference: the intra-node reduce-scatter and the all-reduce across replicas composed
+    in FSDP2's reduce-scatter call, one after the other, with the same pieces."""
+
+    def __init__(self, rs) -> None:
+        self.rs = rs
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        divisor = (group.size() if op == dist.ReduceOp.AVG else 1) * self.rs.replica_divisor
+        self.rs.inner(output_tensor, input_tensor, group, dist.ReduceOp.SUM)
+        total = self.rs.all_reduce(output_tensor.float(), inplace=True)
+        if divisor != 1:
+            total.div_(divisor)
+        if total is not output_tensor:
+            output_tensor.copy_(total)
+
+
+def _hook_or_composed(rank, world, preset, reduce_dtype, composed):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model, groups = _hsdp_model(width=64, mp=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
+    handle = qsdp.quantize_comms(model, preset, group=groups.shard_group, replicate_group=groups.replicate_group)
+    if composed:
+        for m, rs in zip(handle.modules, handle.reduce_scatters):
+            m.set_custom_reduce_scatter(_ReduceScatterThenAllReduce(rs))
+            m.set_all_reduce_hook(None)
+    losses = fm.train(model, 4, rank)
+    return losses, _local_shards(model), handle.comm_stats()
+
+
+# fp32 reduces with AVG (divided in the hook); fp16 makes FSDP2 divide before and after the hook.
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("preset", ["hsdp4", "sdp4bit"])
+def test_the_hook_gives_the_bits_and_bytes_of_the_all_reduce_composed_into_the_reduce_scatter(preset, reduce_dtype):
+    hooked = run_world(_hook_or_composed, 4, preset, reduce_dtype, False, local_world_size=PER_NODE)
+    composed = run_world(_hook_or_composed, 4, preset, reduce_dtype, True, local_world_size=PER_NODE)
+    for (losses, shards, stats), (losses_, shards_, stats_) in zip(hooked, composed):
+        assert losses == losses_
+        assert all(torch.equal(a, b) for a, b in zip(shards, shards_))
+        assert stats == stats_ and stats["grads"]["inter"]["bytes"] > 0
+
+
+def _hook_replaced(rank, world):
+    model, _, handle = _quantized_hsdp("hsdp4")
+    for m in handle.modules:
+        m.set_all_reduce_hook(lambda output: None)
+    try:
+        fm.train(model, 2, rank)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_replacing_the_all_reduce_hook_fails_instead_of_leaving_the_replicas_apart():
+    for message in run_world(_hook_replaced, 4, local_world_size=PER_NODE, timeout=90):
+        assert message is not None and "never reached the all-reduce hook" in message
+        assert "set_all_reduce_hook" in message
+
+
+def _hook_streams(rank, world):
+    from qsdp._fsdp2 import param_groups
+
+    model, groups = _hsdp_model(device="cuda")
+    qsdp.quantize_comms(model, "hsdp4", group=groups.shard_group, replicate_group=groups.replicate_group)
+    ctx = param_groups(model)[0].comm_ctx
+    seen: list[tuple[bool, bool]] = []
+    _spy_on_the_all_reduce(lambda: seen.append((torch.cuda.current_stream() == ctx.all_reduce_stream,
+                                                torch.cuda.current_stream() == ctx.reduce_scatter_stream)))
+    fm.train(model, 2, rank, device="cuda")
+    return seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_cuda_the_all_reduce_runs_on_the_stream_fsdp2_passes_its_hook():
+    # 4 ranks share the GPU over gloo (CUDA tensors); spawned: this process may hold a CUDA context.
+    for seen in run_world(_hook_streams, 4, local_world_size=PER_NODE, start_method="spawn", timeout=200):
+        assert seen == [(True, False)] * 6  # 3 groups x 2 steps, none on the reduce-scatter stream
 
 
 # ------------------------------------------------------------------ against FSDP2's native HSDP

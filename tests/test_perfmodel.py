@@ -176,19 +176,44 @@ def test_the_bucket_refills_while_the_host_works_on_a_collective_inside_the_node
     assert pm.synchronous_step(0.0, [c, inside, c], hw, 2, 2)["link_wait_s"] == 0.0
 
 
-def test_auto_slices_are_one_exchange_per_hop_on_host_staged_hardware_and_eight_on_gpus():
-    shards = [4096, 1 << 20]
-    auto = resolve_config("sdp4bit", {"grads.pipeline_slices": "auto"})
-    grads = {staged: [c for c in pm.step_collectives(auto, shards, 2, 2, host_staged=staged)
-                      if c.kind == "grads"] for staged in (False, True)}
-    per_group = {staged: [sum(c.pipeline == gi for c in colls) for gi in range(len(shards))]
-                 for staged, colls in grads.items()}
-    # the small shard rounds in one slice, the large one in 8: 2 exchanges (one per hop) each
-    # when host-staged, 2 per slice otherwise
-    assert per_group == {False: [2, 16], True: [2, 2]}
-    assert pm.collective_bytes(grads[True]) == pm.collective_bytes(grads[False])
-    assert sum(c.elements for c in grads[True]) == sum(c.elements for c in grads[False])
+def _grad_exchanges(config, shards, host_staged):
+    grads = [c for c in pm.step_collectives(config, shards, 2, 2, host_staged=host_staged) if c.kind == "grads"]
+    return grads, [sum(c.pipeline == gi and c.hop == 1 for c in grads) for gi in range(len(shards))]
+
+
+def test_auto_slices_travel_in_exchanges_of_at_least_the_minimum_bytes_on_gpus_and_one_on_host_staged():
+    shards = [4096, 1 << 20, 1 << 24]
+    auto = resolve_config("sdp4bit")
+    on_gpus, per_group = _grad_exchanges(auto, shards, host_staged=False)
+    # one rounding slice for the small shard, 8 for the others; hop 2 of 2 nodes moves about
+    # 2 x 0.53 bytes an element: the 8 slices of 1M elements together make one exchange of
+    # 1.1 MB, each slice of 16M elements reaches 1 MiB alone
+    assert per_group == [1, 1, 8]
+    for c in on_gpus:
+        buffer = 2 * c.row_bytes  # this rank's send buffer: its rows to the 2 ranks of each hop
+        if per_group[c.pipeline] > 1:
+            assert buffer >= auto.grads.pipeline_min_bytes
+    staged, per_group_staged = _grad_exchanges(auto, shards, host_staged=True)
+    assert per_group_staged == [1, 1, 1]
+    assert pm.collective_bytes(staged) == pm.collective_bytes(on_gpus)
+    assert sum(c.elements for c in staged) == sum(c.elements for c in on_gpus)
+    # the threshold is the config's: 1 byte gives every slice its exchange (the small shard has one)
+    _, per_slice = _grad_exchanges(resolve_config("sdp4bit", {"grads.pipeline_min_bytes": 1}), shards, False)
+    assert per_slice == [1, 8, 8]
     # a slice count is what it says, host-staged or not
-    eight = pm.step_collectives(resolve_config("sdp4bit", {"grads.pipeline_slices": 8}), shards, 2, 2,
-                                host_staged=True)
-    assert sum(c.kind == "grads" for c in eight) == 18
+    eight = resolve_config("sdp4bit", {"grads.pipeline_slices": 8})
+    assert _grad_exchanges(eight, shards, host_staged=True)[1] == [1, 8, 8]
+
+
+def test_the_advisor_prices_each_exchange_the_rule_leaves_with_its_latency():
+    # Small layers on GPUs: "auto" sends each group's slices in one exchange per hop where 8
+    # slices pay 16 all-to-all latencies; the codec work and the bytes are the same.
+    small = dict(n_layer=4, n_embd=256, n_head=4)
+    auto = pm.predict_step("sdp4bit", shape=small, nodes=2, ranks_per_node=8)
+    eight = pm.predict_step(resolve_config("sdp4bit", {"grads.pipeline_slices": 8}), shape=small, nodes=2,
+                            ranks_per_node=8)
+    assert auto["bytes"] == eight["bytes"]
+    assert auto["grads_s"] < eight["grads_s"]
+    assert auto["weights_s"] == eight["weights_s"]
+    rows = {(r["layout"], r["preset"]): r for r in advise(None, 2, 8, shape=small)["rows"]}
+    assert rows[("fsdp", "sdp4bit")]["comm_ms"] == pytest.approx(1e3 * auto["comm_s"])

@@ -109,3 +109,11 @@ def test_a_checkpoint_of_eight_slices_resumes_under_auto_which_rounds_the_same()
     _check_identity(Path("ckpt"), written_with("auto"), {"seed": 3, "config": {"grads": {"pipeline_slices": 8}}})
     with pytest.raises(TrainError, match="config.grads.pipeline_slices: checkpoint 4 != now 'auto'"):
         _check_identity(Path("ckpt"), written_with(4), mine)
+
+
+def test_a_checkpoint_resumes_under_another_exchange_size_which_moves_the_same_bytes():
+    from qsdp.train.preflight import _check_identity
+
+    grads = {"pipeline_slices": "auto", "pipeline_min_bytes": 1 << 20}
+    _check_identity(Path("ckpt"), {"identity": {"config": {"grads": grads}}},
+                    {"config": {"grads": {**grads, "pipeline_min_bytes": 4096}}})

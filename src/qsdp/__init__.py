@@ -18,6 +18,7 @@ from .config import (
     resolve_config,
 )
 from .fsdp import QuantizedComms, quantize_comms
+from .gradient_check import GradientCheck, check_gradients
 from .hsdp import HsdpGroups, hsdp_groups
 
 __version__ = "0.1.0"
@@ -26,5 +27,5 @@ __all__ = [
     "quantize_comms", "QuantizedComms", "comm_stats", "format_stats",
     "QuantConfig", "WeightComm", "GradComm", "ConfigError",
     "PRESETS", "preset_names", "resolve_config", "__version__",
-    "hsdp_groups", "HsdpGroups", "HsdpComm",
+    "hsdp_groups", "HsdpGroups", "HsdpComm", "check_gradients", "GradientCheck",
 ]

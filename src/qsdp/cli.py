@@ -144,6 +144,9 @@ def _add_logging_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> 
     group.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every, help="0 = only at the end")
     group.add_argument("--keep-checkpoints", type=int, default=defaults.keep_checkpoints, help="0 = keep all")
     group.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    group.add_argument("--sync-timing", action="store_true",
+                       help="wait for the GPU at the end of every step so that step_time_s is that step's "
+                            "own (one more host sync per step)")
     group.add_argument("--cache-dir", default=None,
                        help="token cache (default $QSDP_CACHE_DIR or ~/.cache/qsdp)")
 

@@ -62,11 +62,16 @@ class GradComm:
     pipeline_slices: the two-level reduce-scatter quantizes its chunk in this many slices (each
         with its own rounding seeds) and exchanges each slice on its own, so that quantizing one
         overlaps the communication of the previous one (SDP4Bit: 8). ``"auto"``: the rounding of
-        8 slices, their exchanges pipelined where an engine is free to overlap them (CUDA tensors
-        on NCCL) and sent together, one exchange per hop, where the host moves the bytes (gloo,
-        CPU tensors); the same result either way.
+        8 slices; where an engine is free to overlap the transfers (CUDA tensors on NCCL)
+        consecutive slices share an exchange until each of its all-to-alls moves at least
+        ``pipeline_min_bytes`` (one exchange for a small shard, up to 8 for a large one), and
+        where the host moves the bytes (gloo, CPU tensors) all of them travel in one exchange
+        per hop. The grouping changes the transport only: the same result either way.
     pipeline_min_slice: fewer slices are used where a slice would hold fewer elements per
         destination than this (small FSDP groups gain nothing from slicing but latency).
+    pipeline_min_bytes: with ``pipeline_slices="auto"`` where exchanges are pipelined, the bytes
+        each all-to-all of an exchange moves at least (this rank's send buffer of each hop):
+        below it an all-to-all costs more in latency than its overlap saves.
     quantize: ``False`` sends exact fp32 values along the same route (an ablation and a test
         oracle: the route alone must not change the result).
     """
@@ -81,6 +86,7 @@ class GradComm:
     hadamard_block: int = 0
     pipeline_slices: int | Literal["auto"] = 1
     pipeline_min_slice: int = 16384
+    pipeline_min_bytes: int = 1 << 20
     quantize: bool = True
 
     @property
@@ -294,6 +300,8 @@ def validate(cfg: QuantConfig) -> None:
             raise ConfigError(f"grads.pipeline_slices={g.pipeline_slices!r} must be a positive integer or 'auto'")
         if not is_int(g.pipeline_min_slice) or g.pipeline_min_slice < 1:
             raise ConfigError(f"grads.pipeline_min_slice={g.pipeline_min_slice!r} must be a positive integer")
+        if not is_int(g.pipeline_min_bytes) or g.pipeline_min_bytes < 1:
+            raise ConfigError(f"grads.pipeline_min_bytes={g.pipeline_min_bytes!r} must be a positive integer")
         if not isinstance(g.quantize, bool):
             raise ConfigError(f"grads.quantize={g.quantize!r} must be a bool")
     _validate_hsdp(cfg.hsdp)

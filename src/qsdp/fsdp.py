@@ -55,21 +55,15 @@ class QuantizedComms:
 
     def nonfinite_gradients(self) -> bool:
         """Collective: ``True`` on every rank if any rank reduced a NaN/Inf gradient since the
-        last call. One all-reduce of one integer; call it after ``backward`` and skip the
-        optimizer step when it is ``True`` (weights, optimizer state and weight-difference
-        replicas then stay unchanged and identical on all ranks)."""
-        import torch
+        last call. Call it after ``backward`` and skip the optimizer step when it is ``True``
+        (weights, optimizer state and weight-difference replicas then stay unchanged and
+        identical on all ranks). One all-reduce and one host read, which also carry the
+        weight-difference gathers' agreement for the coming optimizer step, so the next forward
+        reads nothing: :func:`qsdp.check_gradients` with ``agree_ahead=True`` (and its promise),
+        which can also take the gradient norm and a loss in the same all-reduce."""
+        from .gradient_check import check_gradients
 
-        # Take (reset) every group's flag and combine them where they are: on the gradients'
-        # device, which is not the parameters' under CPU offload.
-        flags = [f for f in (rs.take_nonfinite_flag() for rs in self.reduce_scatters) if f is not None]
-        device = flags[0].device if flags else next(
-            (p.device for m in self.modules for p in m.parameters()), torch.device("cpu"))
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        for bad in flags:
-            flag |= bad.to(dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topology.group)
-        return bool(flag.item())  # the one host sync of the check
+        return check_gradients(self, agree_ahead=True).nonfinite
 
     def comm_stats(self, reset: bool = True) -> Stats:
         """This handle's bytes, elements and bits per element on the wire since its last reset

@@ -166,16 +166,16 @@ def hsdp_reduce_scatter(
     module: nn.Module, rs_cls: type, config: QuantConfig, topology: Topology, comm_id: int,
     replicate_group: dist.ProcessGroup,
 ) -> HsdpReduceScatter:
-    """FSDP2's reduce-scatter comm for one FSDP module under HSDP: ``rs_cls`` inside the node,
-    then the all-reduce across the replicas. With one rank per shard group FSDP2 never calls a
-    reduce-scatter, so the all-reduce is set as the module's all-reduce hook instead."""
+    """FSDP2's reduce-scatter comm for one FSDP module under HSDP: ``rs_cls`` inside the node;
+    the all-reduce across the replicas is set as the module's all-reduce hook, which FSDP2 runs
+    after the reduce-scatter on its all-reduce stream (with one rank per shard group FSDP2 skips
+    the reduce-scatter and runs the hook alone). It replaces any all-reduce hook set before."""
     # Each node rounds its intra-node sums with its own randomness, so that the replicas'
     # rounding errors are independent when they are summed.
     node_config = dataclasses.replace(config, seed=derive_seed(config.seed, replicate_group.rank()))
     rs = HsdpReduceScatter(rs_cls(node_config, topology, comm_id), ReplicaAllReduce(config, replicate_group, comm_id),
                            divide_replicas=not has_custom_divide_factor(module))
-    if topology.world_size == 1:
-        module.set_all_reduce_hook(rs.hook)
+    module.set_all_reduce_hook(rs.hook)
     return rs
 
 

@@ -3,9 +3,12 @@ across the replicas is quantized.
 
 FSDP2's native HSDP (``fully_shard(mesh=2-D mesh)``) runs its all-reduce after the custom
 reduce-scatter, where no public hook can replace it. With 1-D FSDP2 on the node's ranks (the
-shard group), the custom reduce-scatter sees every gradient, so :class:`HsdpReduceScatter` runs
-the intra-node reduce-scatter (the config's ``grads``, usually exact) and then
-:class:`ReplicaAllReduce` across the ``D`` replicas (the config's ``hsdp``):
+shard group), :class:`HsdpReduceScatter` is two FSDP2 hooks of one module: the custom
+reduce-scatter runs the intra-node reduce-scatter (the config's ``grads``, usually exact) and
+FSDP2's all-reduce hook (:meth:`HsdpReduceScatter.hook`) then runs :class:`ReplicaAllReduce`
+across the ``D`` replicas (the config's ``hsdp``). FSDP2 calls that hook right after the
+reduce-scatter, on its all-reduce stream, as it runs its native HSDP all-reduce: the slow
+inter-node exchange of one layer overlaps the next layer's reduce-scatter instead of delaying it.
 
 1. the shard's fp32 sum is cut into ``D`` chunks; each is (optionally) Hadamard-smoothed and
    quantized; one all-to-all delivers chunk ``k`` of every replica to replica ``k``;
@@ -116,15 +119,18 @@ class ReplicaAllReduce:
 
 
 class HsdpReduceScatter(GradReduceScatter):
-    """FSDP2's custom reduce-scatter for HSDP: ``inner`` (a reduce-scatter over the shard group)
-    sums inside the node, :class:`ReplicaAllReduce` sums across the replicas, and the result is
-    divided once by every rank that contributed when FSDP2 asks for an average.
+    """FSDP2's custom reduce-scatter and all-reduce hook for HSDP: ``inner`` (a reduce-scatter
+    over the shard group) sums inside the node when FSDP2 calls the reduce-scatter;
+    :class:`ReplicaAllReduce` sums across the replicas when FSDP2 calls :meth:`hook` with that
+    output, and the result is divided once by every rank that contributed when FSDP2 asks for
+    an average.
 
     FSDP2 sees only the ``M``-rank shard group: it passes ``ReduceOp.AVG`` (fp32/bf16 reduce
-    dtypes) meaning "divide by ``M``", or ``SUM`` when it divides by ``M`` itself afterwards
-    (fp16). Either way the division by the ``D`` replicas is done here, unless
-    ``divide_replicas`` is ``False``: a module with a custom gradient divide factor
-    (``set_gradient_divide_factor``, e.g. torchtitan's) has FSDP2 apply that whole factor.
+    dtypes) meaning "divide by ``M``", or ``SUM`` when it divides by ``M`` itself after the
+    hook (fp16). The division waits for the hook, where the fp32 sum across replicas is known;
+    the division by the ``D`` replicas is done there too, unless ``divide_replicas`` is
+    ``False``: a module with a custom gradient divide factor (``set_gradient_divide_factor``,
+    e.g. torchtitan's) has FSDP2 apply that whole factor.
     """
 
     def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce,
@@ -133,6 +139,8 @@ class HsdpReduceScatter(GradReduceScatter):
         self.inner = inner
         self.all_reduce = all_reduce
         self.replica_divisor = all_reduce.replicas if divide_replicas else 1
+        # The reduce-scatter's output and the divisor its op asked for, until the hook takes them.
+        self._pending: tuple[torch.Tensor, int] | None = None
 
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         super().bind_meter(byte_meter)
@@ -141,16 +149,38 @@ class HsdpReduceScatter(GradReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
+        if self._pending is not None:
+            raise RuntimeError(
+                "qsdp HSDP: the previous reduce-scatter's output never reached the all-reduce hook, "
+                "so it was not summed across the replicas; do not replace the hook quantize_comms set "
+                "(FSDPModule.set_all_reduce_hook)"
+            )
         shard_divisor = _divisor(op, group.size())
         self.inner(output_tensor, input_tensor, group, dist.ReduceOp.SUM)
-        self._across_replicas(output_tensor, shard_divisor)
+        self._pending = (output_tensor, shard_divisor)
         return None
 
     def hook(self, output: torch.Tensor) -> None:
-        """FSDP2's all-reduce hook, for a shard group of one rank: FSDP2 then skips the
-        reduce-scatter and hands over the local gradient shard (divided only by a custom
-        divide factor)."""
-        self._across_replicas(output, 1)
+        """FSDP2's all-reduce hook, on FSDP2's all-reduce stream: the sum across the replicas of
+        the reduce-scatter's ``output``. For a shard group of one rank FSDP2 skips the
+        reduce-scatter and hands over the local gradient shard (divided only by a custom divide
+        factor)."""
+        pending, self._pending = self._pending, None
+        if self.topology.world_size == 1:
+            shard_divisor = 1
+        elif pending is None or pending[0] is not output:
+            raise RuntimeError(
+                "qsdp HSDP: the all-reduce hook was called with a tensor the reduce-scatter did not "
+                "just write; it runs only as FSDP2's all-reduce hook of the module quantize_comms set it on"
+            )
+        else:
+            shard_divisor = pending[1]
+        if output.is_cuda:
+            # Allocated on the reduce-scatter stream, used here on the all-reduce stream: without
+            # this the allocator could hand the block to the next layer's reduce-scatter as soon as
+            # FSDP2 drops it (a cast to the parameter dtype), while this stream still reads it.
+            output.record_stream(torch.cuda.current_stream(output.device))
+        self._across_replicas(output, shard_divisor)
 
     def _across_replicas(self, output: torch.Tensor, shard_divisor: int) -> None:
         # The sum runs in fp32: into the shard itself when it is fp32, else into its fp32 copy.
@@ -177,3 +207,4 @@ class HsdpReduceScatter(GradReduceScatter):
 
     def reset(self) -> None:
         self.inner.reset()
+        self._pending = None

@@ -65,9 +65,10 @@ class QuantizedReduceScatter(GradReduceScatter):
     the Hadamard transform. The chunk is rounded in ``pipeline_slices`` slices (8 for
     ``"auto"``: ``GradComm.rounding_slices``), each with its own seeds. Their exchanges run
     asynchronously, one per slice, so that quantizing slice ``k+1`` overlaps the transfer of
-    slice ``k``; with ``"auto"`` where no engine is free to overlap (:func:`pipelines_exchanges`:
-    gloo, CPU tensors) every slice's encoded columns travel side by side in one exchange per hop,
-    the same bytes and the same result.
+    slice ``k``; with ``"auto"`` consecutive slices' encoded columns travel side by side in one
+    exchange until it moves ``pipeline_min_bytes`` (:func:`exchange_groups`), and where no engine
+    is free to overlap (:func:`pipelines_exchanges`: gloo, CPU tensors) all of them in one
+    exchange per hop: the same bytes and the same result.
     With one node (or one rank per node) a single hop remains: ``bits_intra`` inside a node,
     ``bits_inter`` across nodes.
     """
@@ -122,7 +123,8 @@ class QuantizedReduceScatter(GradReduceScatter):
         bounds = pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)
         host_moves_bytes = not all(pipelines_exchanges(x.device.type, dist.get_backend(grp))
                                    for grp in (topo.intra_group, topo.inter_group))
-        groups = exchange_groups(len(bounds), exchanges_pipelined(g, host_moves_bytes))
+        groups = exchange_groups(slice_bytes(hop1, hop2, bounds, world, topo.nodes),
+                                 exchange_min_bytes(g, host_moves_bytes))
         # Each exchange's slices side by side: their byte columns in hop 1's and hop 2's buffers.
         cols1 = [_columns(hop1, bounds, slices) for slices in groups]
         cols2 = [_columns(hop2, bounds, slices) for slices in groups]
@@ -242,14 +244,33 @@ def pipelines_exchanges(device_type: str, backend: str) -> bool:
     return name.strip() != "gloo"
 
 
-def exchanges_pipelined(g: GradComm, host_moves_bytes: bool) -> bool:
-    """Whether a two-level reduce-scatter exchanges each rounding slice on its own: always for an
-    explicit ``pipeline_slices``; for ``"auto"`` only where the host does not move the bytes
-    (:func:`pipelines_exchanges`; the performance model's ``Hardware.host_staged``)."""
-    return g.pipeline_slices != "auto" or not host_moves_bytes
+def exchange_min_bytes(g: GradComm, host_moves_bytes: bool) -> float:
+    """The bytes each exchange of a two-level reduce-scatter moves at least (:func:`exchange_groups`):
+    0 for a slice count (every slice its own exchange); for ``"auto"``, ``pipeline_min_bytes``
+    where an engine overlaps the transfers and infinity (one exchange per hop) where the host moves
+    the bytes (:func:`pipelines_exchanges`; the performance model's ``Hardware.host_staged``)."""
+    if g.pipeline_slices != "auto":
+        return 0
+    return math.inf if host_moves_bytes else g.pipeline_min_bytes
 
 
-def exchange_groups(n_slices: int, pipelined: bool) -> list[range]:
-    """The rounding slices each exchange carries, in order: one slice each when pipelined, else
-    all of them in one."""
-    return [range(k, k + 1) for k in range(n_slices)] if pipelined else [range(n_slices)]
+def slice_bytes(hop1: RowCodec, hop2: RowCodec, bounds: list[tuple[int, int]], world: int, nodes: int) -> list[int]:
+    """The bytes each rounding slice of ``bounds`` adds to the send buffer of the hop where it is
+    smaller: hop 1 sends ``world`` rows (one per rank), hop 2 ``nodes`` rows."""
+    return [min(world * hop1.row_nbytes(b - a), nodes * hop2.row_nbytes(b - a)) for a, b in bounds]
+
+
+def exchange_groups(sizes: list[int], min_bytes: float) -> list[range]:
+    """The rounding slices each exchange carries, in order: consecutive slices until their bytes
+    (``sizes``: :func:`slice_bytes`) reach ``min_bytes``; a last group short of it joins the one
+    before. ``0``: one slice each; infinity: all of them in one."""
+    groups: list[range] = []
+    start, total = 0, 0
+    for k, nbytes in enumerate(sizes):
+        total += nbytes
+        if total >= min_bytes:
+            groups.append(range(start, k + 1))
+            start, total = k + 1, 0
+    if start < len(sizes):
+        groups[-1:] = [range(groups[-1].start if groups else start, len(sizes))]
+    return groups

@@ -12,19 +12,33 @@ starts and ends. From the counters it knows, per FSDP group and without a device
 
 Ranks must take the same path in a weight-difference gather, and one rank may be edited alone, so
 the flags of all groups are OR-ed across ranks in one all-reduce, lazily at the first gather after
-an optimizer step (or a load): at most one tiny collective and one host sync per optimizer step.
+an optimizer step (or a load): at most one tiny collective and one host read per optimizer step.
+Its numbers go through pinned memory on a side stream (:mod:`qsdp.comm.host_values`): the host
+waits for that exchange alone, not for the optimizer step still running on the device.
 A change made outside the optimizer with no step after it is picked up at the first gather after
 the next step (until then every rank gathers the previous weights); ``load_state_dict`` (which
 every rank calls) makes it immediate through :meth:`ChangeTracker.request`, and
 ``QuantizedComms.reset_replicas`` sends exact weights at the next gather.
+
+Agreeing ahead (:meth:`ChangeTracker.ahead_flags`, :meth:`ChangeTracker.agreed_ahead`): a loop
+that already runs one collective after backward (the gradient check of
+:func:`qsdp.check_gradients`) can carry the flags in it. The next optimizer step then settles
+the agreement on every rank without a collective: the groups it updates changed, as every rank
+steps the same optimizer. The promise that makes this safe: until the next forward, the
+parameters change only through that optimizer step, on every rank or on none. A change made
+outside the optimizer after the check is still seen, at the next agreement (its group travels as
+a difference until then, identically on every rank).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .host_values import all_reduce_values
 from .meter import METER, ByteMeter
 
 
@@ -103,6 +117,7 @@ class ChangeTracker:
         self.steps = 0  # optimizer steps seen: equal on every rank
         self._due = False
         self._stepped = False
+        self._ahead = False  # the next optimizer step was agreed on ahead of it
         self._flags: list[tuple[bool, bool]] = []
 
     def add(self, params: list[torch.Tensor] | None = None) -> int:
@@ -125,7 +140,10 @@ class ChangeTracker:
         concerned = [w.after_step(optimized) for w in self.watches]
         if any(concerned) or not self.watches:
             self.steps += 1
-            self._due = self._stepped = True
+            if self._ahead:
+                self._settle_ahead(concerned)
+            else:
+                self._due = self._stepped = True
 
     def request(self) -> None:
         """Agree again at the next gather (every rank calls it at the same point)."""
@@ -148,16 +166,42 @@ class ChangeTracker:
 
     def _agree(self, group: dist.ProcessGroup, device: torch.device, peers: tuple[int, int],
                byte_meter: ByteMeter) -> None:
-        local = [w.pending(self._stepped) for w in self.watches]
-        flat = torch.tensor([int(f) for pair in local for f in pair], dtype=torch.int32, device=device)
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-        byte_meter.record_peers("control", flat.numel() * flat.element_size(), 0, *peers)
-        agreed = flat.tolist()  # the one host sync per optimizer step
+        local = self.ahead_flags()
+        agreed = all_reduce_values(local, dist.ReduceOp.MAX, group, device)  # the one host read per step
+        byte_meter.record_peers("control", 4 * len(local), 0, *peers)
+        self._take_agreed(agreed)
+
+    def _take_agreed(self, agreed: Sequence[float]) -> None:
         for i, w in enumerate(self.watches):
             changed, stale = self._flags[i]
-            self._flags[i] = (changed or bool(agreed[2 * i]), stale or bool(agreed[2 * i + 1]))
+            self._flags[i] = (changed or agreed[2 * i] > 0, stale or agreed[2 * i + 1] > 0)
             w.agreed()
         self._due = self._stepped = False
+
+    def ahead_flags(self) -> list[int]:
+        """This rank's flags, two per group (changed, changed outside the optimizer), to be
+        reduced across the ranks by a collective of the caller's (a sum or a maximum) and handed
+        to :meth:`agreed_ahead` on every rank."""
+        return [int(f) for w in self.watches for f in w.pending(self._stepped)]
+
+    def agreed_ahead(self, agreed: Sequence[float]) -> None:
+        """Take the ranks' reduced :meth:`ahead_flags` (every rank calls it with the same values,
+        after backward): the next optimizer step needs no agreement of its own (see the module
+        doc for the promise this rests on)."""
+        self._take_agreed(agreed)
+        for w in self.watches:
+            w.stepped_at = w.at_agreement  # an edit made before now was agreed on just now
+        self._ahead = True
+
+    def _settle_ahead(self, concerned: list[bool]) -> None:
+        # The groups the step updated changed, on every rank alike; an edit made between the
+        # check and the step stays pending in its watch (``outside``) for the next agreement.
+        for i, w in enumerate(self.watches):
+            if concerned[i]:
+                self._flags[i] = (True, self._flags[i][1])
+                w.optimized = False
+                w.at_agreement = w.stepped_at
+        self._ahead = False
 
     def pending_change(self, index: int) -> bool:
         """Whether group ``index`` has a change its next gather has not sent yet (for a

@@ -18,7 +18,8 @@ import torch
 
 from ..comm.difference import replica_layout
 from ..comm.hsdp import chunk_len, hsdp_codec
-from ..comm.reduce_scatter import exchange_groups, exchanges_pipelined, grad_codec, pipeline_slices_bounds, real_elements
+from ..comm.reduce_scatter import (exchange_groups, exchange_min_bytes, grad_codec, pipeline_slices_bounds,
+                                    real_elements, slice_bytes)
 from ..comm.weight_codec import weight_codec
 from ..config import QuantConfig, resolve_config
 
@@ -123,7 +124,7 @@ def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: i
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
         bounds = pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)
-        for group in exchange_groups(len(bounds), exchanges_pipelined(g, host_staged)):
+        for group in exchange_groups(slice_bytes(hop1, hop2, bounds, world, d), exchange_min_bytes(g, host_staged)):
             slices = [bounds[k] for k in group]  # one exchange per hop carries them side by side
             width = sum(b - a for a, b in slices)
             real = sum(real_elements(a, b, s) for a, b in slices)
@@ -163,8 +164,9 @@ def step_collectives(
     the output inside the node); the difference gathers agree once per step. ``param_bytes``: the
     all-gather dtype's size; ``grad_bytes``: the reduce dtype's size. ``host_staged``: the
     collectives run on gloo (``Hardware.host_staged``), where ``grads.pipeline_slices="auto"``
-    sends a two-level reduce-scatter's slices in one exchange per hop (elsewhere, and for a
-    slice count, one per slice per hop); the bytes are the same.
+    sends a two-level reduce-scatter's slices in one exchange per hop (elsewhere as many
+    exchanges as move ``grads.pipeline_min_bytes`` each, and for a slice count one per slice per
+    hop, as the comm objects do); the bytes are the same.
     """
     cfg = resolve_config(config)
     if grad_bytes not in _DTYPES or param_bytes not in _DTYPES:

@@ -77,6 +77,9 @@ class TrainArgs:
         GPU ``LOCAL_RANK % device_count``); ``nccl`` needs one GPU a rank. Both are only used
         when ``train_worker`` creates the process group.
     cache_dir: token and tokenizer caches; ``None`` = ``$QSDP_CACHE_DIR`` or ``~/.cache/qsdp``.
+    sync_timing: wait for the GPU at the end of every step, so that ``step_time_s`` is the
+        step's own device time (one more host sync per step); otherwise a step's time also holds
+        what the device still had to do of the step before (see :mod:`qsdp.train.trainer`).
     """
 
     preset: str = "sdp4bit"
@@ -111,6 +114,7 @@ class TrainArgs:
     on_nonfinite: str = "skip"
     cache_dir: str | None = None
     progress: bool = True
+    sync_timing: bool = False
 
     def schedule(self) -> tuple[int, int, float]:
         """(warmup, decay_steps, min_lr) with the defaults filled in."""

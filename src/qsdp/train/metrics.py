@@ -171,21 +171,26 @@ class WireTotals:
     def collect(self, device: torch.device, extra: Sequence[float] = ()) -> list[float]:
         """Add what the meter counted on every rank since the last call (collective: one
         all-reduce, which also sums ``extra`` over the ranks and returns it)."""
-        stats = comm_stats(reset=True)
-        vec = list(extra)
-        for kind in KINDS:
-            for level in LEVELS:
-                vec += [stats[kind][level]["bytes"], stats[kind][level]["elements"]]
+        vec = list(extra) + self.local_counts()
         summed = torch.tensor(vec, dtype=torch.float64, device=device)
         dist.all_reduce(summed)
-        values = summed.tolist()  # the one host sync of a logged step
-        i = len(extra)
+        values = summed.tolist()  # the one host sync of the collection
+        self.add(values[len(extra):])
+        return values[:len(extra)]
+
+    def local_counts(self) -> list[int]:
+        """What this rank's meter counted since the last call (and resets it), as a flat list
+        for a sum over the ranks that :meth:`add` then takes."""
+        stats = comm_stats(reset=True)
+        return [stats[kind][level][field] for kind in KINDS for level in LEVELS for field in ("bytes", "elements")]
+
+    def add(self, summed: Sequence[float]) -> None:
+        """Add :meth:`local_counts` summed over every rank."""
+        values = iter(summed)
         for kind in KINDS:
             for level in LEVELS:
-                self.counts[kind][level][0] += int(values[i])
-                self.counts[kind][level][1] += int(values[i + 1])
-                i += 2
-        return values[:len(extra)]
+                self.counts[kind][level][0] += int(next(values))
+                self.counts[kind][level][1] += int(next(values))
 
     def total_bytes(self) -> int:
         return sum(count[0] for per_level in self.counts.values() for count in per_level.values())

@@ -203,7 +203,10 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def _same(key: str, theirs: Any, mine: Any) -> bool:
     """Whether an identity field is the same run's. ``grads.pipeline_slices`` ``"auto"`` rounds
     as 8 slices do (only their exchanges are grouped differently): a checkpoint written with 8
-    resumes under ``"auto"`` (sdp4bit's value since) and back."""
+    resumes under ``"auto"`` (sdp4bit's value since) and back. ``grads.pipeline_min_bytes`` only
+    groups slices into exchanges: any value resumes any other."""
+    if key == "config.grads.pipeline_min_bytes":
+        return True
     if key == "config.grads.pipeline_slices":
         theirs, mine = (AUTO_PIPELINE_SLICES if v == "auto" else v for v in (theirs, mine))
     return theirs == mine

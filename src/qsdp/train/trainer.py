@@ -9,13 +9,21 @@ a checkpoint of step ``s`` resumes exactly (model, optimizer, comm state, RNG, a
 order: :meth:`~Trainer.train_step`, :meth:`~Trainer.log`, :meth:`~Trainer.maybe_checkpoint`,
 :meth:`~Trainer.maybe_evaluate`.
 
-Non-finite gradients (``on_nonfinite``). After ``backward`` every rank asks
-:meth:`qsdp.QuantizedComms.nonfinite_gradients` (one collective) whether any rank reduced a NaN
-or Inf gradient. ``skip`` (the default): every rank drops the step's gradients and does not step
-the optimizer, so weights, optimizer state (AdamW's step count included) and the weight-difference
-replicas stay unchanged and identical on all ranks; the step number still advances, i.e. the batch
-of that step is consumed and the learning-rate schedule, a function of the step number, does not
-shift (the skipped step's learning rate is simply never applied). ``raise``: the run stops with
+One host sync per step. After ``backward`` one all-reduce (:func:`qsdp.check_gradients`),
+read once, tells every rank whether any rank reduced a NaN or Inf gradient, the gradient norm
+(clipping then needs no read of its own), the loss summed over the ranks, on logged steps the
+bytes the meters counted, and the weight-difference gathers' agreement on which shards the
+coming optimizer step changes (the next forward then agrees on nothing). The step time is the
+host's, from the start of the step to the end of its optimizer step as queued: the next step's
+sync waits for what the device still had to do, so the times add up to the run's; with
+``sync_timing`` each step waits for the device at its end (one more sync) and times it alone.
+
+Non-finite gradients (``on_nonfinite``). ``skip`` (the default): every rank drops the step's
+gradients and does not step the optimizer, so weights, optimizer state (AdamW's step count
+included) and the weight-difference replicas stay unchanged and identical on all ranks; the step
+number still advances, i.e. the batch of that step is consumed and the learning-rate schedule, a
+function of the step number, does not shift (the skipped step's learning rate is simply never
+applied). ``raise``: the run stops with
 :class:`NonFiniteGradientError` naming the step (weights not updated at that step).
 
 Restarts. Under torch's elastic agent a restarted attempt resumes from ``OUT/checkpoints/latest``
@@ -85,10 +93,10 @@ class RunState:
 
 @dataclass
 class StepResult:
-    """One optimizer step: the local loss (a 0-d tensor, not synced), the learning rate, the
-    gradient norm before clipping (``None`` on a skipped step) and the wall time."""
+    """One optimizer step: the loss averaged over the ranks, the learning rate, the gradient
+    norm before clipping (``None`` on a skipped step) and the wall time."""
 
-    loss: torch.Tensor
+    loss: float
     lr: float
     grad_norm: float | None
     seconds: float
@@ -254,8 +262,15 @@ class Trainer:
         _, loss = self.model(inputs, targets)
         (loss * float("nan") if self.faults.nan(step, self.rank) else loss).backward()
         self.faults.kill(step, self.rank)
+        logged = self.logs(step)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        wire = self.state.wire.local_counts() if logged else []
+        # Collective, the same answer on every rank; the step's one host sync.
+        check = qsdp.check_gradients(self.comms, params, sums=[loss.detach(), *wire], agree_ahead=True)
+        if logged:
+            self.state.wire.add(check.sums[1:])
         grad_norm: float | None = None
-        if self.comms.nonfinite_gradients():  # collective: the same answer on every rank
+        if check.nonfinite:
             self.optimizer.zero_grad(set_to_none=True)
             if args.on_nonfinite == "raise":
                 raise NonFiniteGradientError(
@@ -264,22 +279,27 @@ class Trainer:
                     f"{latest_name(args.out)}")
             self.state.nonfinite_skipped += 1
         else:
-            grad_norm = clip_grads(self.model, args.grad_clip)
+            grad_norm = check.grad_norm
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, args.grad_clip, check.norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the step time is the GPU's, not the launch's
+        if args.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # asked for: the step time is the GPU's
         self.state.step = step
         seconds = time.perf_counter() - started
         self.step_times.append(seconds)
-        return StepResult(loss.detach(), lr, grad_norm, seconds)
+        return StepResult(check.sums[0] / self.world, lr, grad_norm, seconds)
+
+    def logs(self, step: int) -> bool:
+        """Whether step ``step`` writes a metrics line: every ``log_every`` steps and the last."""
+        return step % self.args.log_every == 0 or step == self.args.steps
 
     def log(self, step: int, result: StepResult) -> None:
-        """Every ``log_every`` steps and at the last: the mean loss over the ranks and the bytes
-        on the wire so far (one all-reduce), a metrics line and the progress bar."""
-        if step % self.args.log_every == 0 or step == self.args.steps:
-            (loss_sum,) = self.state.wire.collect(self.device, [result.loss.double().item()])
-            self.state.train_loss = loss_sum / self.world
+        """On a logged step (:meth:`logs`): the mean loss over the ranks and the bytes on the
+        wire so far, both summed in the step's check, as a metrics line and on the progress bar."""
+        if self.logs(step):
+            self.state.train_loss = result.loss
             record = train_record(step, self.state.train_loss, result.lr, result.grad_norm, result.seconds,
                                   self.tokens_per_step, self.state.nonfinite_skipped, self.state.wire)
             record["hsdp"] = self.args.hsdp
