@@ -18,11 +18,11 @@ without torch.
 
 Loaded into the same layout, everything is restored and the run continues bit for bit (with
 other ranks per node too: a rank loads the rows its nodes make it hold). Loaded into another
-layout (world size, shard group or HSDP replicas), the replicas of the old one are never used: every weight-difference gather
-re-establishes its replica from the loaded weights with exact values. The comm counters (which,
-with the seed and the rank, pick every stochastic rounding) continue after the largest value any
-rank of the old layout reached, so no rank repeats a rounding stream used before; the RNG state
-stays the one the job seeded.
+layout (world size, shard group or HSDP replicas), the replicas of the old one are never used:
+every weight-difference gather re-establishes its replica from the loaded weights with exact
+values. The comm counters (which, with the seed and the rank, pick every stochastic rounding)
+continue after the largest value any rank of the old layout reached, so no rank repeats a
+rounding stream used before; the RNG state stays the one the job seeded.
 
 A save writes into ``step_XXXXXXXX.tmp``, waits until every rank has finished, renames the
 directory and only then replaces ``latest`` (temp file + ``os.replace``). A save interrupted at
