@@ -560,7 +560,8 @@ def format_table(result: dict[str, Any]) -> str:
 def _regrow(row: dict[str, Any]) -> str:
     if row.get("regrow_s") is None:
         return "-"
-    return f"{row['regrow_s']:.1f} s, {row['steps_lost_on_regrow']} steps lost"
+    lost = row["steps_lost_on_regrow"]
+    return f"{row['regrow_s']:.1f} s, {lost} step{'' if lost == 1 else 's'} lost"
 
 
 def _final(row: dict[str, Any]) -> str:
