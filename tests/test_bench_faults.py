@@ -1,6 +1,7 @@
 """`qsdp bench faults`: a real 2-node x 2-rank `qsdp train` job on the emulated cluster survives a
 link that drops, a node that dies and a link that turns slow, on the uninterrupted run's
-trajectory, leaving no process or namespace behind. The end-to-end tests need root and pyroute2
+trajectory, and a node lost for good (the job goes on with one node, and grows back when the
+node returns), leaving no process or namespace behind. The end-to-end tests need root and pyroute2
 and are skipped, with the reason, where either is missing; the settings checks run everywhere.
 """
 
@@ -15,7 +16,7 @@ import pytest
 
 from qsdp.bench import netns
 from qsdp.bench.cluster import missing_requirements
-from qsdp.bench.faults import CASES, FaultJob, main, run_cases
+from qsdp.bench.faults import VAL_LOSS_TOLERANCE, FaultJob, main, run_cases
 
 _MISSING = missing_requirements()
 needs_netns = pytest.mark.skipif(bool(_MISSING), reason="needs " + "; ".join(_MISSING) if _MISSING else "")
@@ -24,6 +25,9 @@ needs_netns = pytest.mark.skipif(bool(_MISSING), reason="needs " + "; ".join(_MI
 # collective timeout and an 8 s outage.
 QUICK = FaultJob(steps=10, ckpt_every=2, fault_step=4, timeout_s=5.0, outage_s=8.0, slow_for_s=4.0,
                  deadline_s=240.0)
+QUICK_CASES = ("link-down", "node-kill", "node-lost", "slow-link")
+# node-returns needs the one-node group to outlast the returning node's start (about 6 s).
+RETURNS = FaultJob(steps=40, ckpt_every=2, fault_step=4, timeout_s=5.0, return_after_steps=2, deadline_s=300.0)
 
 
 # --------------------------------------------------------------------------- settings
@@ -130,7 +134,7 @@ def test_a_zombie_counts_as_exited():
 
 @pytest.fixture(scope="module")
 def quick_run():
-    return run_cases(CASES, QUICK, log=lambda msg: None)
+    return run_cases(QUICK_CASES, QUICK, log=lambda msg: None)
 
 
 def _case(result, name):
@@ -146,6 +150,26 @@ def test_a_fault_is_noticed_within_the_timeout_and_the_job_resumes_on_the_same_t
     assert row["restarts"] == 1 and row["resumed_from_step"] in (2, 4) and row["steps_lost"] >= 0
     assert row["matched"], row["matched_fields"]  # losses, weights and optimizer state, bit for bit
     assert row["restart_s"] is not None
+
+
+@needs_netns
+@pytest.mark.timeout(600)
+def test_a_node_lost_for_good_leaves_the_other_to_finish_from_the_last_checkpoint(quick_run):
+    row = _case(quick_run, "node-lost")
+    assert row["detection_s"] <= row["detection_bound_s"]
+    assert row["restarts"] == 1 and row["resumed_from_step"] in (2, 4) and row["final_nodes"] == 1
+    assert abs(row["val_loss_diff"]) < VAL_LOSS_TOLERANCE and row["left_behind_processes"] == 0 and row["ok"]
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_node_that_returns_grows_the_job_back_to_two_nodes():
+    result = run_cases(["node-returns"], RETURNS, log=lambda msg: None)
+    row = _case(result, "node-returns")
+    assert row["final_nodes"] == 2 and row["regrow_s"] is not None and row["steps_lost_on_regrow"] >= 0
+    assert abs(row["val_loss_diff"]) < VAL_LOSS_TOLERANCE and row["left_behind_processes"] == 0
+    assert result["all_ok"] and result["namespaces_left"] == []
 
 
 @needs_netns
@@ -170,4 +194,4 @@ def test_no_process_or_namespace_is_left_behind(quick_run):
 @pytest.mark.timeout(600)
 def test_the_result_is_json_with_a_row_per_case(quick_run, tmp_path):
     text = json.dumps(quick_run)
-    assert [r["case"] for r in json.loads(text)["cases"]] == list(CASES)
+    assert [r["case"] for r in json.loads(text)["cases"]] == list(QUICK_CASES)

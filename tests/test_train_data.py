@@ -116,6 +116,33 @@ def test_batches_are_deterministic_and_differ_across_ranks_steps_and_seeds():
     assert not torch.equal(x, _dataset(seed=1).batch(5, 0, 2, 8, 16)[0])
 
 
+def test_the_stream_is_whole_windows_of_the_train_split_in_a_new_order_each_epoch():
+    ds = _dataset(10_000)  # 9 000 train tokens: 562 windows of 16 + 1
+    n = ds.samples_per_epoch(16)
+    assert n == 562
+    order = ds.sample_indices(0, 2 * n, 16)
+    assert sorted(order[:n]) == sorted(order[n:]) == list(range(n)) and list(order[:n]) != list(order[n:])
+    x, y = ds.samples(n + 3, 2, 16)
+    assert torch.equal(x[:, 0], torch.from_numpy(order[n + 3:n + 5] * 16 % 251))  # window i starts at 16 i
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_a_global_batch_is_the_same_samples_however_many_ranks_split_it():
+    ds = _dataset()
+    whole = ds.samples(40, 8, 16)[0]
+    for world in (1, 2, 4, 8):
+        parts = [ds.stream_batch(40, rank, 8 // world, 16)[0] for rank in range(world)]
+        assert torch.equal(torch.cat(parts), whole)
+
+
+def test_the_stream_never_reads_validation_tokens():
+    marked = np.zeros(1000, dtype=np.int64)
+    marked[900:] = 255
+    ds = TokenDataset(marked, vocab_size=256)
+    x, y = ds.samples(0, 2 * ds.samples_per_epoch(99), 99)
+    assert int(x.max()) == 0 and int(y.max()) == 0
+
+
 def test_train_batches_never_read_validation_tokens():
     marked = np.zeros(1000, dtype=np.int64)
     marked[900:] = 255  # validation tokens only

@@ -116,7 +116,11 @@ def _add_run_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> None
     group.add_argument("--tokenizer", default=defaults.tokenizer,
                        help=f"{' or '.join(TOKENIZER_KINDS)} (default {defaults.tokenizer})")
     group.add_argument("--out", default=defaults.out, help=f"run directory (default {defaults.out})")
-    group.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
+    group.add_argument("--resume", action="store_true",
+                       help="continue from OUT/checkpoints/latest, on any number of ranks and nodes")
+    group.add_argument("--new-global-batch", action="store_true",
+                       help="on a resume with another number of ranks, train with --batch-size per rank "
+                            "instead of keeping the checkpoint's global batch")
     group.add_argument("--seed", type=int, default=defaults.seed)
 
 
@@ -207,6 +211,10 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             start = summary["start_step"]
             notes += (f", {summary['restarts']} restart(s) (resumed from step {start})" if start
                       else f", {summary['restarts']} restart(s) (no checkpoint yet: started again)")
+        per_rank = summary.get("args", {}).get("batch_size", args.batch_size)
+        if per_rank != args.batch_size:
+            notes += (f", {per_rank} sequences per rank (not --batch-size {args.batch_size}) to keep the "
+                      f"checkpoint's global batch of {per_rank * summary['world_size']}")
         layout = f" as HSDP ({summary['nodes']} nodes x {summary['local_world_size']})" if summary.get("hsdp") else ""
         print(f"{PROG}: done: {summary['steps']} steps of {args.model} with {summary['config']['name']}{layout}, "
               f"final val loss {summary['final_val_loss']:.4f}, "

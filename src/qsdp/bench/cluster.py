@@ -353,15 +353,21 @@ def node_env(**extra: str) -> dict[str, str]:
 
 
 def torchrun_command(cluster: EmulatedCluster, node: int, nproc: int, run_id: str, args: Sequence[str], *,
-                     join_timeout: float, max_restarts: int = 0) -> list[str]:
+                     join_timeout: float, max_restarts: int = 0, min_nodes: int | None = None,
+                     last_call_s: float | None = None) -> list[str]:
     """Node ``node``'s torchrun agent (``python -m torch.distributed.run``) of a job of
     ``cluster.nodes`` nodes x ``nproc`` ranks running ``python ARGS``: c10d rendezvous on node
-    0's address, the node's own address as ``--local-addr``."""
+    0's address, the node's own address as ``--local-addr``. ``min_nodes``: an elastic job of
+    ``min_nodes`` to ``cluster.nodes`` nodes (``--nnodes MIN:MAX``), whose rendezvous closes
+    ``last_call_s`` after the minimum has joined."""
+    nnodes = f"{min_nodes}:{cluster.nodes}" if min_nodes else str(cluster.nodes)
+    conf = f"is_host={1 if node == 0 else 0},join_timeout={int(join_timeout)}"
+    if last_call_s is not None:
+        conf += f",last_call_timeout={int(last_call_s)}"
     return [sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(cluster.nodes), "--nproc-per-node", str(nproc), "--node-rank", str(node),
+            "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--node-rank", str(node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.addr(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
-            "--rdzv-conf", f"is_host={1 if node == 0 else 0},join_timeout={int(join_timeout)}",
-            "--local-addr", cluster.addr(node), "--max-restarts", str(max_restarts), *args]
+            "--rdzv-conf", conf, "--local-addr", cluster.addr(node), "--max-restarts", str(max_restarts), *args]
 
 
 def _launch_preset(cluster: EmulatedCluster, preset: str, job: Job, steps: int, workdir: str) -> dict[str, Any]:

@@ -19,6 +19,16 @@ one fault is injected per case:
     the last checkpoint. The replacement's agent has restarted nothing; its workers resume
     because the run directory names this torchrun job
     (:func:`qsdp.train.preflight.rejoins_job`).
+``node-lost``
+    Every process of node 1 is killed and no node replaces it. The agents were started as an
+    elastic job of 1 to 2 nodes (torchrun ``--nnodes 1:2``): node 0's agent restarts its
+    workers, the rendezvous closes with node 0 alone, and the 2 ranks left resume from the last
+    checkpoint on the new layout (the global batch kept: twice the sequences per rank), to
+    the end. Not bit for bit: the final loss is compared with the reference's.
+``node-returns``
+    As ``node-lost``; once the one-node group has logged ``--return-after`` steps, node 1's
+    agent starts again. Node 0's agent sees a node waiting, stops its workers (a membership
+    change, not a failure), and the job resumes on 2 nodes from the last checkpoint.
 ``slow-link``
     The link is shaped to ``--slow-rate`` for ``--slow-for`` seconds: netem with
     ``--slow-delay-ms`` of delay and ``--slow-loss`` percent of loss where the kernel has
@@ -37,7 +47,12 @@ A reference run, the same job with no fault, runs first on the same namespaces. 
   (an uninterrupted run passes through the same checkpoint, so this also holds against a run
   resumed from it);
 * ``left_behind``: processes still alive in the namespaces once the case's agents have
-  exited; and at the end, namespaces of the run not removed.
+  exited; and at the end, namespaces of the run not removed;
+* ``node-lost`` and ``node-returns`` run on another layout after the fault, so ``matched`` is
+  not expected: ``val_loss_diff`` is the final validation loss minus the reference's, and
+  ``final_nodes`` the nodes of the group that finished. ``node-returns`` adds ``regrow_s``
+  (from node 1's new agent until the 2-node group logs its first step) and
+  ``steps_lost_on_regrow``.
 
 The agents run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torch's shared rendezvous
 store, a node that joins after a restart never learns the workers' store address (its agent
@@ -69,7 +84,11 @@ from .cluster import (ClusterError, EmulatedCluster, Job, Link, _Emulation,
                       missing_requirements, node_env, run_guarded, torchrun_command)
 from .report import description, emit
 
-CASES = ("link-down", "node-kill", "slow-link")
+CASES = ("link-down", "node-kill", "node-lost", "node-returns", "slow-link")
+ELASTIC_CASES = ("node-lost", "node-returns")  # the job goes on with fewer nodes: an elastic node range
+# Measured (benchmarks/results/faults.json): the one-node curve ends within 0.01 of the reference;
+# a case fails beyond this.
+VAL_LOSS_TOLERANCE = 0.1
 EXIT_GRACE_S = 5.0  # a worker's collective has raised; the process still has to exit
 POLL_S = 0.1
 REPLACED_NODE = 1  # never node 0: it hosts the rendezvous store, whose loss ends any torchrun job
@@ -92,6 +111,10 @@ class FaultJob:
     slow_delay_ms: float = 50.0
     slow_loss_pct: float = 1.0
     max_restarts: int = 3
+    # node-returns: steps the one-node group logs before node 1 is back; the rest must outlast
+    # the new agent's start and the rendezvous (about 6 s here), or the job ends on one node.
+    return_after_steps: int = 2
+    last_call_s: float = 10.0  # elastic cases: the rendezvous waits this long for more nodes
     ranks_per_node: int = 2
     seq_len: int = 64
     batch_size: int = 4
@@ -110,6 +133,9 @@ class FaultJob:
         if self.outage_s <= self.timeout_s:
             out.append(f"--outage {self.outage_s:g} s must be longer than the collective --timeout "
                        f"{self.timeout_s:g} s (a shorter outage only stalls the job, nothing fails)")
+        if self.return_after_steps < 1 or self.fault_step + self.return_after_steps >= self.steps:
+            out.append(f"--return-after {self.return_after_steps} must be at least 1 and leave steps after "
+                       f"--fault-step {self.fault_step} + it (--steps {self.steps})")
         if self.max_restarts < 1:
             out.append(f"--max-restarts {self.max_restarts} must be at least 1 to survive a fault")
         if self.slow_rate_mbit <= 0 or self.slow_for_s <= 0:
@@ -141,6 +167,7 @@ class TrainingJob:
     workdir: str
     name: str
     run_id: str = field(default_factory=lambda: f"qsdp-faults-{uuid.uuid4().hex[:8]}")
+    elastic: bool = False  # agents of an elastic job of 1 to cluster.nodes nodes
     logs_dir: str | None = None  # where the agents' logs go (default: the work directory)
     agents: dict[int, subprocess.Popen] = field(default_factory=dict)
     logs: list[Any] = field(default_factory=list)
@@ -152,8 +179,9 @@ class TrainingJob:
     def start_node(self, node: int) -> None:
         """Start (or, after a kill, replace) node ``node``'s agent."""
         args = self.job.train_args(self.out, os.path.join(self.workdir, "cache"))
+        elastic = dict(min_nodes=1, last_call_s=self.job.last_call_s) if self.elastic else {}
         cmd = torchrun_command(self.cluster, node, self.job.ranks_per_node, self.run_id, args,
-                               join_timeout=self.job.deadline_s, max_restarts=self.job.max_restarts)
+                               join_timeout=self.job.deadline_s, max_restarts=self.job.max_restarts, **elastic)
         log = open(os.path.join(self.logs_dir or self.workdir, f"{self.name}-node{node}-{len(self.logs)}.log"), "w+")
         self.logs.append(log)
         env = node_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -236,8 +264,9 @@ def _slow_link(cluster: EmulatedCluster, job: FaultJob) -> dict[str, Any]:
 
 
 def _fault_plan(case: str, cluster: EmulatedCluster, run: TrainingJob,
-                job: FaultJob) -> tuple[list[int], list[tuple[float, str, Callable[[], Any]]]]:
-    """``(surviving nodes, [(seconds after the fault, what, action)])`` of ``case``."""
+                job: FaultJob) -> tuple[list[int], list[tuple[Any, str, Callable[[], Any]]]]:
+    """``(surviving nodes, [(when, what, action)])`` of ``case``; ``when``: seconds after the
+    fault, or a condition on (seconds after the fault, the timeline so far)."""
     if case == "link-down":
         return list(range(cluster.nodes)), [
             (0.0, f"link down for {job.outage_s:g} s", lambda: _set_link(cluster, up=False)),
@@ -247,6 +276,15 @@ def _fault_plan(case: str, cluster: EmulatedCluster, run: TrainingJob,
             (0.0, f"every process of node {REPLACED_NODE} killed (SIGKILL)", lambda: run.kill_node(REPLACED_NODE)),
             (job.replace_after_s, f"node {REPLACED_NODE} replaced: a new agent started",
              lambda: run.start_node(REPLACED_NODE))]
+    if case in ELASTIC_CASES:
+        actions: list[tuple[Any, str, Callable[[], Any]]] = [
+            (0.0, f"every process of node {REPLACED_NODE} killed (SIGKILL), not replaced",
+             lambda: run.kill_node(REPLACED_NODE))]
+        if case == "node-returns":
+            actions.append((lambda now, tl: tl.steps_after_restart >= job.return_after_steps,
+                            f"node {REPLACED_NODE} back after {job.return_after_steps} steps on node 0 alone",
+                            lambda: run.start_node(REPLACED_NODE) or {"node_back": REPLACED_NODE}))
+        return [n for n in range(cluster.nodes) if n != REPLACED_NODE], actions
     if case == "slow-link":
         return [], [
             (0.0, f"link slowed for {job.slow_for_s:g} s", lambda: _slow_link(cluster, job)),
@@ -263,8 +301,34 @@ class _Timeline:
     detected_s: float | None = None
     last_step_before_detection: int | None = None
     first_step_after_restart_s: float | None = None
+    first_step_after_restart: int | None = None
+    steps_after_restart: int = 0  # steps the restarted group has logged
+    returned_s: float | None = None  # node-returns: the node's new agent started
+    regrouped_s: float | None = None  # ... and its workers started: the group of 2 nodes formed
+    last_step_before_regrow: int | None = None
+    regrown_s: float | None = None  # ... and it logged its first step
     worker_exits: dict[int, float] = field(default_factory=dict)  # pid -> seconds after the fault
     events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _due(when: Any, now: float, tl: _Timeline) -> bool:
+    return when(now, tl) if callable(when) else when <= now
+
+
+def _follow_regrow(run: TrainingJob, tl: _Timeline, records: list[dict[str, Any]], new: list[dict[str, Any]],
+                   now: float, case: str, log: Callable[[str], None]) -> None:
+    """node-returns: when the returned node's workers start (the 2-node group has formed; the
+    one-node group was stopped before) and when that group logs its first step."""
+    if tl.returned_s is None or tl.regrown_s is not None:
+        return
+    if tl.regrouped_s is None:
+        if run.workers(REPLACED_NODE):
+            tl.regrouped_s = now
+            tl.last_step_before_regrow = max((r["step"] for r in records), default=0)
+            log(f"[{case}] +{now:.1f} s: node {REPLACED_NODE}'s workers started (the group of 2 nodes)")
+    elif new:
+        tl.regrown_s = now
+        log(f"[{case}] +{now:.1f} s: the group of 2 nodes logged step {new[0]['step']}")
 
 
 def _wait_for_step(run: TrainingJob, step: int, deadline: float) -> int:
@@ -295,12 +359,14 @@ def _watch(run: TrainingJob, case: str, job: FaultJob, deadline: float, log: Cal
     pending = list(actions)
     while run.running() or pending:
         now = time.monotonic() - tl.fault_at
-        while pending and pending[0][0] <= now:
+        while pending and _due(pending[0][0], now, tl):
             _, what, action = pending.pop(0)
-            applied = action()
+            applied = action() or {}
             last = run.step_records()
             tl.events.append({"t_s": round(now, 3), "event": what, "unix_time": round(time.time(), 3),
-                              "last_step_logged": last[-1]["step"] if last else 0, **(applied or {})})
+                              "last_step_logged": last[-1]["step"] if last else 0, **applied})
+            if "node_back" in applied:
+                tl.returned_s = now
             log(f"[{case}] +{now:.1f} s: {what}")
         records = run.step_records()
         for pid in watched - set(tl.worker_exits):
@@ -313,7 +379,11 @@ def _watch(run: TrainingJob, case: str, job: FaultJob, deadline: float, log: Cal
         new = [r for r in records if _record_key(r) not in seen]
         if tl.detected_s is not None and tl.first_step_after_restart_s is None and new:
             tl.first_step_after_restart_s = now
+            tl.first_step_after_restart = new[0]["step"]
             log(f"[{case}] +{now:.1f} s: the restarted group logged step {new[0]['step']}")
+        if tl.first_step_after_restart_s is not None:
+            tl.steps_after_restart += len(new)
+        _follow_regrow(run, tl, records, new, now, case, log)
         seen.update(_record_key(r) for r in new)
         if time.monotonic() > deadline:
             raise ClusterError(f"{case}: the job ran past its {job.deadline_s:g} s deadline")
@@ -329,7 +399,8 @@ def _final_state(run: TrainingJob) -> dict[str, Any]:
     records = run.step_records()
     return {"losses": [r["loss"] for r in records], "step_times_s": [r["step_time_s"] for r in records],
             **{k: summary.get(k) for k in ("final_train_loss", "final_val_loss", "final_weights_sha256",
-                                           "final_optimizer_sha256", "start_step", "restarts", "steps")}}
+                                           "final_optimizer_sha256", "start_step", "restarts", "steps",
+                                           "nodes", "world_size")}}
 
 
 def _compare(state: dict[str, Any], ref: dict[str, Any]) -> dict[str, bool]:
@@ -341,7 +412,7 @@ def _run_job(emu: _Emulation, job: FaultJob, case: str | None, log: Callable[[st
              logs_dir: str | None = None) -> dict[str, Any]:
     """One job (``case=None``: the reference) from start to end; its measurements."""
     name = case or "reference"
-    run = TrainingJob(emu.cluster, job, emu.workdir, name, logs_dir=logs_dir)
+    run = TrainingJob(emu.cluster, job, emu.workdir, name, logs_dir=logs_dir, elastic=case in ELASTIC_CASES)
     started = time.monotonic()
     deadline = started + job.deadline_s
     try:
@@ -383,25 +454,40 @@ def _case_row(case: str, res: dict[str, Any], ref: dict[str, Any], job: FaultJob
     tl: _Timeline = res.pop("timeline")
     matched = _compare(res, ref)
     bound = job.timeout_s + EXIT_GRACE_S
+    resumed = res["start_step"]
+    if case == "node-returns" and tl.first_step_after_restart is not None:
+        resumed = tl.first_step_after_restart - 1  # the final group resumed again, after the regrow
     row: dict[str, Any] = {
         "case": case, "fault_step": tl.step_at_fault, "events": tl.events,
         "worker_exits_s": sorted(tl.worker_exits.values()),
         "detection_s": tl.detected_s, "detection_bound_s": bound if case != "slow-link" else None,
         "restart_s": (tl.first_step_after_restart_s - tl.detected_s
                       if tl.detected_s is not None and tl.first_step_after_restart_s is not None else None),
-        "resumed_from_step": res["start_step"] if tl.detected_s is not None else None,
-        "steps_lost": (tl.last_step_before_detection - res["start_step"]
-                       if tl.detected_s is not None else 0),
+        "resumed_from_step": resumed if tl.detected_s is not None else None,
+        "steps_lost": (tl.last_step_before_detection - resumed if tl.detected_s is not None else 0),
         "restarts": res["restarts"], "matched": all(matched.values()), "matched_fields": matched,
         "final_val_loss": res["final_val_loss"], "final_weights_sha256": res["final_weights_sha256"],
         "left_behind_processes": res["left_behind_processes"], "wall_s": res["wall_s"],
         "reference_median_step_s": statistics.median(ref["step_times_s"]),
         "slowed_step_s": _slowed_step(case, tl, res["step_times_s"]),
     }
+    row.update(final_train_loss=res["final_train_loss"], final_nodes=res["nodes"],
+               val_loss_diff=res["final_val_loss"] - ref["final_val_loss"])
+    if case == "node-returns":
+        row.update(
+            regrow_s=(tl.regrown_s - tl.returned_s if tl.regrown_s is not None and tl.returned_s is not None
+                      else None),
+            steps_lost_on_regrow=(tl.last_step_before_regrow - res["start_step"]
+                                  if tl.last_step_before_regrow is not None else None))
     expected_restarts = 0 if case == "slow-link" else 1
     row["detected_within_bound"] = (row["detection_s"] is not None and row["detection_s"] <= bound
                                     if case != "slow-link" else None)
-    row["ok"] = (row["matched"] and row["left_behind_processes"] == 0 and row["restarts"] == expected_restarts
+    same_trajectory = row["matched"]
+    if case in ELASTIC_CASES:  # another layout after the fault: the curve continues, not the bits
+        same_trajectory = (abs(row["val_loss_diff"]) < VAL_LOSS_TOLERANCE
+                           and row["final_nodes"] == (1 if case == "node-lost" else 2)
+                           and (case == "node-lost" or row["regrow_s"] is not None))
+    row["ok"] = (same_trajectory and row["left_behind_processes"] == 0 and row["restarts"] == expected_restarts
                  and row["detected_within_bound"] is not False)
     return row
 
@@ -450,7 +536,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"--model {job['model']}, {job['steps']} steps, checkpoint every {job['ckpt_every']}, "
             f"collective timeout {job['timeout_s']:g} s, fault at step {job['fault_step']}")
     lines = [("case", "fault", "detected", "bound", "restart", "steps lost", "restarts", "slowed step",
-              "final state", "left behind")]
+              "node back", "final state", "left behind")]
 
     def s(x):
         return "-" if x is None else f"{x:.1f} s"
@@ -461,12 +547,29 @@ def format_table(result: dict[str, Any]) -> str:
                       str(r["steps_lost"]), str(r["restarts"]),
                       "-" if r["slowed_step_s"] is None else
                       f"{r['slowed_step_s']:.2f} s ({r['slowed_step_s'] / r['reference_median_step_s']:.1f}x)",
-                      "identical" if r["matched"] else "DIFFERENT", f"{r['left_behind_processes']} processes"))
+                      _regrow(r), _final(r), f"{r['left_behind_processes']} processes"))
     foot = ("detected: until every surviving worker exited; restart: from then until the restarted group's "
-            "first step; slowed step: median while the link was slow, against the reference's; final state: losses, "
-            "weights and optimizer state against the uninterrupted reference; "
+            "first step; slowed step: median while the link was slow, against the reference's; node back: from "
+            "the returning node's agent until the 2-node group's first step, and the steps that group "
+            "repeated; final state: losses, weights and optimizer state against the uninterrupted reference "
+            "(on fewer nodes: the final validation loss and its difference); "
             f"namespaces left: {len(result['namespaces_left'])}")
     return "\n".join([head, *aligned(lines), foot])
+
+
+def _regrow(row: dict[str, Any]) -> str:
+    if row.get("regrow_s") is None:
+        return "-"
+    lost = row["steps_lost_on_regrow"]
+    return f"{row['regrow_s']:.1f} s, {lost} step{'' if lost == 1 else 's'} lost"
+
+
+def _final(row: dict[str, Any]) -> str:
+    if row["case"] not in ELASTIC_CASES:
+        return "identical" if row["matched"] else "DIFFERENT"
+    nodes = row["final_nodes"]
+    return (f"val loss {row['final_val_loss']:.4f} ({row['val_loss_diff']:+.4f}) on {nodes} "
+            f"node{'s' if nodes != 1 else ''}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -487,6 +590,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-rate", type=float, default=d.slow_rate_mbit, help="slow-link: Mbit/s per direction")
     p.add_argument("--slow-delay-ms", type=float, default=d.slow_delay_ms, help="slow-link: delay (netem only)")
     p.add_argument("--slow-loss", type=float, default=d.slow_loss_pct, help="slow-link: loss in percent (netem only)")
+    p.add_argument("--return-after", type=int, default=d.return_after_steps,
+                   help="node-returns: steps the one-node group logs before node 1's agent starts again")
+    p.add_argument("--last-call", type=float, default=d.last_call_s,
+                   help="node-lost, node-returns: seconds the elastic rendezvous waits for more nodes")
     p.add_argument("--max-restarts", type=int, default=d.max_restarts, help="each agent's torchrun --max-restarts")
     p.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds after which a job is killed")
     p.add_argument("--logs", metavar="DIR", help="keep every torchrun agent's log (its workers' output) in DIR")
@@ -501,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     job = FaultJob(preset=a.preset, model=a.model, steps=a.steps, ckpt_every=a.ckpt_every, fault_step=a.fault_step,
                    timeout_s=a.timeout, outage_s=a.outage, replace_after_s=a.replace_after, slow_for_s=a.slow_for,
                    slow_rate_mbit=a.slow_rate, slow_delay_ms=a.slow_delay_ms, slow_loss_pct=a.slow_loss,
-                   max_restarts=a.max_restarts, deadline_s=a.deadline)
+                   max_restarts=a.max_restarts, return_after_steps=a.return_after, last_call_s=a.last_call,
+                   deadline_s=a.deadline)
     problems = job.problems()
     if problems:
         parser.error("; ".join(problems))

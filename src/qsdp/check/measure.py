@@ -1,7 +1,8 @@
 """The measurement: real gradients and real optimizer steps, every collective emulated.
 
 Each step, every emulated rank ``r`` of the ``D x M`` world computes the gradient of its own
-micro-batch (``TokenDataset.batch(step, r, ...)``, as in training). Per FSDP group:
+micro-batch (``TokenDataset.batch(step, r, ...)``: random windows drawn from (seed, step, rank)).
+Per FSDP group:
 
 * SGD's own noise: the variance of the step's gradient, the mean of the ``W = D * M``
   micro-batch gradients, estimated from their spread: ``sum_r ||g_r - g||^2 / (W (W - 1))``.

@@ -59,7 +59,9 @@ class TrainArgs:
         cosine schedule (``None`` = ``steps``); set it to stop a run early on the schedule of a
         longer one (a run of ``k`` steps with ``decay_steps=2k``, resumed with ``steps=2k``, is
         the run of ``2k`` steps). min_lr: ``None`` = ``lr / 10``.
-    batch_size: sequences per rank per step. eval_batches: validation batches in all, split
+    batch_size: sequences per rank per step; a resume on another number of ranks keeps the
+        checkpoint's global batch instead, unless ``new_global_batch`` (see
+        :mod:`qsdp.train.elastic`). eval_batches: validation batches in all, split
         over the ranks (rounded up to a multiple of the world size). eval_every, ckpt_every:
         0 = only at the end. grad_clip: 0 = off.
     local_world_size: ranks per node for the two-level reduce-scatter (``None``: the config's
@@ -103,6 +105,7 @@ class TrainArgs:
     ckpt_every: int = 500
     keep_checkpoints: int = 2
     resume: bool = False
+    new_global_batch: bool = False
     log_every: int = 1
     local_world_size: int | None = None
     hsdp: bool = False

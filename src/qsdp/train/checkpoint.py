@@ -8,14 +8,21 @@ Layout under the run directory::
       latest                  text file: the name of the newest complete checkpoint
 
 A checkpoint holds, through DCP, the sharded model and optimizer state (from
-``torch.distributed.checkpoint.state_dict.get_state_dict``, so it can be loaded by any FSDP2
+``torch.distributed.checkpoint.state_dict.get_state_dict``, so DCP reshards it into any FSDP2
 layout of the same model), the weight-difference replicas as one tensor per row of each group's
 gathered buffer (``qsdp_replicas.ag{group}_w{world}_row{row}``: a row held by several ranks is
-written once, and a rank loads the rows its layout holds, whatever the ranks per node were) and,
-per rank, a small blob of that rank's comm counters and RNG state; ``trainer.json`` holds the
-step and what the run was (model, config, world size, cumulative bytes on the wire), readable
-without torch. Loaded into another world size, the comm state does not apply: the replicas are
-re-established with exact values at the first gather.
+written once) and, per rank, a small blob of that rank's comm counters, RNG state and the layout
+(world size, shard group size, HSDP replicas); ``trainer.json`` holds the step and what the
+run was (model, config, world size, data position, cumulative bytes on the wire), readable
+without torch.
+
+Loaded into the same layout, everything is restored and the run continues bit for bit (with
+other ranks per node too: a rank loads the rows its nodes make it hold). Loaded into another
+layout (world size, shard group or HSDP replicas), the replicas of the old one are never used:
+every weight-difference gather re-establishes its replica from the loaded weights with exact
+values. The comm counters (which, with the seed and the rank, pick every stochastic rounding)
+continue after the largest value any rank of the old layout reached, so no rank repeats a
+rounding stream used before; the RNG state stays the one the job seeded.
 
 A save writes into ``step_XXXXXXXX.tmp``, waits until every rank has finished, renames the
 directory and only then replaces ``latest`` (temp file + ``os.replace``). A save interrupted at
@@ -108,11 +115,41 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
+def _layout(handle: Any) -> dict[str, int]:
+    """What a rank's comm state and replica rows belong to (the same on every rank): the ranks
+    and the shard group whose rows the replicas hold. Not the nodes: a row's replica holds the
+    same values whichever ranks hold it (:mod:`qsdp.comm.difference`)."""
+    return {"world_size": dist.get_world_size(), "shard_group": handle.topology.world_size,
+            "replicas": getattr(handle, "replicas", 1)}
+
+
+def _same_layout(stored: dict[str, Any], handle: Any) -> bool:
+    """Whether a rank blob was written by this layout (a blob without one: by the world size)."""
+    if "layout" in stored:
+        return stored["layout"] == _layout(handle)
+    return stored.get("world_size") == dist.get_world_size()
+
+
 def _rank_blob(handle: Any) -> bytes:
-    """This rank's comm counters and RNG state, serialized (a few KB)."""
+    """This rank's comm counters, RNG state and layout, serialized (a few KB)."""
     buf = io.BytesIO()
-    torch.save({"comms": handle.state_dict(), "rng": _rng_state(), "world_size": dist.get_world_size()}, buf)
+    torch.save({"comms": handle.state_dict(), "rng": _rng_state(), "world_size": dist.get_world_size(),
+                "layout": _layout(handle)}, buf)
     return buf.getvalue()
+
+
+def _continued_counters(states: list[Any]) -> Any:
+    """The comm state that continues every rank's of ``states`` on another layout: each counter
+    the largest any rank reached (the next rounding streams are new to every rank), each
+    "changed since the last gather" flag set (the next gather starts a new version)."""
+    first = states[0]
+    if isinstance(first, dict):
+        return {k: _continued_counters([s[k] for s in states if k in s]) for k in first}
+    if isinstance(first, bool):
+        return True
+    if isinstance(first, int):
+        return max(states)
+    return first
 
 
 def _replica_key(group: int, world: int, row: int) -> str:
@@ -246,18 +283,39 @@ def load_checkpoint(
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     try:
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        if f"rank_state.{rank}" in stored:  # absent where the checkpoint had fewer ranks
-            state["rank_state"] = {str(rank): b""}
+        old_ranks = sorted(int(k.split(".", 1)[1]) for k in stored if k.startswith("rank_state."))
+        # Rank 0's blob says the checkpoint's layout to every rank alike; this rank's own, if
+        # the layout is the same, its counters and RNG.
+        state["rank_state"] = {str(r): b"" for r in {0, rank} if r in old_ranks}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        blob = state.get("rank_state", {}).get(str(rank))
-        rank_state = torch.load(io.BytesIO(blob), map_location=device, weights_only=False) if blob else {}
-        if rank_state.get("world_size") == dist.get_world_size():
-            handle.load_state_dict(rank_state["comms"])  # after the parameters: see its doc
-            _set_rng_state(rank_state["rng"])
-        else:  # another world size: the counters do not apply, the replicas start exact
-            handle.reset_replicas()
-        _load_replicas(path, stored, handle, device)
+        blobs = {int(r): _unpack(b, device) for r, b in state["rank_state"].items()}
+        if 0 in blobs and _same_layout(blobs[0], handle) and rank in blobs:
+            handle.load_state_dict(blobs[rank]["comms"])  # after the parameters: see its doc
+            _set_rng_state(blobs[rank]["rng"])
+            _load_replicas(path, stored, handle, device)
+        else:
+            _continue_on_another_layout(path, old_ranks, handle, device)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
         raise CheckpointError(f"cannot load checkpoint {path}: {_short(e)}") from None
     return meta
+
+
+def _unpack(blob: bytes, device: torch.device) -> dict[str, Any]:
+    return torch.load(io.BytesIO(blob), map_location=device, weights_only=False) if blob else {}
+
+
+def _continue_on_another_layout(path: Path, old_ranks: list[int], handle: Any, device: torch.device) -> None:
+    """The comm state after a load into another layout: counters past every old rank's (all
+    of their blobs read, a few KB each), replicas re-established exactly at the next gather."""
+    if old_ranks:
+        blobs: dict[str, Any] = {"rank_state": {str(r): b"" for r in old_ranks}}
+        dcp.load(blobs, checkpoint_id=str(path))
+        states = [_unpack(b, device).get("comms") for b in blobs["rank_state"].values()]
+        states = [s for s in states if s]
+        if states:
+            handle.load_state_dict(_continued_counters(states))
+    handle.reset_replicas()
+    for ag in handle.all_gathers:
+        if ag.holds_replicas():
+            ag.load_replica_rows(None)

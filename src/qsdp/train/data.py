@@ -6,9 +6,10 @@
   qsdp itself, for short runs that must need nothing else.
 - ``ByteTokenizer`` (256 ids, one per byte) is the default tokenizer; ``train_bpe_tokenizer``
   trains a byte-level BPE with the ``tokenizers`` library and caches it as JSON.
-- ``TokenDataset`` holds the token ids once, splits them into train (first 90 %) and
-  validation (last 10 %), and draws batches whose positions are a pure function of
-  (seed, step, rank): no iterator state, so resuming at step k only needs k.
+- ``TokenDataset`` holds the token ids once and splits them into train (first 90 %) and
+  validation (last 10 %). Training reads the train split as a stream of samples in epochs
+  (:meth:`TokenDataset.samples`): sample ``k`` is a pure function of (seed, k), so the data
+  position is the number of samples consumed, whatever the number of ranks that consumed them.
 """
 
 from __future__ import annotations
@@ -272,10 +273,16 @@ class TokenDataset:
     """Token ids with a train/validation split and stateless, deterministic batches.
 
     The last ``val_fraction`` of the tokens (10 % by default) is the validation split, the rest
-    the train split. ``batch(step, rank, ...)`` draws random windows whose positions depend only
-    on (seed, step, rank): each rank sees different data, a repeated call gives the same batch,
-    and **the data position for resume is just the step number**; there is no iterator state to
-    checkpoint. (Changing the world size or batch size on resume changes the data seen after it.)
+    the train split. Two ways to draw training data:
+
+    * the **stream** (:meth:`samples`, :meth:`stream_batch`; the training job's): the train split
+      cut into :meth:`samples_per_epoch` windows, visited in a new random order each epoch.
+      Sample ``k`` of the stream depends only on (seed, k), so the data position is the number
+      of samples consumed: a run resumed on any number of ranks continues the epoch without
+      seeing a sample twice or skipping one, provided the global batch is taken as consecutive
+      samples (:meth:`stream_batch`);
+    * :meth:`batch`: random windows whose positions depend only on (seed, step, rank), for
+      measurements that need independent batches without a position.
     """
 
     def __init__(
@@ -344,6 +351,44 @@ class TokenDataset:
                 f"{seq_len} needs at least {seq_len + 1}; use a longer text or a shorter seq_len"
             )
 
+    def samples_per_epoch(self, seq_len: int) -> int:
+        """How many samples one epoch of the stream holds: windows of ``seq_len + 1`` tokens
+        starting every ``seq_len`` tokens of the train split (a window's last token, a target,
+        is the next window's first input), the tail that makes no whole window left out."""
+        self._check_len(self._split("train"), "train", seq_len)
+        return (self.n_train - 1) // seq_len
+
+    def sample_indices(self, start: int, count: int, seq_len: int) -> np.ndarray:
+        """Which windows samples ``start .. start + count - 1`` of the stream are: int64
+        ``[count]`` in ``[0, samples_per_epoch)``; sample ``k`` is in epoch ``k // n`` at its
+        position ``k % n`` of that epoch's permutation (seeded by the dataset's seed and the
+        epoch)."""
+        if start < 0 or count < 0:
+            raise ValueError(f"need start >= 0 and count >= 0, got {start}, {count}")
+        n = self.samples_per_epoch(seq_len)
+        epochs, positions = np.divmod(np.arange(start, start + count, dtype=np.int64), n)
+        windows = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            windows[mask] = _epoch_order(self.seed, int(epoch), n)[positions[mask]]
+        return windows
+
+    def samples(self, start: int, count: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``start .. start + count - 1`` of the stream as (x, y), int64 tensors of
+        shape [count, seq_len], ``y`` shifted by one token."""
+        starts = self.sample_indices(start, count, seq_len) * seq_len
+        return self._windows(self._split("train"), starts, seq_len)
+
+    def stream_batch(
+        self, position: int, rank: int, batch_size: int, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s share of the global batch that starts at sample ``position`` of the
+        stream: its ``batch_size`` consecutive samples after those of the lower ranks. The global
+        batch is samples ``position .. position + world * batch_size - 1`` whatever the split."""
+        if rank < 0 or batch_size <= 0:
+            raise ValueError(f"need rank >= 0 and batch_size > 0, got {rank}, {batch_size}")
+        return self.samples(position + rank * batch_size, batch_size, seq_len)
+
     def batch(
         self,
         step: int,
@@ -399,6 +444,14 @@ class TokenDataset:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    # Cached: every step of an epoch reads the same permutation (8 bytes a sample).
+    order = np.random.default_rng([seed, epoch, 2]).permutation(n)
+    order.flags.writeable = False
+    return order
 
 
 def _id_dtype(vocab_size: int) -> type:

@@ -46,6 +46,7 @@ from qsdp.train.preflight import (
     preflight,
     prepare_dataset,
     record_job,
+    rejoins_job,
     restart_count,
 )
 from qsdp.train.runtime import init_process_group, rank0_first, run_device
@@ -88,8 +89,9 @@ def train_worker(args: TrainArgs, plan: Plan | None = None) -> dict[str, Any]:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         if args.hsdp:  # a layout that cannot be HSDP fails on every rank before any collective
-            hsdp_layout(args, config, world)
+            hsdp_layout(args, config, world, resuming=args.resume or restart_count() > 0 or rejoins_job(args.out))
         dataset, plan = _worker_plan(args, plan, config, rank, world)
+        args = plan.run_args(args)  # a resume on another number of ranks: the global batch kept
         dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
         if rank == 0:
             record_job(args.out)

@@ -6,13 +6,16 @@ The command line calls it before launching workers; each worker calls it again o
 answer can have changed (a restarted attempt, or a launch under ``torchrun`` that had no data
 identity yet), and passes the plan's config to :func:`qsdp.quantize_comms`.
 
-A run is *resumable* from a checkpoint whose identity (model, tokenizer, sequence length, batch
-size, seed, world size, config and data) equals this run's; fields only one side knows are not
-compared, so a config field added since the checkpoint is not a change.
+A run is *resumable* from a checkpoint whose identity (model, tokenizer, sequence length, seed,
+config and data) equals this run's, apart from the layout: the number of ranks, the ranks per
+node and the per-rank batch may change (:mod:`qsdp.train.elastic`; the global batch is kept
+unless ``--new-global-batch``). Fields only one side knows are not compared, so a config field
+added since the checkpoint is not a change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from qsdp.hsdp import quantizes_only_replicas
 from qsdp.train.args import TrainArgs, TrainError, validate_args
 from qsdp.train.checkpoint import latest_checkpoint, read_meta
 from qsdp.train.data import TokenDataset, get_tokenizer, load_corpus, require_default_corpus
+from qsdp.train.elastic import LAYOUT_FIELDS, RESUMABLE_CHANGES, resume_batch_size
 from qsdp.train.files import atomic_write
 from qsdp.train.metrics import METRICS_FILE
 
@@ -39,13 +43,22 @@ class Plan:
     """What the checks decided. ``resume_from``: the checkpoint directory to load (``None``: a
     fresh start). ``data_id``: a fingerprint of the text and the tokenizer (``None`` until the
     dataset was prepared). ``restarted``: this is a restart by torch's elastic agent (or a
-    node that joined the same torchrun job after one, see :func:`rejoins_job`)."""
+    node that joined the same torchrun job after one, see :func:`rejoins_job`). ``batch_size``:
+    the per-rank batch of a resume, which keeps the checkpoint's global batch on another number
+    of ranks (``None``: the arguments' own)."""
 
     config: QuantConfig
     world_size: int
     data_id: str | None = None
     resume_from: Path | None = None
     restarted: bool = False
+    batch_size: int | None = None
+
+    def run_args(self, args: TrainArgs) -> TrainArgs:
+        """``args`` with the plan's per-rank batch: what the workers train with."""
+        if self.batch_size is None or self.batch_size == args.batch_size:
+            return args
+        return dataclasses.replace(args, batch_size=self.batch_size)
 
     def identity(self, args: TrainArgs) -> dict[str, Any]:
         """What must be equal for a checkpoint to be resumed by this run (stored in it)."""
@@ -164,25 +177,27 @@ def run_identity(args: TrainArgs, world_size: int, data_id: str | None,
     config = config if config is not None else validate_args(args)
     identity: dict[str, Any] = {
         "model": args.model, "tokenizer": args.tokenizer, "seq_len": args.seq_len,
-        "batch_size": args.batch_size, "seed": args.seed, "world_size": world_size,
-        "config": config.to_dict(), "hsdp": args.hsdp,
+        "batch_size": args.batch_size, "global_batch": args.batch_size * world_size, "seed": args.seed,
+        "world_size": world_size, "config": config.to_dict(), "hsdp": args.hsdp,
     }
     if data_id is not None:
         identity["data_id"] = data_id
     return identity
 
 
-def hsdp_layout(args: TrainArgs, config: QuantConfig, world_size: int) -> tuple[int, int]:
+def hsdp_layout(args: TrainArgs, config: QuantConfig, world_size: int,
+                resuming: bool = False) -> tuple[int, int]:
     """``(nodes, ranks_per_node)`` of an ``--hsdp`` run of ``world_size`` ranks: ranks per node
     from ``--local-world-size`` (folded into ``config``), else ``LOCAL_WORLD_SIZE``, else the
-    whole world. TrainError unless they make at least 2 whole nodes."""
+    whole world. TrainError unless they make whole nodes, at least 2 of them for a fresh run;
+    ``resuming``: one node, a single replica, continues an HSDP run that lost its other nodes."""
     env = os.environ.get("LOCAL_WORLD_SIZE", "")
     per_node = config.local_world_size or (int(env) if env.isdigit() and int(env) > 0 else world_size)
     if world_size % per_node:
         raise TrainError(f"--hsdp: {per_node} ranks per node (--local-world-size) must divide the "
                          f"world size {world_size}")
     nodes = world_size // per_node
-    if nodes < 2:
+    if nodes < 2 and not resuming:
         raise TrainError(
             f"--hsdp needs at least 2 nodes to replicate across, but {world_size} rank(s) at {per_node} "
             f"per node make {nodes}; pass --local-world-size M (ranks per node) with M < {world_size} "
@@ -213,11 +228,14 @@ def _same(key: str, theirs: Any, mine: Any) -> bool:
 
 
 def _check_identity(path: Path, meta: dict[str, Any], mine: dict[str, Any]) -> None:
+    """TrainError naming every field of the identity that differs, the layout's apart."""
     theirs = _flatten(meta.get("identity", {}))
     diffs = [f"{key}: checkpoint {theirs[key]!r} != now {value!r}"
-             for key, value in _flatten(mine).items() if key in theirs and not _same(key, theirs[key], value)]
+             for key, value in _flatten(mine).items()
+             if key in theirs and key not in LAYOUT_FIELDS and not _same(key, theirs[key], value)]
     if diffs:
-        raise TrainError(f"--resume: checkpoint {path} was written by a different run: " + "; ".join(diffs))
+        raise TrainError(f"--resume: checkpoint {path} was written by a different run: " + "; ".join(diffs)
+                         + f" (a resume may change only {RESUMABLE_CHANGES})")
 
 
 def check_resume(args: TrainArgs, world_size: int, data_id: str | None = None,
@@ -255,12 +273,12 @@ def preflight(args: TrainArgs, world_size: int, data_id: str | None = None,
     naming the problem; touches no process group."""
     if config is None:
         config = validate_args(args)
+    restarted = restart_count() > 0 or rejoins_job(args.out)
     if args.hsdp:
-        hsdp_layout(args, config, world_size)
+        hsdp_layout(args, config, world_size, resuming=args.resume or restarted)
     elif quantizes_only_replicas(config):
         raise TrainError(f"--preset {config.name} quantizes only the gradient all-reduce across HSDP "
                          "replicas: add --hsdp (without it the run is plain FSDP at full precision)")
-    restarted = restart_count() > 0 or rejoins_job(args.out)
     resume_from = None
     if restarted:  # the elastic agent restarted the group: continue from the last good checkpoint
         resume_from = _restart_checkpoint(args, world_size, data_id, config)
@@ -268,5 +286,7 @@ def preflight(args: TrainArgs, world_size: int, data_id: str | None = None,
         resume_from, _ = check_resume(args, world_size, data_id, config)
     else:
         check_out_dir(args)
+    batch_size = (resume_batch_size(args, world_size, read_meta(resume_from), resume_from)
+                  if resume_from is not None else None)
     return Plan(config=config, world_size=world_size, data_id=data_id, resume_from=resume_from,
-                restarted=restarted)
+                restarted=restarted, batch_size=batch_size)

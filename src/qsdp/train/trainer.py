@@ -2,10 +2,12 @@
 comms, AdamW, metrics, checkpoints.
 
 Every rank runs the same code; rank 0 alone writes metrics, the summary and the progress bar.
-Steps are counted from 1: the record of step ``s`` is written after ``s`` optimizer steps. The
-batch of step ``s`` is ``TokenDataset.batch(s - 1, rank, ...)``, a pure function of the step, so
-a checkpoint of step ``s`` resumes exactly (model, optimizer, comm state, RNG, and
-:meth:`Trainer.state_dict`; the learning rate is a function of the step). Per step, in this
+Steps are counted from 1: the record of step ``s`` is written after ``s`` optimizer steps. Each
+step takes the next global batch of the data stream (``TokenDataset.stream_batch`` at the
+samples consumed so far, :attr:`RunState.samples`), so a checkpoint of step ``s`` resumes
+exactly (model, optimizer, comm state, RNG, and :meth:`Trainer.state_dict`; the learning rate is
+a function of the step), and on another number of ranks continues the same stream
+(:mod:`qsdp.train.elastic`). Per step, in this
 order: :meth:`~Trainer.train_step`, :meth:`~Trainer.log`, :meth:`~Trainer.maybe_checkpoint`,
 :meth:`~Trainer.maybe_evaluate`.
 
@@ -71,6 +73,7 @@ from qsdp.train.args import (
 )
 from qsdp.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from qsdp.train.data import TokenDataset
+from qsdp.train.elastic import samples_consumed
 from qsdp.train.faults import Faults
 from qsdp.train.metrics import MetricsWriter, WireTotals, drop_records_after, read_metrics, train_record
 from qsdp.train.model import count_params, make_gpt, transformer_blocks
@@ -85,6 +88,7 @@ class RunState:
     """What a run has done so far; with the model, optimizer and comms, what a checkpoint keeps."""
 
     step: int = 0
+    samples: int = 0  # of the data stream, consumed by the steps so far
     wire: WireTotals = field(default_factory=WireTotals)
     nonfinite_skipped: int = 0
     train_loss: float = float("nan")
@@ -127,7 +131,7 @@ def shard_and_quantize(
     if not args.hsdp:
         model, dtype_name = build_model(args, vocab_size, device)
         return model, dtype_name, qsdp.quantize_comms(model, plan.config), None
-    nodes, per_node = hsdp_layout(args, plan.config, dist.get_world_size())
+    nodes, per_node = hsdp_layout(args, plan.config, dist.get_world_size(), resuming=plan.resume_from is not None)
     groups = qsdp.hsdp_groups(nodes=nodes, ranks_per_node=per_node, device_type=device.type)
     model, dtype_name = build_model(args, vocab_size, device, groups.shard_mesh)
     comms = qsdp.quantize_comms(model, plan.config, group=groups.shard_group,
@@ -238,13 +242,15 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The run state a checkpoint stores beside the model (``trainer.json``, JSON-able);
         the step is added by the checkpoint itself."""
-        return {"identity": self.plan.identity(self.args), "wire": self.state.wire.as_dict(),
+        return {"identity": self.plan.identity(self.args), "samples": self.state.samples,
+                "wire": self.state.wire.as_dict(),
                 "preset": self.args.preset, "torch_version": torch.__version__,
                 "nonfinite_skipped": self.state.nonfinite_skipped, "train_loss": self.state.train_loss}
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
         """Restore the run state from a checkpoint's ``trainer.json``."""
-        self.state = RunState(step=int(meta["step"]), wire=WireTotals(meta.get("wire")),
+        self.state = RunState(step=int(meta["step"]), samples=samples_consumed(meta),
+                              wire=WireTotals(meta.get("wire")),
                               nonfinite_skipped=int(meta.get("nonfinite_skipped", 0)),
                               train_loss=float(meta.get("train_loss", float("nan"))))
 
@@ -256,7 +262,8 @@ class Trainer:
         lr = lr_at(step - 1, args)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = self.dataset.batch(step - 1, self.rank, self.world, args.batch_size, args.seq_len)
+        inputs, targets = self.dataset.stream_batch(self.state.samples, self.rank, args.batch_size, args.seq_len)
+        self.state.samples += args.batch_size * self.world  # consumed even by a skipped step
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         _, loss = self.model(inputs, targets)
