@@ -58,6 +58,7 @@ def _env_without_iproute2() -> dict[str, str]:
 
 
 @needs_netns
+@pytest.mark.slow  # 50 s; the sweep's rows and plot, beside the single-rate runs below
 @pytest.mark.timeout(300)
 def test_quick_sweep_without_iproute2_has_a_row_per_rate_and_preset_and_a_plot(tmp_path):
     save = tmp_path / "sweep.json"

@@ -39,6 +39,7 @@ def test_convergence_quick_run_pairs_every_variant_with_the_baseline_per_seed(tm
     assert saved["meta"]["torch"] and saved["setting"] == "tiny"
 
 
+@pytest.mark.slow  # 15 s of training runs
 def test_a_finished_run_is_reused_only_with_the_same_arguments(tmp_path, capsys):
     common = ["bench", "convergence", "--variants", "fsdp", "--seeds", "1", "--nproc", "2",
               "--local-world-size", "1", "--param-dtype", "float32", "--out", str(tmp_path / "runs"), "--reuse"]
@@ -171,6 +172,7 @@ def test_merge_names_a_file_that_is_not_a_convergence_result(tmp_path, capsys):
     assert "other.json is not a result of qsdp bench convergence" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 15 s of training runs
 def test_parts_sharing_out_keep_their_plots_and_merge_redraws_the_lowest_seed(tmp_path, capsys):
     runs = str(tmp_path / "runs")
     for seed in (1, 0):  # the later seed first: its plots must not stand for seed 0's

@@ -25,6 +25,7 @@ def test_volume_reports_meter_figures_for_fsdp_and_sdp4bit():
     assert "sdp4bit" in format_table(result)
 
 
+@pytest.mark.slow  # 11 s; the same measurement as above, through the command line
 def test_volume_cli_prints_one_json_object():
     out = subprocess.run(
         [sys.executable, "-m", "qsdp.cli", "bench", "volume", "--presets", "qsdp", "--steps", "1", "--json"],
