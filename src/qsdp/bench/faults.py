@@ -214,13 +214,17 @@ class TrainingJob:
         """Why the job failed (``None``: every agent exited 0), with the tail of each log."""
         if all(a.returncode == 0 for a in self.agents.values()):
             return None
+        codes = {n: a.returncode for n, a in self.agents.items()}
+        return f"{self.name}: the torchrun agents exited with {codes}\n" + self.log_tails()
+
+    def log_tails(self) -> str:
+        """The last lines of every agent's log, for an error that must say where the job was."""
         tails = []
         for log in self.logs:
             log.flush()
             log.seek(0)
             tails.append(f"--- {os.path.basename(log.name)} ---\n" + log.read()[-2500:])
-        codes = {n: a.returncode for n, a in self.agents.items()}
-        return f"{self.name}: the torchrun agents exited with {codes}\n" + "\n".join(tails)
+        return "\n".join(tails)
 
     def stop(self) -> None:
         """Kill whatever still runs (a failed or overdue case) and close the logs."""
@@ -339,7 +343,7 @@ def _wait_for_step(run: TrainingJob, step: int, deadline: float) -> int:
         if not run.running():
             raise ClusterError(run.failure() or f"{run.name}: the job ended before step {step}")
         if time.monotonic() > deadline:
-            raise ClusterError(f"{run.name}: step {step} not reached before the deadline")
+            raise ClusterError(f"{run.name}: step {step} not reached before the deadline\n" + run.log_tails())
         time.sleep(POLL_S)
 
 
@@ -386,7 +390,8 @@ def _watch(run: TrainingJob, case: str, job: FaultJob, deadline: float, log: Cal
         _follow_regrow(run, tl, records, new, now, case, log)
         seen.update(_record_key(r) for r in new)
         if time.monotonic() > deadline:
-            raise ClusterError(f"{case}: the job ran past its {job.deadline_s:g} s deadline")
+            raise ClusterError(f"{case}: the job ran past its {job.deadline_s:g} s deadline; events "
+                               f"{[e['event'] for e in tl.events]}\n" + run.log_tails())
         time.sleep(POLL_S)
     return tl
 
@@ -423,7 +428,7 @@ def _run_job(emu: _Emulation, job: FaultJob, case: str | None, log: Callable[[st
         tl = _watch(run, case, job, deadline, log) if case else None
         while run.running():
             if time.monotonic() > deadline:
-                raise ClusterError(f"{name}: the job ran past its {job.deadline_s:g} s deadline")
+                raise ClusterError(f"{name}: the job ran past its {job.deadline_s:g} s deadline\n" + run.log_tails())
             time.sleep(POLL_S)
         problem = run.failure()
         if problem:
