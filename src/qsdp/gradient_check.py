@@ -57,6 +57,7 @@ def _local_shards(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) 
     world = dist.get_world_size()
     want = dist.get_process_group_ranks(group)
     shards: dict[int, list[torch.Tensor]] = {}
+    checked: set[int] = set()  # meshes whose shard dimension was compared with the handle's group
     for p in parameters:
         g = p.grad
         if g is None:
@@ -68,11 +69,13 @@ def _local_shards(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) 
         if any(pl.is_partial() for pl in g.placements):
             raise ValueError(f"check_gradients: a gradient with placements {g.placements} is not reduced yet")
         mesh = g.device_mesh
-        ranks = dist.get_process_group_ranks(mesh.get_group(0))
-        if ranks != want:
-            raise ValueError(
-                f"check_gradients: gradients sharded over ranks {ranks} but the handle's shard group is {want}; "
-                "pass the parameters of the module quantize_comms was called on")
+        if id(mesh) not in checked:
+            ranks = dist.get_process_group_ranks(mesh.get_group(0))
+            if ranks != want:
+                raise ValueError(
+                    f"check_gradients: gradients sharded over ranks {ranks} but the handle's shard group is {want}; "
+                    "pass the parameters of the module quantize_comms was called on")
+            checked.add(id(mesh))
         distinct = math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if _sharded(pl))
         shards.setdefault(world // distinct, []).append(g.to_local())
     return shards
@@ -86,7 +89,7 @@ def _squared_norm(shards: dict[int, list[torch.Tensor]], device: torch.device) -
     return total
 
 
-def _device(comms: Any, flags: list[torch.Tensor], shards: list[torch.Tensor]) -> torch.device:
+def _device(comms: Any, flags: list[torch.Tensor], shards: dict[int, list[torch.Tensor]]) -> torch.device:
     # The gradients' device, which is not the parameters' under CPU offload.
     if flags:
         return flags[0].device

@@ -168,15 +168,12 @@ class WireTotals:
                 if kind in self.counts and level in self.counts[kind]:
                     self.counts[kind][level] = [int(count["bytes"]), int(count["elements"])]
 
-    def collect(self, device: torch.device, extra: Sequence[float] = ()) -> list[float]:
+    def collect(self, device: torch.device) -> None:
         """Add what the meter counted on every rank since the last call (collective: one
-        all-reduce, which also sums ``extra`` over the ranks and returns it)."""
-        vec = list(extra) + self.local_counts()
-        summed = torch.tensor(vec, dtype=torch.float64, device=device)
+        all-reduce; a training step instead carries :meth:`local_counts` in its gradient check)."""
+        summed = torch.tensor(self.local_counts(), dtype=torch.float64, device=device)
         dist.all_reduce(summed)
-        values = summed.tolist()  # the one host sync of the collection
-        self.add(values[len(extra):])
-        return values[:len(extra)]
+        self.add(summed.tolist())  # the one host sync of the collection
 
     def local_counts(self) -> list[int]:
         """What this rank's meter counted since the last call (and resets it), as a flat list
