@@ -20,7 +20,7 @@ from typing import Any, Callable
 from qsdp.launch import free_port
 
 
-def _child(fn, rank, world_size, port, local_world_size, pg_timeout, backend, queue, args, kwargs):
+def _child(fn, rank, world_size, port, local_world_size, pg_timeout, backend, queue, released, args, kwargs):
     import torch
     import torch.distributed as dist
 
@@ -45,6 +45,9 @@ def _child(fn, rank, world_size, port, local_world_size, pg_timeout, backend, qu
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
+        # Rank 0 hosts the group's store: had it left as soon as its own work was done, a peer
+        # still creating a subgroup rank 0 is not in would lose the store mid-rendezvous.
+        released.wait(timeout=600)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -78,10 +81,11 @@ def run_world(
     function)."""
     ctx = mp.get_context(start_method)
     queue = ctx.Queue()
+    released = ctx.Event()  # set once the parent has every result (or an error): ranks may exit
     port = free_port()
     lws = local_world_size or world_size
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, lws, pg_timeout, backend, queue, args, kwargs))
+        ctx.Process(target=_child, args=(fn, r, world_size, port, lws, pg_timeout, backend, queue, released, args, kwargs))
         for r in range(world_size)
     ]
     for p in procs:
@@ -107,6 +111,7 @@ def run_world(
                 errors.append(f"rank {rank}:\n{value}")
                 break
     finally:
+        released.set()
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
