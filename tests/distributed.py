@@ -20,7 +20,8 @@ from typing import Any, Callable
 from qsdp.launch import free_port
 
 
-def _child(fn, rank, world_size, port, local_world_size, pg_timeout, backend, queue, released, args, kwargs):
+def _child(fn, rank, world_size, port, local_world_size, pg_timeout, backend, queue, released, deadline_s,
+           args, kwargs):
     import torch
     import torch.distributed as dist
 
@@ -47,7 +48,7 @@ def _child(fn, rank, world_size, port, local_world_size, pg_timeout, backend, qu
     finally:
         # Rank 0 hosts the group's store: had it left as soon as its own work was done, a peer
         # still creating a subgroup rank 0 is not in would lose the store mid-rendezvous.
-        released.wait(timeout=600)
+        released.wait(timeout=deadline_s)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -85,7 +86,8 @@ def run_world(
     port = free_port()
     lws = local_world_size or world_size
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, lws, pg_timeout, backend, queue, released, args, kwargs))
+        ctx.Process(target=_child, args=(fn, r, world_size, port, lws, pg_timeout, backend, queue, released, timeout,
+                                         args, kwargs))
         for r in range(world_size)
     ]
     for p in procs:
