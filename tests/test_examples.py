@@ -22,9 +22,18 @@ def _torchrun(nproc: int, script: str, *args: str) -> str:
     return out.stdout
 
 
-def test_two_line_example_trains_under_torchrun():
+def test_two_line_example_on_one_machine_sends_nothing_between_nodes():
     stdout = _torchrun(2, "fsdp2_two_lines.py", "--steps", "6", "--preset", "qsdp")
-    assert "step   5" in stdout and "weights" in stdout
+    last = [line for line in stdout.splitlines() if line.startswith("step   5")]
+    assert last and "weights inter  0.00" in last[0] and "grads inter  0.00" in last[0]
+
+
+def test_two_line_example_emulating_two_nodes_shows_4_bit_traffic_between_them():
+    stdout = _torchrun(4, "fsdp2_two_lines.py", "--steps", "6", "--preset", "sdp4bit", "--emulate-nodes", "2")
+    last = [line for line in stdout.splitlines() if line.startswith("step   5")]
+    assert last and "intra 32.00" in last[0] and "grads inter  4." in last[0], stdout
+    weights_inter = float(last[0].split("weights inter")[1].split()[0])
+    assert 4.0 < weights_inter < 8.0  # differences in 4 bits plus scales and padding, not 32
 
 
 def test_hsdp_example_trains_under_torchrun_with_4_bit_gradients_between_nodes():
