@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import sys
-import time
-from typing import Any, Callable
-
-import torch
 
 from qsdp.config import PRESETS
 from qsdp.extras import require
+from qsdp.results import cpu_model, emit, host, meta  # noqa: F401  (re-exported: every bench writes through these)
 
 # The presets the benchmarks compare by default, in one order: the baseline first.
 BENCH_PRESETS: tuple[str, ...] = tuple(PRESETS)
@@ -23,46 +17,10 @@ CONVERGENCE_VARIANTS: tuple[str, ...] = (
     "qsdp-w4g4")
 
 
-def cpu_model() -> str:
-    """The host CPU's model name (``/proc/cpuinfo`` where there is one)."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    return model
-
-
-def host() -> str:
-    """The machine a CPU timing depends on: its CPU, the cores this process may use and the
-    vector instructions torch's CPU kernels use on it."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu_model()}, {cores} cores, {torch.backends.cpu.get_cpu_capability()}"
-
-
 def description(doc: str | None) -> str:
     """A module docstring's first paragraph as one line, for ``--help``: the whole sentence
     where it runs over more than one line."""
     return " ".join((doc or "").strip().split("\n\n")[0].split())
-
-
-def meta(name: str, argv: list[str] | None, device: str, **extra: Any) -> dict[str, Any]:
-    """The ``meta`` block of a result file: the command, torch version, device, host and date."""
-    args = argv if argv is not None else sys.argv[1:]
-    return {"command": f"qsdp bench {name} " + " ".join(args), "torch": torch.__version__,
-            "device": device, "host": host(), "date": time.strftime("%Y-%m-%d"), **extra}
-
-
-def emit(result: dict[str, Any], *, as_json: bool, save: str | None,
-         format_text: Callable[[dict[str, Any]], str]) -> int:
-    """Write ``result`` to ``save`` (JSON) if given, print it as one JSON object or as text."""
-    if save:
-        os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
-        with open(save, "w") as f:
-            json.dump(result, f, indent=2)
-    print(json.dumps(result) if as_json else format_text(result))
-    return 0
 
 
 def bar_chart(path: str, labels: list[str], series: dict[str, list[float]], *, ylabel: str,

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from ..bench.report import emit, meta
+from ..results import emit, meta
 from ..config import ConfigError, preset_names, resolve_config
 from ..train.args import PARAM_DTYPES
 from ..train.data import DataError
