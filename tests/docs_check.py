@@ -6,7 +6,8 @@
   its headings (GitHub's anchors). Web addresses are not checked.
 - Every ``qsdp ...`` command in a shell code block (```` ```bash ````, ``sh``, ``shell``; in
   ``console``, ``text`` and unlabelled blocks only lines that start with ``$ ``) is found, also as
-  ``torchrun ... -m qsdp.cli ...`` or ``python -m qsdp.<module> ...``, and parsed by the real
+  ``torchrun ... -m qsdp.cli ...``, ``python -m qsdp.<module> ...`` or ``python -m
+  benchmarks.<script> ...`` (the evidence scripts beside the package), and parsed by the real
   command line: ``qsdp.cli``'s parser, then, for a subcommand that hands its arguments on
   (``qsdp bench NAME ...``, ``qsdp advise ...``), the parser of the module it hands them to. A
   renamed or removed flag is an error.
@@ -279,7 +280,7 @@ def _as_qsdp(tokens: list[str]) -> tuple[str, list[str]] | None:
         if "-m" in tokens:
             at = tokens.index("-m")
             module = tokens[at + 1] if at + 1 < len(tokens) else ""
-            if module == "qsdp" or module.startswith("qsdp."):
+            if module == "qsdp" or module.startswith(("qsdp.", "benchmarks.")):
                 return ("qsdp.cli" if module == "qsdp" else module), tokens[at + 2:]
     return None
 

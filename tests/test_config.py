@@ -53,11 +53,11 @@ def test_sdp4bits_pipeline_slices_are_auto_rounding_as_eight_slices():
 
 
 def test_pipeline_slices_auto_parses_from_the_command_line():
-    from qsdp.cli import _override
+    from qsdp.overrides import parse_override
 
-    key, value = _override("grads.pipeline_slices=auto")
+    key, value = parse_override("grads.pipeline_slices=auto")
     assert resolve_config("zeropp", {key: value}).grads.pipeline_slices == "auto"
-    key, value = _override("grads.pipeline_slices=8")
+    key, value = parse_override("grads.pipeline_slices=8")
     assert resolve_config("sdp4bit", {key: value}).grads.pipeline_slices == 8
 
 

@@ -105,6 +105,27 @@ def test_the_performance_model_imports_no_application_module(graph):
     assert not [m for m in seen if m.startswith(APPLICATIONS)]
 
 
+# The applications, lowest first: each may import the library and those before it, none after it.
+APPLICATION_ORDER = ("qsdp.train", "qsdp.check", "qsdp.advise", "qsdp.bench", "qsdp.cli")
+
+
+def _application(module: str) -> int | None:
+    return next((i for i, app in enumerate(APPLICATION_ORDER) if module == app or module.startswith(app + ".")), None)
+
+
+def test_no_application_imports_one_above_it(graph):
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                    if (lo := _application(m)) is not None and (hi := _application(t)) is not None and hi > lo)
+    assert not upward, "imports that run back up: " + ", ".join(upward)
+
+
+def test_the_library_imports_no_application(graph):
+    library = [m for m in graph if _application(m) is None and m != "qsdp"]
+    assert "qsdp.fsdp" in library and "qsdp.results" in library
+    wrong = sorted(f"{m} -> {t}" for m in library for t in graph[m] if _application(t) is not None)
+    assert not wrong, "library modules importing an application: " + ", ".join(wrong)
+
+
 @pytest.mark.parametrize("deferred", [False, True])
 def test_a_circle_is_found_and_named_also_through_a_function_level_import(tmp_path, deferred):
     pkg = tmp_path / "pkg"

@@ -20,10 +20,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import qsdp
 from qsdp.launch import under_torchrun
+from qsdp.overrides import parse_override
 from qsdp.train import demo
 from qsdp.train.args import (
     BACKENDS,
@@ -57,11 +57,11 @@ BENCHMARKS = {
     "kernels": "qsdp.bench.kernels",
     "codecs": "qsdp.bench.codecs",
     "codec-share": "qsdp.bench.codec_share",
-    "convergence": "qsdp.bench.convergence",
-    "soak": "qsdp.bench.soak",
     "memory": "qsdp.bench.memory",
     "phases": "qsdp.bench.phases",
 }
+# Benchmarks that only produce this repository's evidence: run from a clone (benchmarks/).
+MOVED_TO_REPOSITORY = {"convergence": "python -m benchmarks.convergence", "soak": "python -m benchmarks.soak"}
 # `qsdp advise ARGS...` dispatches like a benchmark: its module parses its own arguments.
 _MODULES = {**BENCHMARKS, "advise": "qsdp.advise", "presets": "qsdp.preset_table", "check": "qsdp.check.cli"}
 
@@ -79,35 +79,12 @@ def _error(message: str) -> None:
     sys.stderr.flush()
 
 
-def _parse_value(text: str) -> Any:
-    low = text.strip().lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    if low in ("none", "null"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _override(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. weights.bits=4), got {text!r}")
-    return key.strip(), _parse_value(value)
-
-
 def _add_run_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> None:
     group = parser.add_argument_group("run")
     group.add_argument("--preset", default=defaults.preset,
                        help=f"communication preset (default {defaults.preset}): "
                             f"{', '.join(qsdp.PRESETS)} or a variant")
-    group.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", type=_override,
+    group.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", type=parse_override,
                        default=[], help="override a config field, e.g. weights.bits=4 (repeatable)")
     group.add_argument("--model", default=defaults.model,
                        help=f"model size: {', '.join(MODEL_SIZES)} (default {defaults.model})")
@@ -255,6 +232,9 @@ def _cmd_plot(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
+    if ns.bench in MOVED_TO_REPOSITORY:
+        raise UsageError(f"qsdp bench {ns.bench} produces the repository's evidence and is not installed: run "
+                         f"`{MOVED_TO_REPOSITORY[ns.bench]}` from the root of a qsdp clone")
     # Imported by name: only the benchmark asked for is loaded.
     module = importlib.import_module(_MODULES[ns.bench])
     try:
@@ -297,7 +277,7 @@ def _parser() -> _Parser:
         own.set_defaults(func=_cmd_bench, bench=name)
 
     b = sub.add_parser("bench", help="benchmarks", description="Benchmarks of qsdp.")
-    b.add_argument("bench", choices=sorted(BENCHMARKS), help="which benchmark")
+    b.add_argument("bench", choices=sorted({**BENCHMARKS, **MOVED_TO_REPOSITORY}), help="which benchmark")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="its arguments")
     b.set_defaults(func=_cmd_bench)
     return p

@@ -32,10 +32,13 @@ def host() -> str:
     return f"{cpu_model()}, {cores} cores, {torch.backends.cpu.get_cpu_capability()}"
 
 
-def meta(name: str, argv: list[str] | None, device: str, **extra: Any) -> dict[str, Any]:
-    """The ``meta`` block of a result file: the command, torch version, device, host and date."""
+def meta(name: str, argv: list[str] | None, device: str, *, program: str | None = None,
+         **extra: Any) -> dict[str, Any]:
+    """The ``meta`` block of a result file: the command, torch version, device, host and date.
+    The command is ``qsdp bench NAME ARGS`` unless ``program`` names what ran instead (e.g.
+    ``python -m benchmarks.convergence``)."""
     args = argv if argv is not None else sys.argv[1:]
-    return {"command": f"qsdp bench {name} " + " ".join(args), "torch": torch.__version__,
+    return {"command": f"{program or 'qsdp bench ' + name} " + " ".join(args), "torch": torch.__version__,
             "device": device, "host": host(), "date": time.strftime("%Y-%m-%d"), **extra}
 
 

@@ -10,11 +10,6 @@ from qsdp.results import cpu_model, emit, host, meta  # noqa: F401  (re-exported
 
 # The presets the benchmarks compare by default, in one order: the baseline first.
 BENCH_PRESETS: tuple[str, ...] = tuple(PRESETS)
-# The convergence ablation: the baseline, the SDP4Bit paper's Table 1 variants (weights alone,
-# gradients alone), the presets, QSDP's halves alone, then QSDP's aggressive 4-bit setting.
-CONVERGENCE_VARIANTS: tuple[str, ...] = (
-    "fsdp", "qw4", "qwd4", "tlq4", "tlq-hs", "sdp4bit", "zeropp", "qsdp", "qsdp-w8", "qsdp-g8",
-    "qsdp-w4g4")
 
 
 def description(doc: str | None) -> str:

@@ -7,20 +7,15 @@ import sys
 
 import torch
 
-from ..results import emit, meta
 from ..config import ConfigError, preset_names, resolve_config
+from ..overrides import parse_override
+from ..results import emit, meta
 from ..train.args import PARAM_DTYPES
 from ..train.data import DataError
 from ..train.model import MODEL_SIZES
 from .measure import CheckSpec, measure_many
 from .models import ModelError
 from .report import format_text, result
-
-
-def _override(text: str) -> tuple[str, object]:
-    from ..cli import _override as parse  # the train command's KEY=VALUE parser
-
-    return parse(text)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
                    f"config .json, or module:function returning an nn.Module (default {d.model})")
     p.add_argument("--preset", default="sdp4bit", help=f"preset or variant: {', '.join(preset_names())}; "
                    "several, comma-separated, are measured along one run and compared")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", type=_override,
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", type=parse_override,
                    default=[], help="override a config field, e.g. grads.bits_inter=8 (repeatable)")
     p.add_argument("--nodes", type=int, default=d.nodes, help=f"D, emulated nodes (default {d.nodes})")
     p.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,

@@ -1,4 +1,4 @@
-"""``qsdp bench soak``: train for a long time and check that memory stays flat and steps do not slow down.
+"""``python -m benchmarks.soak``: train for a long time and check that memory stays flat and steps do not slow down.
 
 Launches ``--nproc`` local workers (torch's elastic launcher, gloo on CPU or NCCL with one GPU a
 worker, as ``qsdp train``) that train a GPT (``tiny`` by default) with the chosen preset
@@ -50,9 +50,12 @@ from qsdp.train.launcher import quiet_elastic_logs
 from qsdp.train.model import MODEL_SIZES
 from qsdp.train.preflight import prepare_dataset
 from qsdp.train.runtime import init_process_group, rank0_first, run_device
+from qsdp.results import emit
 from qsdp.train.trainer import build_model, clip_grads, make_optimizer
 
-from .report import emit
+from ._cli import run
+
+PROGRAM = "python -m benchmarks.soak"
 
 DEFAULT_PRESET = "sdp4bit"
 MIB = 1024 * 1024
@@ -263,7 +266,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qsdp bench soak", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="wall time of training (default 30)")
     parser.add_argument("--preset", default=DEFAULT_PRESET, help=f"communication preset (default {DEFAULT_PRESET})")
     parser.add_argument("--nproc", type=int, default=2, help="local workers, 2 or 4 (default 2)")
@@ -308,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
                          args.max_slope, args.data, args.device)
     except ChildFailedError as e:
         rank, failure = min(e.failures.items())
-        print(f"qsdp bench soak: worker rank {rank} failed: {failure.message or failure.exitcode}",
+        print(f"{PROGRAM}: worker rank {rank} failed: {failure.message or failure.exitcode}",
               file=sys.stderr)
         return 1
     result["meta"] = {
-        "command": "qsdp bench soak " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": PROGRAM + " " + " ".join(argv if argv is not None else sys.argv[1:]),
         "torch": torch.__version__, "device": result["device"],
         "cpus": os.cpu_count(),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
@@ -321,4 +324,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main, PROGRAM))

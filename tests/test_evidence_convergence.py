@@ -1,4 +1,4 @@
-"""`qsdp bench convergence`, quick variant: paired seeds, intervals and verdicts, same schema as the
+"""`python -m benchmarks.convergence`, quick variant: paired seeds, intervals and verdicts, same schema as the
 full run."""
 
 import json
@@ -7,16 +7,22 @@ import os
 import pytest
 import torch
 
-from qsdp.bench.convergence import MergeError, check_targets, merge, qsdp_halves
-from qsdp.cli import main
+from benchmarks import convergence as convergence_module
+from benchmarks._cli import run
+from benchmarks.convergence import MergeError, check_targets, merge, qsdp_halves
 
 pytestmark = pytest.mark.timeout(300)
 
 
+def convergence(argv: list[str]) -> int:
+    """The script as ``python -m benchmarks.convergence ARGS`` runs it: its exit code."""
+    return run(convergence_module.main, convergence_module.PROGRAM, argv)
+
+
 def test_convergence_quick_run_pairs_every_variant_with_the_baseline_per_seed(tmp_path, capsys):
-    rc = main(["bench", "convergence", "--variants", "fsdp", "qwd4", "--seeds", "2", "--steps", "2",
-               "--nproc", "2", "--local-world-size", "1", "--param-dtype", "float32",
-               "--out", str(tmp_path / "runs"), "--json", "--save", str(tmp_path / "conv.json")])
+    rc = convergence(["--variants", "fsdp", "qwd4", "--seeds", "2", "--steps", "2",
+                      "--nproc", "2", "--local-world-size", "1", "--param-dtype", "float32",
+                      "--out", str(tmp_path / "runs"), "--json", "--save", str(tmp_path / "conv.json")])
     assert rc == 0
     printed = json.loads(capsys.readouterr().out)
     saved = json.loads((tmp_path / "conv.json").read_text())
@@ -41,15 +47,15 @@ def test_convergence_quick_run_pairs_every_variant_with_the_baseline_per_seed(tm
 
 @pytest.mark.slow  # 15 s of training runs
 def test_a_finished_run_is_reused_only_with_the_same_arguments(tmp_path, capsys):
-    common = ["bench", "convergence", "--variants", "fsdp", "--seeds", "1", "--nproc", "2",
+    common = ["--variants", "fsdp", "--seeds", "1", "--nproc", "2",
               "--local-world-size", "1", "--param-dtype", "float32", "--out", str(tmp_path / "runs"), "--reuse"]
-    assert main([*common, "--steps", "2"]) == 0
+    assert convergence([*common, "--steps", "2"]) == 0
     summary = tmp_path / "runs" / "seed0" / "fsdp" / "summary.json"
     first = summary.stat().st_mtime_ns
     capsys.readouterr()
-    assert main([*common, "--steps", "2"]) == 0
+    assert convergence([*common, "--steps", "2"]) == 0
     assert "finished before, reused" in capsys.readouterr().err and summary.stat().st_mtime_ns == first
-    assert main([*common, "--steps", "3"]) == 0
+    assert convergence([*common, "--steps", "3"]) == 0
     assert summary.stat().st_mtime_ns != first
 
 
@@ -59,7 +65,7 @@ def _gap(mean, lo, hi):
 
 def test_targets_are_judged_on_the_interval_not_the_mean():
     presets = {"sdp4bit": _gap(0.001, -0.002, 0.004), "qsdp": _gap(0.0005, 0.0, 0.0009),
-               "qw4": _gap(0.05, 0.03, 0.07), "qwd4": _gap(0.01, 0.0, 0.031)}
+                      "qw4": _gap(0.05, 0.03, 0.07), "qwd4": _gap(0.01, 0.0, 0.031)}
     t = check_targets(presets)
     assert t["sdp4bit_within_0.3%"]["met"] is False  # mean inside, upper end outside
     assert t["qsdp_within_0.1%"]["met"] is True
@@ -88,14 +94,14 @@ def test_qsdp_halves_name_the_half_with_the_larger_gap():
 
 
 def test_convergence_refuses_an_unknown_variant_before_training(tmp_path, capsys):
-    rc = main(["bench", "convergence", "--variants", "fsdp", "qw3", "--out", str(tmp_path / "runs")])
+    rc = convergence(["--variants", "fsdp", "qw3", "--out", str(tmp_path / "runs")])
     assert rc == 2
     assert "unknown preset 'qw3'" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
 def test_convergence_refuses_variants_without_the_baseline(tmp_path, capsys):
-    rc = main(["bench", "convergence", "--variants", "qsdp", "--out", str(tmp_path / "runs")])
+    rc = convergence(["--variants", "qsdp", "--out", str(tmp_path / "runs")])
     assert rc == 2 and "must include the baseline 'fsdp'" in capsys.readouterr().err
 
 
@@ -141,8 +147,8 @@ def test_parts_trained_on_different_devices_are_not_merged():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
 def test_convergence_on_cuda_without_a_gpu_stops_before_training(tmp_path, capsys):
-    rc = main(["bench", "convergence", "--device", "cuda", "--variants", "fsdp", "--seeds", "1", "--steps", "1",
-               "--out", str(tmp_path / "runs")])
+    rc = convergence(["--device", "cuda", "--variants", "fsdp", "--seeds", "1", "--steps", "1",
+                      "--out", str(tmp_path / "runs")])
     assert rc == 2 and "CUDA is not available" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "seed0" / "fsdp" / "metrics.jsonl").exists()
 
@@ -155,34 +161,34 @@ def test_a_seed_in_two_parts_is_refused():
 def test_merge_from_the_command_line_saves_one_report(tmp_path, capsys):
     for name, seed in (("s0.json", 0), ("s1.json", 1)):
         (tmp_path / name).write_text(json.dumps(_part([seed], {"fsdp": [2.0], "sdp4bit": [2.0 + 0.01 * seed]})))
-    rc = main(["bench", "convergence", "--merge", str(tmp_path / "s0.json"), str(tmp_path / "s1.json"),
-               "--save", str(tmp_path / "all.json")])
+    rc = convergence(["--merge", str(tmp_path / "s0.json"), str(tmp_path / "s1.json"),
+                      "--save", str(tmp_path / "all.json")])
     assert rc == 0
     saved = json.loads((tmp_path / "all.json").read_text())
     assert saved["seeds"] == [0, 1] and saved["meta"]["device"] == "cpu (gloo)"
-    assert saved["meta"]["command"].startswith("qsdp bench convergence --merge")
+    assert saved["meta"]["command"].startswith("python -m benchmarks.convergence --merge")
     assert "seeds [0, 1] (paired)" in capsys.readouterr().out
 
 
 def test_merge_names_a_file_that_is_not_a_convergence_result(tmp_path, capsys):
     (tmp_path / "other.json").write_text("{}")
     (tmp_path / "s0.json").write_text(json.dumps(_part([0], {"fsdp": [2.0]})))
-    rc = main(["bench", "convergence", "--merge", str(tmp_path / "s0.json"), str(tmp_path / "other.json")])
+    rc = convergence(["--merge", str(tmp_path / "s0.json"), str(tmp_path / "other.json")])
     assert rc == 2
-    assert "other.json is not a result of qsdp bench convergence" in capsys.readouterr().err
+    assert "other.json is not a result of the convergence benchmark" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # 15 s of training runs
 def test_parts_sharing_out_keep_their_plots_and_merge_redraws_the_lowest_seed(tmp_path, capsys):
     runs = str(tmp_path / "runs")
     for seed in (1, 0):  # the later seed first: its plots must not stand for seed 0's
-        assert main(["bench", "convergence", "--variants", "fsdp", "--seed", str(seed), "--seeds", "1",
+        assert convergence(["--variants", "fsdp", "--seed", str(seed), "--seeds", "1",
                      "--steps", "2", "--nproc", "2", "--local-world-size", "1", "--param-dtype", "float32",
                      "--out", runs, "--no-progress", "--save", str(tmp_path / f"s{seed}.json")]) == 0
         part = json.loads((tmp_path / f"s{seed}.json").read_text())
         assert {os.path.dirname(p) for p in part["plots"]} == {os.path.join(runs, f"seed{seed}")}
     capsys.readouterr()
-    assert main(["bench", "convergence", "--merge", str(tmp_path / "s1.json"), str(tmp_path / "s0.json"),
+    assert convergence(["--merge", str(tmp_path / "s1.json"), str(tmp_path / "s0.json"),
                  "--out", runs, "--plots", str(tmp_path / "plots"), "--json"]) == 0
     merged = json.loads(capsys.readouterr().out)
     assert merged["plots"] == [str(tmp_path / "plots" / n) for n in ("loss_vs_step.png", "loss_vs_bytes.png")]
@@ -192,7 +198,17 @@ def test_parts_sharing_out_keep_their_plots_and_merge_redraws_the_lowest_seed(tm
 def test_merge_names_the_missing_runs_it_was_asked_to_plot(tmp_path, capsys):
     for name, seed in (("s0.json", 0), ("s1.json", 1)):
         (tmp_path / name).write_text(json.dumps(_part([seed], {"fsdp": [2.0], "qsdp": [2.0]})))
-    rc = main(["bench", "convergence", "--merge", str(tmp_path / "s0.json"), str(tmp_path / "s1.json"),
-               "--out", str(tmp_path / "runs"), "--plots", str(tmp_path / "plots")])
+    rc = convergence(["--merge", str(tmp_path / "s0.json"), str(tmp_path / "s1.json"),
+                      "--out", str(tmp_path / "runs"), "--plots", str(tmp_path / "plots")])
     assert rc == 2
     assert f"no runs of fsdp, qsdp in {tmp_path / 'runs' / 'seed0'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["convergence", "soak"])
+def test_the_installed_command_names_the_script_that_replaced_it(name, capsys):
+    from qsdp.cli import main
+
+    assert main(["bench", name, "--help"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"qsdp: error: qsdp bench {name} produces the repository's evidence")
+    assert f"python -m benchmarks.{name}" in err

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from qsdp.bench.paired import paired_gap, t_quantile
+from benchmarks.paired import paired_gap, t_quantile
 
 
 @pytest.mark.parametrize("df,expected", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (30, 2.0423)])

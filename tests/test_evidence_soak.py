@@ -1,4 +1,4 @@
-"""``qsdp bench soak``: the analysis on synthetic samples, and a short real soak (schema)."""
+"""``python -m benchmarks.soak``: the analysis on synthetic samples, and a short real soak (schema)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from qsdp.bench import soak
+from benchmarks import soak
+from benchmarks._cli import run
 
 
 def _samples(rss_per_hour: float, n: int = 40, dt: float = 30.0, base: float = 500.0,
@@ -77,16 +78,14 @@ def test_a_short_soak_reports_the_memory_slope(tmp_path, monkeypatch, capsys):
     assert set(s0) == {"t_s", "step", "rss_mb", "step_time_s", "loss"} and len(s0["rss_mb"]) == 2
     assert [s["step"] for s in r["samples"]] == list(range(2, r["steps"] + 1, 2))
     meta = r["meta"]
-    assert meta["command"].startswith("qsdp bench soak --minutes 0.15")
+    assert meta["command"].startswith("python -m benchmarks.soak --minutes 0.15")
     assert {"torch", "date", "device"} <= set(meta) and meta["device"].startswith("cpu")
     assert "memory (RSS" in soak.format_report(r)
 
 
 def test_bad_soak_arguments_are_usage_errors(capsys):
-    from qsdp.cli import main
-
     for argv, msg in ((["--minutes", "0"], "--minutes"), (["--nproc", "0"], "--nproc"),
                       (["--sample-every", "0"], "--sample-every"), (["--preset", "nope"], "unknown preset"),
                       (["--minutes", "1", "--warmup-minutes", "2"], "--warmup-minutes")):
-        assert main(["bench", "soak", *argv]) == 2, argv
+        assert run(soak.main, soak.PROGRAM, argv) == 2, argv
         assert msg in capsys.readouterr().err, argv

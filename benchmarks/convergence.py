@@ -1,4 +1,4 @@
-"""``qsdp bench convergence``: the papers' central claim, same loss with fewer bits, with intervals.
+"""``python -m benchmarks.convergence``: the papers' central claim, same loss with fewer bits, with intervals.
 
 Every variant trains the same model on the same data (the embedded corpus or ``--data FILE``)
 with the same schedule, in 4 local workers treated as 2 nodes x 2 ranks. Runs are paired: for
@@ -34,9 +34,17 @@ from qsdp.train.args import TrainArgs
 from qsdp.train.launcher import launch, plan_run
 from qsdp.train.plots import plot_runs
 
-from .paired import paired_gap
-from .report import CONVERGENCE_VARIANTS, emit, meta
+from qsdp.results import emit, meta
 
+from ._cli import run
+from .paired import paired_gap
+
+PROGRAM = "python -m benchmarks.convergence"
+# The convergence ablation: the baseline, the SDP4Bit paper's Table 1 variants (weights alone,
+# gradients alone), the presets, QSDP's halves alone, then QSDP's aggressive 4-bit setting.
+CONVERGENCE_VARIANTS: tuple[str, ...] = (
+    "fsdp", "qw4", "qwd4", "tlq4", "tlq-hs", "sdp4bit", "zeropp", "qsdp", "qsdp-w8", "qsdp-g8",
+    "qsdp-w4g4")
 # The targets of the project's convergence claim: the upper end of the interval of the relative
 # gap of the final validation loss.
 TARGETS = {"sdp4bit": 0.003, "qsdp": 0.001}
@@ -328,7 +336,7 @@ def _fmt(x: Any) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qsdp bench convergence", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.splitlines()[0])
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="tiny",
                         help="defaults for the options below: " + "; ".join(
                             f"{k}: {v['model']} model, {v['steps']} steps of {v['batch_size']} sequences "
@@ -374,7 +382,7 @@ def _merge_files(paths: list[str], argv: list[str] | None, out: str, plots: str 
         except (OSError, json.JSONDecodeError) as e:
             raise MergeError(f"cannot read {path}: {e}") from e
         if not {"seeds", "presets", "plots"} <= parts[path].keys():
-            raise MergeError(f"{path} is not a result of qsdp bench convergence")
+            raise MergeError(f"{path} is not a result of the convergence benchmark")
     result = merge(parts)
     if plots:
         try:
@@ -382,7 +390,7 @@ def _merge_files(paths: list[str], argv: list[str] | None, out: str, plots: str 
         except FileNotFoundError as e:
             raise MergeError(f"--plots: {e}") from e
     devices = sorted({str((p.get("meta") or {}).get("device")) for p in parts.values()})
-    result["meta"] = meta("convergence", argv, ", ".join(devices), **result["meta"])
+    result["meta"] = meta("convergence", argv, ", ".join(devices), program=PROGRAM, **result["meta"])
     return result
 
 
@@ -414,5 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device)
     result = run(spec, out=args.out, reuse=args.reuse, progress=not args.no_progress, plots=args.plots)
     result["setting"] = args.setting
-    result["meta"] = meta("convergence", argv, spec.device_name())
+    result["meta"] = meta("convergence", argv, spec.device_name(), program=PROGRAM)
     return emit(result, as_json=args.json, save=args.save, format_text=format_table)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(main, PROGRAM))
