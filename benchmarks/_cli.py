@@ -11,7 +11,7 @@ from qsdp.train.args import USER_ERRORS
 EXIT_USAGE = 2
 
 
-def run(main: Callable[[list[str] | None], int], prog: str, argv: Sequence[str] | None = None) -> int:
+def run_script(main: Callable[[list[str] | None], int], prog: str, argv: Sequence[str] | None = None) -> int:
     """``main(argv)``'s exit code; its argparse's exit (help, usage error) and qsdp's input errors
     (an unknown preset, a bad corpus, ...) become exit codes, the latter after one line."""
     try:

@@ -36,7 +36,7 @@ from qsdp.train.plots import plot_runs
 
 from qsdp.results import emit, meta
 
-from ._cli import run
+from ._cli import run_script
 from .paired import paired_gap
 
 PROGRAM = "python -m benchmarks.convergence"
@@ -427,4 +427,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run(main, PROGRAM))
+    raise SystemExit(run_script(main, PROGRAM))

@@ -53,7 +53,7 @@ from qsdp.train.runtime import init_process_group, rank0_first, run_device
 from qsdp.results import emit
 from qsdp.train.trainer import build_model, clip_grads, make_optimizer
 
-from ._cli import run
+from ._cli import run_script
 
 PROGRAM = "python -m benchmarks.soak"
 
@@ -324,4 +324,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run(main, PROGRAM))
+    raise SystemExit(run_script(main, PROGRAM))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import convergence as convergence_module
-from benchmarks._cli import run
+from benchmarks._cli import run_script
 from benchmarks.convergence import MergeError, check_targets, merge, qsdp_halves
 
 pytestmark = pytest.mark.timeout(300)
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def convergence(argv: list[str]) -> int:
     """The script as ``python -m benchmarks.convergence ARGS`` runs it: its exit code."""
-    return run(convergence_module.main, convergence_module.PROGRAM, argv)
+    return run_script(convergence_module.main, convergence_module.PROGRAM, argv)
 
 
 def test_convergence_quick_run_pairs_every_variant_with_the_baseline_per_seed(tmp_path, capsys):
@@ -212,3 +212,17 @@ def test_the_installed_command_names_the_script_that_replaced_it(name, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"qsdp: error: qsdp bench {name} produces the repository's evidence")
     assert f"python -m benchmarks.{name}" in err
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("convergence", ["--variants", "qsdp"], "must include the baseline 'fsdp'"),
+    ("soak", ["--minutes", "0"], "--minutes must be a positive number"),
+])
+def test_each_script_runs_as_a_module_from_the_repository_root(script, argv, message):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *argv], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and f"python -m benchmarks.{script}: error:" in out.stderr and message in out.stderr

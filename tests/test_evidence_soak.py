@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import soak
-from benchmarks._cli import run
+from benchmarks._cli import run_script
 
 
 def _samples(rss_per_hour: float, n: int = 40, dt: float = 30.0, base: float = 500.0,
@@ -87,5 +87,5 @@ def test_bad_soak_arguments_are_usage_errors(capsys):
     for argv, msg in ((["--minutes", "0"], "--minutes"), (["--nproc", "0"], "--nproc"),
                       (["--sample-every", "0"], "--sample-every"), (["--preset", "nope"], "unknown preset"),
                       (["--minutes", "1", "--warmup-minutes", "2"], "--warmup-minutes")):
-        assert run(soak.main, soak.PROGRAM, argv) == 2, argv
+        assert run_script(soak.main, soak.PROGRAM, argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
