@@ -26,6 +26,50 @@ from qsdp.train.model import count_params, default_vocab, make_gpt, transformer_
 from .step_phases import phase_times
 
 
+def _sharded_gpt(model_name: str, vocab: int, seq_len: int, dev: torch.device, param_dtype: str
+                 ) -> tuple[torch.nn.Module, int]:
+    """The GPT on ``dev``, every block and the root under FSDP2, in ``param_dtype`` (gradients
+    reduced in fp32), and its parameter count."""
+    torch.manual_seed(0)
+    model = make_gpt(model_name, vocab, seq_len).to(dev)
+    n_params = count_params(model)
+    dtype = PARAM_DTYPES[param_dtype]
+    policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+              if dtype != torch.float32 else MixedPrecisionPolicy())
+    for block in transformer_blocks(model):
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model, n_params
+
+
+def _timed_steps(model: torch.nn.Module, vocab: int, batch_size: int, seq_len: int, dev: torch.device,
+                 warmup: int, steps: int, profiler: Any) -> list[float]:
+    """Each timed step's wall time, between barriers; the meter, the codec record and the
+    profiler start after the warm-up."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    times = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            qsdp.comm_stats(reset=True)
+            implementations_run(reset=True)  # like the meter: the codecs of the timed steps
+            if profiler is not None:
+                profiler.start()
+        dist.barrier()
+        started = time.perf_counter()
+        tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=generator).to(dev)
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels are done before its time is taken
+        dist.barrier()
+        if step >= warmup:
+            times.append(time.perf_counter() - started)
+    return times
+
+
 def run_steps(
     preset: str,
     steps: int,
@@ -53,45 +97,15 @@ def run_steps(
     if own_group:
         dist.init_process_group("gloo")
     try:
-        rank = dist.get_rank()
-        torch.manual_seed(0)
         vocab = vocab or default_vocab(model_name)
-        model = make_gpt(model_name, vocab, seq_len).to(dev)
-        n_params = count_params(model)
-        dtype = PARAM_DTYPES[param_dtype]
-        policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-                  if dtype != torch.float32 else MixedPrecisionPolicy())
-        for block in transformer_blocks(model):
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        model, n_params = _sharded_gpt(model_name, vocab, seq_len, dev, param_dtype)
         overrides = {} if ranks_per_node is None else {"local_world_size": ranks_per_node}
         qsdp.quantize_comms(model, preset, overrides=overrides)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        generator = torch.Generator().manual_seed(rank)
-        times = []
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
-        for step in range(warmup + steps):
-            if step == warmup:
-                qsdp.comm_stats(reset=True)
-                implementations_run(reset=True)  # like the meter: the codecs of the timed steps
-                if profiler is not None:
-                    profiler.start()
-            dist.barrier()
-            started = time.perf_counter()
-            tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=generator).to(dev)
-            _, loss = model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()  # the step's kernels are done before its time is taken
-            dist.barrier()
-            if step >= warmup:
-                times.append(time.perf_counter() - started)
-        stats = qsdp.comm_stats(reset=True)
+        times = _timed_steps(model, vocab, batch_size, seq_len, dev, warmup, steps, profiler)
         result = {
             "preset": preset,
-            "stats": stats,
+            "stats": qsdp.comm_stats(reset=True),
             "step_times_s": times,
             "step_time_s": statistics.median(times) if times else 0.0,
             "tokens_per_step": batch_size * seq_len * dist.get_world_size(),
