@@ -596,7 +596,7 @@ def plan_text(stages: Sequence[Stage], states: Sequence[StageState] | None, budg
 
 def states_text(states: Sequence[StageState], dirs: Sequence[Path]) -> str:
     """The newest valid result of each stage, or why it is due."""
-    where = ", ".join(f"{d}/" for d in dict.fromkeys(str(d) for d in dirs))
+    where = ", ".join(f"{d}/" for d in dirs)
     lines = [f"results in {where}: the newest valid result of each stage (valid: it recorded the hash of the "
              "files it measures as they are now)"]
     lines += [f"  {st.stage:<12} {st.state:<8} {st.reason}" for st in states]
@@ -614,7 +614,11 @@ def dry_run(stages: Sequence[Stage], ctx: Context, states: Sequence[StageState] 
 
 
 def _results_dirs(args: argparse.Namespace, out: str) -> list[Path]:
-    return list(dict.fromkeys([Path(args.results), Path(out)]))
+    """The committed results and the output folder (on a lent host ``$OUT`` starts empty), once."""
+    dirs: dict[Path, Path] = {}
+    for d in (Path(args.results), Path(out)):
+        dirs.setdefault(d.resolve(), d)
+    return list(dirs.values())
 
 
 def _unknown_commit_tag(root: Path) -> str:

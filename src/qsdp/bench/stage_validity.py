@@ -85,9 +85,20 @@ def _package_of(path: Path, src: Path) -> str | None:
     return ".".join(parts[:-1]) or None
 
 
+_PARSED: dict[tuple[Path, int, int, str | None], list[str]] = {}  # the stages share most files
+
+
 def _imported_names(path: Path, package: str | None) -> list[str]:
     """Every dotted name ``path`` imports, submodule candidates of ``from X import a`` included;
     a file that does not parse is hashed but not followed."""
+    stat = path.stat()
+    key = (path, stat.st_mtime_ns, stat.st_size, package)
+    if key not in _PARSED:
+        _PARSED[key] = _parse_imports(path, package)
+    return _PARSED[key]
+
+
+def _parse_imports(path: Path, package: str | None) -> list[str]:
     try:
         tree = ast.parse(path.read_bytes(), filename=str(path))
     except (SyntaxError, ValueError):
