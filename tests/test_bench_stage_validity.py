@@ -135,10 +135,16 @@ def test_a_stage_without_any_result_is_missing(tmp_path):
     assert (state.state, state.due, state.reason) == ("missing", True, "missing: no result")
 
 
-def test_a_stage_whose_runs_did_not_pass_is_missing_and_says_how_the_last_ended(tmp_path):
-    _report(tmp_path / "h100-aaaaaaa", {"status": "over_budget", "finished": "2026-11-27T10:00:00Z"})
-    state = stage_state("kernels", _now(), read_results([tmp_path], STAGE_FILES))
-    assert state.state == "missing" and state.reason.endswith("was over budget")
+def test_a_run_of_this_code_that_did_not_pass_leaves_the_stage_missing_and_says_how_it_ended(tmp_path):
+    _report(tmp_path / "h100-aaaaaaa", {"status": "passed", "finished": "2026-11-27T10:00:00Z", "source_hash": "h0"})
+    _report(tmp_path / "h100-bbbbbbb", {"status": "over_budget", "finished": "2026-11-28T10:00:00Z",
+                                        "reason": "stopped after its budget of 390 s"})
+    results = read_results([tmp_path], STAGE_FILES)
+    assert stage_state("kernels", _now("h0"), results).state == "valid"  # a later failure of other code
+    state = stage_state("kernels", _now(), results)
+    assert state.state == "missing" and state.reason == (
+        "missing: no passed result of this code (the last run, h100-bbbbbbb/ (commit bbbbbbb, NVIDIA H100 80GB HBM3, "
+        "2026-11-28T10:00:00Z): over budget: stopped after its budget of 390 s)")
 
 
 def test_a_result_is_valid_while_its_hash_is_the_trees(tmp_path):

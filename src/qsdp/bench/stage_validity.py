@@ -29,6 +29,7 @@ __all__ = ["Measures", "Fingerprint", "Result", "StageState", "measured_files", 
 HASH_CHARS = 16  # 64 bits: enough to tell two versions of a file apart, short enough to read
 SKIP_PARTS = {"__pycache__", ".git"}
 CHANGED_SHOWN = 5  # changed files named in a stale reason; the rest are counted
+REASON_CHARS = 120  # of a failed run's reason, in a listing line
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ class Result:
     source_files: dict[str, str] = field(default_factory=dict)
     commands_hash: str | None = None
     summary: str = ""
+    reason: str = ""
 
     def where(self) -> str:
         """``h100-abc1234/ (commit abc1234, NVIDIA H100 80GB HBM3, 2026-11-27T10:02:11Z)``."""
@@ -238,7 +240,7 @@ def read_results(dirs: Iterable[Path], stage_files: dict[str, Sequence[str]]) ->
                                       r.get("commit") or env.get("commit") or _folder_commit(folder),
                                       r.get("finished") or report.get("date", ""), env.get("device", "unknown"),
                                       r.get("source_hash") or None, dict(r.get("source_files") or {}),
-                                      r.get("commands_hash"), r.get("summary", "")))
+                                      r.get("commands_hash"), r.get("summary", ""), r.get("reason", "")))
     return results
 
 
@@ -278,11 +280,19 @@ def _changes(old: Result, now: Fingerprint) -> str:
 
 def stage_state(stage: str, now: Fingerprint, results: Iterable[Result]) -> StageState:
     """The state of ``stage`` given the tree's fingerprint ``now`` and the results found: valid
-    when a passed result recorded ``now.source_hash`` (the newest such), else why it is due."""
+    when a passed result recorded ``now.source_hash`` (the newest such); else due, and why: a
+    run of this very code that did not pass (``missing``, with how it ended), a passed result of
+    older code (``stale``, with the files that changed since), a result without a hash
+    (``stale``), or nothing (``missing``)."""
     mine = [r for r in results if r.stage == stage]
     valid = _newest(r for r in mine if r.status == "passed" and r.source_hash == now.source_hash)
     if valid is not None:
         return StageState(stage, "valid", f"valid at commit {valid.commit}: {valid.where()}", valid)
+    tried = _newest(r for r in mine if r.source_hash == now.source_hash)
+    if tried is not None:
+        why = f": {tried.reason[:REASON_CHARS]}" if tried.reason else ""
+        return StageState(stage, "missing", f"missing: no passed result of this code (the last run, {tried.where()}: "
+                          f"{tried.status.replace('_', ' ')}{why})", tried)
     passed = _newest(r for r in mine if r.status == "passed" and r.source_hash)
     if passed is not None:
         return StageState(stage, "stale", f"stale since {passed.where()}: {_changes(passed, now)}", passed)
@@ -291,9 +301,9 @@ def stage_state(stage: str, now: Fingerprint, results: Iterable[Result]) -> Stag
         return StageState(stage, "stale", f"stale: {hashless.where()} recorded no source hash "
                           f"({'no report.json: ' if hashless.status == 'unknown' else ''}an earlier format)", hashless)
     last = _newest(mine)
-    if last is not None:
-        return StageState(stage, "missing", f"missing: no passed result; the last run, {last.where()}, "
-                          f"was {last.status.replace('_', ' ')}", last)
+    if last is not None:  # runs of older code, none passed
+        return StageState(stage, "missing", f"missing: no passed result (the last run, {last.where()}, was of "
+                          f"older code: {last.status.replace('_', ' ')})", last)
     return StageState(stage, "missing", "missing: no result")
 
 
