@@ -1,33 +1,42 @@
-"""``python -m qsdp.bench.gpu_report`` (``make gpu-report``): every GPU measurement, one command.
+"""``python -m qsdp.bench.gpu_report`` (``make gpu-report``): every GPU measurement, stage by stage.
 
 For a CUDA host at hand for a short while, where torch, Triton and pytest are installed and no
-package registry is reachable. The stages (:data:`STAGES`), each run as its own process with a
-time budget, their budgets summing to at most :data:`TOTAL_BUDGET_S` (30 minutes, the first
-compilations included):
+package registry is reachable. The stages (:data:`STAGES`), in priority order, each run as its
+own process within a time budget of its own (stopped at worst, it fits one command of
+:data:`MAX_STAGE_S`, 7 minutes), their budgets summing to at most :data:`TOTAL_BUDGET_S` (30
+minutes, the first compilations included):
 
-1. ``test-gpu``: ``make test-gpu``'s smoke (:mod:`qsdp.bench.gpu_smoke`: the ``gpu`` tests, the
+1. ``codec-share``: ``qsdp bench codec-share`` on the GPU: the share of qsdp's kernels in one
+   rank's step of a GPT of 162M parameters (``gpt2-125m``, an untied head) in bf16, per preset;
+2. ``kernels``: ``qsdp bench kernels`` at 1M, 16M, 64M and 256M elements, against a device copy
+   and ``torch.compile`` of each kernel's reference;
+3. ``test-gpu``: ``make test-gpu``'s smoke (:mod:`qsdp.bench.gpu_smoke`: the ``gpu`` tests, the
    codec steps, the presets trained with the Triton kernels against the reference, the FSDP2
    example), less its one-size kernel table, which ``kernels`` measures at that size and others;
-2. ``codec-share``: ``qsdp bench codec-share`` on the GPU: the share of qsdp's kernels in one
-   rank's step of a GPT of 162M parameters (``gpt2-125m``, an untied head) in bf16, per preset;
-3. ``gloo-step``: one step of the same GPT and micro-batch on 4 ranks (2 emulated nodes x 2)
+4. ``gloo-step``: one step of the same GPT and micro-batch on 4 ranks (2 emulated nodes x 2)
    sharing the GPU over gloo, per preset (:mod:`qsdp.bench.workload` under torchrun);
-4. ``kernels``: ``qsdp bench kernels`` at 1M, 16M, 64M and 256M elements, against a device copy
-   and ``torch.compile`` of each kernel's reference;
 5. ``cluster``: ``qsdp bench cluster --device cuda`` at 20 Mbit/s, 1 Gbit/s and unlimited, with
    the advisor's predictions. It needs root and ``pyroute2``: a host without the package gets it
    from a wheel in ``--wheels DIR`` (``--pack-wheels DIR`` writes one here from this
    installation); without either the stage is skipped and says why.
 
 A stage past its budget is stopped (SIGTERM to its process group, SIGKILL 15 s later), recorded
-as ``over_budget``, and the next one runs. One line is printed per stage. Everything goes to
-``<out>/<device>-<commit>/`` (e.g. ``benchmarks/results/gpu/h100-0ddf04a/``): ``report.json``
-(the host's versions and every stage's record), a ``README.md`` naming the device, driver, CUDA,
-torch, Triton, NCCL and Python versions, the command and the date, with a row per stage, and
-each stage's own JSON. Stages named with ``--only`` are added to a folder that already holds
-others (a host that limits one command to a few minutes runs the report stage by stage; every
-budget is under 10 minutes). ``--dry-run`` lists the stages, their budgets and commands without
-running anything (no GPU needed).
+as ``over_budget``, and the next one runs. The plan is printed first, then a line as each stage
+starts (its budget) and ends. Everything goes to ``<out>/<device>-<commit>/`` (e.g.
+``benchmarks/results/gpu/h100-0ddf04a/``): ``report.json`` (the host's versions and every
+stage's record), a ``README.md`` naming the device, driver, CUDA, torch, Triton, NCCL and Python
+versions, the command and the date, with a row per stage, and each stage's own JSON. Stages named
+with ``--only`` are added to a folder that already holds others.
+
+Each record keeps the commit the stage ran at and a hash of the files it measures
+(``Stage.measures``, hashed by :mod:`qsdp.bench.stage_validity` from the files' contents: a copy
+of the tree without ``.git`` hashes the same). The result stays valid until those files change,
+so the results of several short sessions add up to one report: ``--next`` runs only the stages
+with no valid result in ``--results`` (the committed ``benchmarks/results/gpu``) or ``--out``,
+in priority order, and ``--budget SECONDS`` starts a stage only while its budget fits in what
+is left of the command's time (the others wait for the next session). ``--dry-run`` lists each
+stage's newest valid result, or why it is due (missing; stale, with the files changed since),
+and what would run with its budget and commands, without running anything (no GPU needed).
 """
 
 from __future__ import annotations
