@@ -16,7 +16,8 @@ import pytest
 
 from qsdp.bench import gpu_report
 from qsdp.bench.gpu_report import STAGES, Command, Context, Stage
-from qsdp.bench.stage_validity import Fingerprint, Measures, fingerprint, measured_files, plan, read_results, stage_state
+from qsdp.bench.stage_validity import (Fingerprint, Measures, fingerprint, measured_files, plan, read_results,
+                                       stage_state)
 
 ROOT = Path(__file__).resolve().parent.parent
 EARLIER = ROOT / "benchmarks" / "results" / "gpu" / "h100-0ddf04a"  # committed before hashes were kept
@@ -90,7 +91,8 @@ def test_the_hash_changes_when_a_measured_file_changes_and_not_when_another_does
 def test_the_hash_changes_with_the_stages_commands(tmp_path):
     root = _tree(tmp_path)
     measures = Measures(modules=("pkg.bench",))
-    assert fingerprint(measures, root, "--sizes 1M").source_hash != fingerprint(measures, root, "--sizes 2M").source_hash
+    one, two = fingerprint(measures, root, "--sizes 1M"), fingerprint(measures, root, "--sizes 2M")
+    assert one.source_hash != two.source_hash and one.files == two.files
 
 
 def test_a_copy_of_the_tree_without_git_hashes_the_same(tmp_path):
@@ -106,11 +108,13 @@ def test_each_stage_measures_the_code_it_runs_and_not_the_rest():
     assert kernels <= measured["kernels"] and "src/qsdp/fsdp.py" not in measured["kernels"]
     assert {"src/qsdp/bench/codec_share.py", "src/qsdp/bench/one_rank.py", "src/qsdp/codecs/triton_kernels.py",
             "src/qsdp/train/model.py"} <= measured["codec-share"]
-    assert {"src/qsdp/bench/workload.py", "src/qsdp/fsdp.py", "src/qsdp/comm/reduce_scatter.py"} <= measured["gloo-step"]
+    step = {"src/qsdp/bench/workload.py", "src/qsdp/fsdp.py", "src/qsdp/comm/reduce_scatter.py"}
+    assert step <= measured["gloo-step"]
     assert {"tests/test_triton_kernels.py", "tests/conftest.py", "tests/distributed.py", "examples/fsdp2_two_lines.py",
             "src/qsdp/train/sample.txt", "src/qsdp/bench/gpu_smoke.py"} <= measured["test-gpu"]
     assert "tests/test_config.py" not in measured["test-gpu"]  # declares no gpu test
-    assert {"src/qsdp/bench/cluster.py", "src/qsdp/perfmodel/step.py", "src/qsdp/bench/workload.py"} <= measured["cluster"]
+    sweep = {"src/qsdp/bench/cluster.py", "src/qsdp/perfmodel/step.py", "src/qsdp/bench/workload.py"}
+    assert sweep <= measured["cluster"]
     for name, files in measured.items():
         assert not any(f.endswith(("soak.py", "convergence.py", "faults.py")) and "bench" in f for f in files), name
 
@@ -272,7 +276,8 @@ def test_a_dry_run_of_next_lists_each_stages_state_and_the_due_ones_in_priority_
                             "--commit", "abc1234"]) == 0
     out = capsys.readouterr().out
     assert "  kernels      valid    valid at commit abc1234: h100-abc1234/" in out
-    assert "  test-gpu     stale    stale: h100-0ddf04a/ (commit 0ddf04a, h100, 2026-11-25) recorded no source hash" in out
+    assert ("  test-gpu     stale    stale: h100-0ddf04a/ (commit 0ddf04a, h100, 2026-11-25) recorded no source "
+            "hash") in out
     assert "  codec-share  missing  missing: no result" in out
     runs = [ln.split()[1] for ln in out.splitlines() if ln.startswith("  run  ")]
     assert runs == ["codec-share", "test-gpu", "gloo-step", "cluster"]

@@ -67,8 +67,8 @@ TOTAL_BUDGET_S = 30 * 60
 # A lent GPU host may allow one command 10 minutes and a session 15: every stage, stopped at
 # worst, fits one command of 7 minutes, so a session can run at least one stage.
 MAX_STAGE_S = 7 * 60
-RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "gpu"
 ROOT = Path(__file__).resolve().parents[3]  # the repository: the tests and the example live there
+RESULTS = ROOT / "benchmarks" / "results" / "gpu"  # the committed results, whatever --out says
 TAIL_CHARS = 3000
 KILL_GRACE_S = 15.0
 PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
@@ -564,7 +564,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the time this command may take: a stage starts only while its budget and the "
                         f"{KILL_GRACE_S:.0f} s a stopped one gets fit in what is left; the others wait")
     p.add_argument("--results", default=str(RESULTS), metavar="DIR",
-                   help="the committed results the validity of each stage is read from (default benchmarks/results/gpu)")
+                   help="the committed results each stage's validity is read from (default benchmarks/results/gpu)")
     p.add_argument("--wheels", metavar="DIR", help="a folder of wheels to install missing pure-Python packages from "
                    "(pyroute2 for the cluster stage)")
     p.add_argument("--commit", help="the commit to name the folder by (default: git's; for a copy without .git)")
@@ -595,7 +595,7 @@ def plan_text(stages: Sequence[Stage], states: Sequence[StageState] | None, budg
         lines.append(f"  wait {name:<12} {by_name[name].budget_s:4.0f} s  {why.get(name, '')} (starts only if the "
                      f"stages before it leave {stage_cost(by_name[name]):.0f} s)")
     if not stages:
-        lines.append("  nothing to run: every stage selected has a valid result")
+        lines.append("  nothing to run")
     total = sum(by_name[n].budget_s for n in run)
     lines.append(f"total budget {total:.0f} s ({total / 60:.1f} min) for {len(run)} stage(s); each stage at most "
                  f"{MAX_STAGE_S / 60:.0f} min, all of them {sum(s.budget_s for s in STAGES) / 60:.1f} of at most "
@@ -633,7 +633,8 @@ def _results_dirs(args: argparse.Namespace, out: str) -> list[Path]:
 def _unknown_commit_tag(root: Path) -> str:
     """Stands in for the commit of a copy without git: the hash of everything the stages
     measure, so two copies of different code never share a folder."""
-    return "unknown-" + stage_validity.digest("".join(stage_fingerprint(s, root).source_hash for s in STAGES).encode())[:8]
+    hashes = "".join(stage_fingerprint(s, root).source_hash for s in STAGES)
+    return "unknown-" + stage_validity.digest(hashes.encode())[:8]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -666,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not stages:
         print(states_text(states, dirs))
-        print("nothing to run: every stage selected has a valid result")
+        print("nothing to run" + (": every stage selected has a valid result" if args.next else ""))
         return 0
     import torch
 
