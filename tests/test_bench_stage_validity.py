@@ -296,6 +296,14 @@ def test_a_dry_run_with_a_budget_says_which_stages_wait(tmp_path, capsys):
     assert "(starts only if the stages before it leave 405 s)" in out
 
 
+def test_the_newest_valid_result_of_each_stage_is_found_and_none_for_a_stage_due(tmp_path):
+    _valid_report(tmp_path, {"kernels", "gloo-step"})
+    found = gpu_report.newest_valid([tmp_path])
+    assert {name: r and r.folder.name for name, r in found.items()} == {
+        "codec-share": None, "kernels": "h100-abc1234", "test-gpu": None, "gloo-step": "h100-abc1234", "cluster": None}
+    assert gpu_report.newest_valid([tmp_path / "absent"]) == dict.fromkeys(s.name for s in STAGES)
+
+
 def test_next_with_every_stage_valid_runs_nothing_and_needs_no_gpu(tmp_path, capsys):
     _valid_report(tmp_path, {s.name for s in STAGES})
     assert gpu_report.main(["--next", "--results", str(tmp_path), "--out", str(tmp_path), "--commit", "abc1234"]) == 0

@@ -60,7 +60,7 @@ from .report import cpu_model
 from .stage_validity import Fingerprint, Measures, StageState
 
 __all__ = ["TOTAL_BUDGET_S", "MAX_STAGE_S", "STAGES", "Command", "Stage", "StageRecord", "Context", "device_slug",
-           "result_dir", "git_commit", "environment", "stage_fingerprint", "stage_states", "run_command",
+           "result_dir", "git_commit", "environment", "stage_fingerprint", "stage_states", "newest_valid", "run_command",
            "run_stage", "run_stages", "write_readme", "main"]
 
 TOTAL_BUDGET_S = 30 * 60
@@ -338,6 +338,12 @@ def stage_states(stages: Sequence[Stage], dirs: Sequence[Path], root: Path = ROO
     newest valid result, or why it is due (``missing`` / ``stale``)."""
     results = stage_validity.read_results(dirs, {s.name: s.files for s in STAGES + tuple(stages)})
     return [stage_validity.stage_state(s.name, stage_fingerprint(s, root), results) for s in stages]
+
+
+def newest_valid(dirs: Sequence[Path] = (RESULTS,), root: Path = ROOT) -> dict[str, stage_validity.Result | None]:
+    """The result each stage's figures are quoted from: its newest valid one in ``dirs``
+    (``None``: the stage is due)."""
+    return {st.stage: None if st.due else st.result for st in stage_states(STAGES, dirs, root)}
 
 
 def stage_cost(stage: Stage) -> float:
