@@ -44,7 +44,7 @@ test-gpu:
 # it measures: its result stays valid until they change. STAGES=next: only the stages with no
 # valid result in benchmarks/results/gpu (missing or stale). STAGES="kernels cluster": those
 # stages, added to that folder. BUDGET=540: this command's seconds; a stage starts only while its
-# budget fits in what is left, the others wait for the next session. WHEELS=DIR: pyroute2 for the
+# budget fits in what is left, the others wait for a later run. WHEELS=DIR: pyroute2 for the
 # sweep from a wheel there (`make gpu-wheels WHEELS=DIR` writes it where pyroute2 is installed).
 # COMMIT=abc1234: the commit in a copy without .git. DRY_RUN=1: each stage's newest valid result
 # or why it is due, and what would run with its budget and commands (no GPU needed; the

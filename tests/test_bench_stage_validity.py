@@ -1,6 +1,6 @@
 """``make gpu-report STAGES=next`` without a GPU: what each stage measures and its hash (from the
 files, no git), a result valid until those files change, the newest valid result per stage
-across the folders of several sessions, the stages due in priority order within a budget."""
+across the folders of several runs, the stages due in priority order within a budget."""
 
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def test_the_committed_folder_without_a_report_is_stale_for_the_stages_it_holds(
     assert stage_state("codec-share", _now(), results).state == "missing"
 
 
-def test_the_newest_valid_result_is_chosen_across_the_folders_of_several_sessions(tmp_path):
+def test_the_newest_valid_result_is_chosen_across_the_folders_of_several_runs(tmp_path):
     _report(tmp_path / "h100-aaaaaaa", {"finished": "2026-11-27T10:00:00Z"},
             {"name": "codec-share", "finished": "2026-11-27T10:05:00Z"})
     _report(tmp_path / "h200-bbbbbbb", {"finished": "2026-11-28T09:00:00Z"}, device="NVIDIA H200")
@@ -257,7 +257,7 @@ def test_a_run_records_its_commit_and_hash_and_is_valid_until_a_measured_file_ch
 
 
 def _valid_report(results: Path, names: set[str]) -> None:
-    """A folder whose records hold the tree's hash for ``names``, as a GPU session leaves it."""
+    """A folder whose records hold the tree's hash for ``names``, as a run on a GPU leaves it."""
     records = []
     for s in STAGES:
         if s.name in names:

@@ -31,10 +31,10 @@ with ``--only`` are added to a folder that already holds others.
 Each record keeps the commit the stage ran at and a hash of the files it measures
 (``Stage.measures``, hashed by :mod:`qsdp.bench.stage_validity` from the files' contents: a copy
 of the tree without ``.git`` hashes the same). The result stays valid until those files change,
-so the results of several short sessions add up to one report: ``--next`` runs only the stages
+so the results of several short runs add up to one report: ``--next`` runs only the stages
 with no valid result in ``--results`` (the committed ``benchmarks/results/gpu``) or ``--out``,
 in priority order, and ``--budget SECONDS`` starts a stage only while its budget fits in what
-is left of the command's time (the others wait for the next session). ``--dry-run`` lists each
+is left of the command's time (the others wait for a later run). ``--dry-run`` lists each
 stage's newest valid result, or why it is due (missing; stale, with the files changed since),
 and what would run with its budget and commands, without running anything (no GPU needed).
 """
@@ -64,8 +64,8 @@ __all__ = ["TOTAL_BUDGET_S", "MAX_STAGE_S", "STAGES", "Command", "Stage", "Stage
            "run_stage", "run_stages", "write_readme", "main"]
 
 TOTAL_BUDGET_S = 30 * 60
-# A lent GPU host may allow one command 10 minutes and a session 15: every stage, stopped at
-# worst, fits one command of 7 minutes, so a session can run at least one stage.
+# A GPU host at hand for a short while may allow one command 10 minutes and all of them 15: every
+# stage, stopped at worst, fits one command of 7 minutes, so each visit can run at least one stage.
 MAX_STAGE_S = 7 * 60
 ROOT = Path(__file__).resolve().parents[3]  # the repository: the tests and the example live there
 RESULTS = ROOT / "benchmarks" / "results" / "gpu"  # the committed results, whatever --out says
@@ -298,7 +298,7 @@ def _gpu_test_files(root: Path) -> list[str]:
     return gpu_test_files(root / "tests")
 
 
-# In priority order: what a short GPU session should measure first. Each stage names the code that
+# In priority order: what a short time on a GPU should measure first. Each stage names the code that
 # measures and what it runs (followed through their imports, see ``Measures``): the command-line
 # dispatcher is left out where it only hands over to a benchmark module.
 STAGES: tuple[Stage, ...] = (
@@ -629,7 +629,7 @@ def dry_run(stages: Sequence[Stage], ctx: Context, states: Sequence[StageState] 
 
 
 def _results_dirs(args: argparse.Namespace, out: str) -> list[Path]:
-    """The committed results and the output folder (on a lent host ``$OUT`` starts empty), once."""
+    """The committed results and the output folder (on a GPU host ``$OUT`` may start empty), once."""
     dirs: dict[Path, Path] = {}
     for d in (Path(args.results), Path(out)):
         dirs.setdefault(d.resolve(), d)
@@ -694,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = all(r.status in ("passed", "skipped") for r in done)
     waiting = [s.name for s in stages if s.name not in {r.name for r in done}]
     print(f"{'every stage run passed' if ok else 'NOT every stage run passed'}"
-          f"{'; waiting for another session: ' + ', '.join(waiting) if waiting else ''}; {folder / 'README.md'}")
+          f"{'; waiting for a later run: ' + ', '.join(waiting) if waiting else ''}; {folder / 'README.md'}")
     return 0 if ok else 1
 
 

@@ -2,9 +2,9 @@
 
 A stage's numbers depend on a known part of the source (:class:`Measures`). Its record keeps the
 commit it ran at and a hash of those files' contents (:func:`fingerprint`): computed from the
-files themselves, so a copy of the tree without ``.git`` (what a lent GPU host often gets) hashes
+files themselves, so a copy of the tree without ``.git`` (what a rented GPU host often gets) hashes
 the same as the checkout. A result is *valid* while the hash of the tree at hand equals the one
-recorded; results of several short GPU sessions, each in its own ``<device>-<commit>/`` folder,
+recorded; results of several short GPU runs, each in its own ``<device>-<commit>/`` folder,
 therefore add up to one report: :func:`stage_state` finds the newest valid result of a stage
 among the folders, or says why the stage is due (``missing``: no passed result; ``stale``: the
 measured files or the stage's commands changed since, or the result recorded no hash, as
