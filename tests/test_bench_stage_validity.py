@@ -57,9 +57,12 @@ def test_a_module_is_measured_with_every_module_it_imports_and_no_other(tmp_path
 
 def test_a_package_init_counts_where_it_is_imported_itself(tmp_path):
     root = _tree(tmp_path)
-    (root / "src/pkg/bench.py").write_text("from . import core\n")
+    (root / "src/pkg/bench.py").write_text("from . import core\n")  # the submodule only
     assert measured_files(Measures(modules=("pkg.bench",)), root) == [
-        "src/pkg/__init__.py", "src/pkg/bench.py", "src/pkg/core.py", "src/pkg/other.py", "src/pkg/util.py"]
+        "src/pkg/bench.py", "src/pkg/core.py", "src/pkg/util.py"]
+    (root / "src/pkg/bench.py").write_text("from pkg import thing\n")  # a name the package defines
+    assert measured_files(Measures(modules=("pkg.bench",)), root) == [
+        "src/pkg/__init__.py", "src/pkg/bench.py", "src/pkg/other.py"]
 
 
 def test_file_patterns_are_measured_and_a_test_files_helpers_beside_it_followed(tmp_path):

@@ -39,9 +39,10 @@ class Measures:
     ``modules``: dotted module names under ``src/`` (the code that measures, e.g.
     ``qsdp.bench.kernels``), each followed through every ``import`` it makes (at module level
     or inside a function) to the modules that exist in the tree, and so on; a package's
-    ``__init__`` counts only where it is imported itself. ``files``: glob patterns (``**``
-    allowed); Python files among them are followed the same way, their own folder searched for
-    plain ``import name`` (as pytest does for test helpers). ``more(root)``: paths found when the
+    ``__init__`` counts only where it is imported itself (``from pkg import sub`` imports the
+    submodule ``sub``; ``from pkg import name`` and ``import pkg`` import ``pkg``). ``files``:
+    glob patterns (``**`` allowed); Python files among them are followed the same way, their own
+    folder searched for plain ``import name`` (as pytest does for test helpers). ``more(root)``: paths found when the
     hash is computed (e.g. the test files that declare ``gpu`` tests)."""
 
     modules: tuple[str, ...] = ()
@@ -86,12 +87,13 @@ def _package_of(path: Path, src: Path) -> str | None:
     return ".".join(parts[:-1]) or None
 
 
-_PARSED: dict[tuple[Path, int, int, str | None], list[str]] = {}  # the stages share most files
+_PARSED: dict[tuple[Path, int, int, str | None], list[tuple[str, ...]]] = {}  # the stages share most files
 
 
-def _imported_names(path: Path, package: str | None) -> list[str]:
-    """Every dotted name ``path`` imports, submodule candidates of ``from X import a`` included;
-    a file that does not parse is hashed but not followed."""
+def _imported_names(path: Path, package: str | None) -> list[tuple[str, ...]]:
+    """What ``path`` imports, each as the dotted names it may be, the likelier first:
+    ``from pkg import a`` is the submodule ``pkg.a`` where there is one, else ``pkg`` itself.
+    A file that does not parse is hashed but not followed."""
     stat = path.stat()
     key = (path, stat.st_mtime_ns, stat.st_size, package)
     if key not in _PARSED:
@@ -99,15 +101,15 @@ def _imported_names(path: Path, package: str | None) -> list[str]:
     return _PARSED[key]
 
 
-def _parse_imports(path: Path, package: str | None) -> list[str]:
+def _parse_imports(path: Path, package: str | None) -> list[tuple[str, ...]]:
     try:
         tree = ast.parse(path.read_bytes(), filename=str(path))
     except (SyntaxError, ValueError):
         return []
-    names: list[str] = []
+    names: list[tuple[str, ...]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names += [a.name for a in node.names]
+            names += [(a.name,) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 if package is None:
@@ -118,9 +120,9 @@ def _parse_imports(path: Path, package: str | None) -> list[str]:
                 base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
-            names.append(base)
-            names += [f"{base}.{a.name}" for a in node.names if a.name != "*"]
-    return [n for n in names if n]
+            if base:
+                names += [(f"{base}.{a.name}", base) if a.name != "*" else (base,) for a in node.names]
+    return names
 
 
 def _pattern_files(root: Path, pattern: str) -> list[Path]:
@@ -153,8 +155,8 @@ def measured_files(measures: Measures, root: Path) -> list[str]:
         if path.suffix != ".py":
             continue
         search = [src] if path.is_relative_to(src) else [src, path.parent]
-        for name in _imported_names(path, _package_of(path, src)):
-            target = _module_file(name, search)
+        for names in _imported_names(path, _package_of(path, src)):
+            target = next(filter(None, (_module_file(n, search) for n in names)), None)
             if target is not None and target.resolve().is_relative_to(root):
                 todo.append(target)
     return sorted(p.relative_to(root).as_posix() for p in found)
