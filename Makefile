@@ -38,21 +38,26 @@ test-gpu:
 	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(GPU_PYTHON) -m qsdp.bench.gpu_smoke --out "$(GPU_OUT)"
 
-# Every GPU measurement in one command on such a machine, within 30 minutes: test-gpu's smoke,
-# the codec's share of a step, a 4-rank gloo step, the kernels at four sizes, the cluster sweep
-# on the GPU; into $(GPU_OUT)/<device>-<commit>/. STAGES="kernels cluster": those stages only,
-# added to that folder. WHEELS=DIR: pyroute2 for the sweep from a wheel there (`make gpu-wheels
-# WHEELS=DIR` writes it where pyroute2 is installed). COMMIT=abc1234: the folder's commit in a
-# copy without .git. DRY_RUN=1: list the stages and budgets (no GPU needed; the development
-# environment's Python where there is one).
+# Every GPU measurement on such a machine, stage by stage in priority order (codec-share, kernels,
+# test-gpu, gloo-step, cluster), each within its printed budget (7 minutes at most, 30 in all),
+# into $(GPU_OUT)/<device>-<commit>/. Each stage's record keeps the commit and a hash of the files
+# it measures: its result stays valid until they change. STAGES=next: only the stages with no
+# valid result in benchmarks/results/gpu (missing or stale). STAGES="kernels cluster": those
+# stages, added to that folder. BUDGET=540: this command's seconds; a stage starts only while its
+# budget fits in what is left, the others wait for a later run. WHEELS=DIR: pyroute2 for the
+# sweep from a wheel there (`make gpu-wheels WHEELS=DIR` writes it where pyroute2 is installed).
+# COMMIT=abc1234: the commit in a copy without .git. DRY_RUN=1: each stage's newest valid result
+# or why it is due, and what would run with its budget and commands (no GPU needed; the
+# development environment's Python where there is one).
+GPU_STAGES = $(filter-out next,$(STAGES))
+GPU_REPORT_ARGS = --out "$(GPU_OUT)" $(if $(filter next,$(STAGES)),--next) $(if $(GPU_STAGES),--only $(GPU_STAGES)) \
+	$(if $(BUDGET),--budget $(BUDGET)) $(if $(WHEELS),--wheels "$(WHEELS)") $(if $(COMMIT),--commit $(COMMIT))
 gpu-report:
 ifdef DRY_RUN
-	$(if $(wildcard $(PY)),$(PY),$(GPU_PYTHON)) -m qsdp.bench.gpu_report --dry-run --out "$(GPU_OUT)" \
-		$(if $(STAGES),--only $(STAGES)) $(if $(WHEELS),--wheels "$(WHEELS)")
+	$(if $(wildcard $(PY)),$(PY),$(GPU_PYTHON)) -m qsdp.bench.gpu_report --dry-run $(GPU_REPORT_ARGS)
 else
 	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-	$(GPU_PYTHON) -m qsdp.bench.gpu_report --out "$(GPU_OUT)" $(if $(STAGES),--only $(STAGES)) \
-		$(if $(WHEELS),--wheels "$(WHEELS)") $(if $(COMMIT),--commit $(COMMIT))
+	$(GPU_PYTHON) -m qsdp.bench.gpu_report $(GPU_REPORT_ARGS)
 endif
 
 gpu-wheels: $(VENV)/.dev

@@ -1,33 +1,42 @@
-"""``python -m qsdp.bench.gpu_report`` (``make gpu-report``): every GPU measurement, one command.
+"""``python -m qsdp.bench.gpu_report`` (``make gpu-report``): every GPU measurement, stage by stage.
 
 For a CUDA host at hand for a short while, where torch, Triton and pytest are installed and no
-package registry is reachable. The stages (:data:`STAGES`), each run as its own process with a
-time budget, their budgets summing to at most :data:`TOTAL_BUDGET_S` (30 minutes, the first
-compilations included):
+package registry is reachable. The stages (:data:`STAGES`), in priority order, each run as its
+own process within a time budget of its own (stopped at worst, it fits one command of
+:data:`MAX_STAGE_S`, 7 minutes), their budgets summing to at most :data:`TOTAL_BUDGET_S` (30
+minutes, the first compilations included):
 
-1. ``test-gpu``: ``make test-gpu``'s smoke (:mod:`qsdp.bench.gpu_smoke`: the ``gpu`` tests, the
+1. ``codec-share``: ``qsdp bench codec-share`` on the GPU: the share of qsdp's kernels in one
+   rank's step of a GPT of 162M parameters (``gpt2-125m``, an untied head) in bf16, per preset;
+2. ``kernels``: ``qsdp bench kernels`` at 1M, 16M, 64M and 256M elements, against a device copy
+   and ``torch.compile`` of each kernel's reference;
+3. ``test-gpu``: ``make test-gpu``'s smoke (:mod:`qsdp.bench.gpu_smoke`: the ``gpu`` tests, the
    codec steps, the presets trained with the Triton kernels against the reference, the FSDP2
    example), less its one-size kernel table, which ``kernels`` measures at that size and others;
-2. ``codec-share``: ``qsdp bench codec-share`` on the GPU: the share of qsdp's kernels in one
-   rank's step of a GPT of 162M parameters (``gpt2-125m``, an untied head) in bf16, per preset;
-3. ``gloo-step``: one step of the same GPT and micro-batch on 4 ranks (2 emulated nodes x 2)
+4. ``gloo-step``: one step of the same GPT and micro-batch on 4 ranks (2 emulated nodes x 2)
    sharing the GPU over gloo, per preset (:mod:`qsdp.bench.workload` under torchrun);
-4. ``kernels``: ``qsdp bench kernels`` at 1M, 16M, 64M and 256M elements, against a device copy
-   and ``torch.compile`` of each kernel's reference;
 5. ``cluster``: ``qsdp bench cluster --device cuda`` at 20 Mbit/s, 1 Gbit/s and unlimited, with
    the advisor's predictions. It needs root and ``pyroute2``: a host without the package gets it
    from a wheel in ``--wheels DIR`` (``--pack-wheels DIR`` writes one here from this
    installation); without either the stage is skipped and says why.
 
 A stage past its budget is stopped (SIGTERM to its process group, SIGKILL 15 s later), recorded
-as ``over_budget``, and the next one runs. One line is printed per stage. Everything goes to
-``<out>/<device>-<commit>/`` (e.g. ``benchmarks/results/gpu/h100-0ddf04a/``): ``report.json``
-(the host's versions and every stage's record), a ``README.md`` naming the device, driver, CUDA,
-torch, Triton, NCCL and Python versions, the command and the date, with a row per stage, and
-each stage's own JSON. Stages named with ``--only`` are added to a folder that already holds
-others (a host that limits one command to a few minutes runs the report stage by stage; every
-budget is under 10 minutes). ``--dry-run`` lists the stages, their budgets and commands without
-running anything (no GPU needed).
+as ``over_budget``, and the next one runs. The plan is printed first, then a line as each stage
+starts (its budget) and ends. Everything goes to ``<out>/<device>-<commit>/`` (e.g.
+``benchmarks/results/gpu/h100-0ddf04a/``): ``report.json`` (the host's versions and every
+stage's record), a ``README.md`` naming the device, driver, CUDA, torch, Triton, NCCL and Python
+versions, the command and the date, with a row per stage, and each stage's own JSON. Stages named
+with ``--only`` are added to a folder that already holds others.
+
+Each record keeps the commit the stage ran at and a hash of the files it measures
+(``Stage.measures``, hashed by :mod:`qsdp.bench.stage_validity` from the files' contents: a copy
+of the tree without ``.git`` hashes the same). The result stays valid until those files change,
+so the results of several short runs add up to one report: ``--next`` runs only the stages
+with no valid result in ``--results`` (the committed ``benchmarks/results/gpu``) or ``--out``,
+in priority order, and ``--budget SECONDS`` starts a stage only while its budget fits in what
+is left of the command's time (the others wait for a later run). ``--dry-run`` lists each
+stage's newest valid result, or why it is due (missing; stale, with the files changed since),
+and what would run with its budget and commands, without running anything (no GPU needed).
 """
 
 from __future__ import annotations
@@ -46,13 +55,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import stage_validity
 from .report import cpu_model
+from .stage_validity import Fingerprint, Measures, StageState
 
-__all__ = ["TOTAL_BUDGET_S", "STAGES", "Command", "Stage", "StageRecord", "Context", "device_slug",
-           "result_dir", "git_commit", "environment", "run_command", "run_stage", "run_stages", "write_readme", "main"]
+__all__ = ["TOTAL_BUDGET_S", "MAX_STAGE_S", "STAGES", "Command", "Stage", "StageRecord", "Context", "device_slug",
+           "result_dir", "git_commit", "environment", "stage_fingerprint", "stage_states", "newest_valid", "run_command",
+           "run_stage", "run_stages", "write_readme", "main"]
 
 TOTAL_BUDGET_S = 30 * 60
+# A GPU host at hand for a short while may allow one command 10 minutes and all of them 15: every
+# stage, stopped at worst, fits one command of 7 minutes, so each visit can run at least one stage.
+MAX_STAGE_S = 7 * 60
 ROOT = Path(__file__).resolve().parents[3]  # the repository: the tests and the example live there
+RESULTS = ROOT / "benchmarks" / "results" / "gpu"  # the committed results, whatever --out says
 TAIL_CHARS = 3000
 KILL_GRACE_S = 15.0
 PRESETS = ("fsdp", "qsdp", "sdp4bit", "zeropp")
@@ -77,20 +93,24 @@ class Command:
 @dataclass
 class Context:
     """Where a run writes (``folder``), what runs its commands (``python``), what it may install
-    from (``wheels``) and the environment it adds to a stage's (by stage name)."""
+    from (``wheels``), the environment it adds to a stage's (by stage name), the commit its
+    records name and the tree whose files they hash (``root``)."""
 
     folder: Path
     python: str = sys.executable
     wheels: str | None = None
     scratch: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / f"qsdp-gpu-report-{os.getpid()}")
     env: dict[str, dict[str, str]] = field(default_factory=dict)
+    commit: str = "unknown"
+    root: Path = ROOT
 
 
 @dataclass(frozen=True)
 class Stage:
     """One stage: its name, time budget, what it shows, its commands, what it writes, why it
     cannot run here (``None``: it can; it may prepare the context first), what it does after its
-    commands, and its one-line result from its files."""
+    commands, its one-line result from its files, and the source its result depends on (its
+    result stays valid until one of those files changes: :mod:`qsdp.bench.stage_validity`)."""
 
     name: str
     budget_s: float
@@ -100,11 +120,15 @@ class Stage:
     blocker: Callable[[Context], str | None] = lambda ctx: None
     finish: Callable[[Context], None] = lambda ctx: None
     summary: Callable[[Path], str] = lambda folder: ""
+    measures: Measures = Measures()
 
 
 @dataclass
 class StageRecord:
-    """How a stage ended: ``passed``, ``failed``, ``over_budget`` or ``skipped``."""
+    """How a stage ended: ``passed``, ``failed``, ``over_budget`` or ``skipped``; the commit it
+    ran at, when it finished (UTC) and the hash of what it measures
+    (:class:`~qsdp.bench.stage_validity.Fingerprint`: ``source_hash``, ``source_files``,
+    ``commands_hash``)."""
 
     name: str
     budget_s: float
@@ -116,6 +140,11 @@ class StageRecord:
     summary: str = ""
     files: list[str] = field(default_factory=list)
     output_tail: str = ""
+    commit: str = ""
+    finished: str = ""
+    source_hash: str = ""
+    source_files: dict[str, str] = field(default_factory=dict)
+    commands_hash: str = ""
 
 
 # --------------------------------------------------------------------------- the stages
@@ -262,18 +291,64 @@ def summarize_cluster(folder: Path) -> str:
             f"{adv['picks_ok']}/{adv['rates']} rates")
 
 
+def _gpu_test_files(root: Path) -> list[str]:
+    """The test files the smoke hands to pytest (those that declare ``gpu`` tests)."""
+    from .gpu_smoke import gpu_test_files
+
+    return gpu_test_files(root / "tests")
+
+
+# In priority order: what a short time on a GPU should measure first. Each stage names the code that
+# measures and what it runs (followed through their imports, see ``Measures``): the command-line
+# dispatcher is left out where it only hands over to a benchmark module.
 STAGES: tuple[Stage, ...] = (
-    Stage("test-gpu", 450, "make test-gpu: the gpu tests, codec steps, Triton vs reference training, the example",
-          _test_gpu, ("test-gpu/gpu_smoke.json", "test-gpu/codecs.json"), summary=summarize_test_gpu),
     Stage("codec-share", 240, "qsdp's kernels' share of one rank's step, GPT 162M bf16, per preset",
-          _codec_share, ("codec-share.json",), summary=summarize_codec_share),
-    Stage("gloo-step", 240, "one step of that GPT on 4 ranks sharing the GPU over gloo, per preset",
-          _gloo_step, ("gloo-step.json",), blocker=_gloo_prepare, finish=_gloo_finish, summary=summarize_gloo_step),
+          _codec_share, ("codec-share.json",), summary=summarize_codec_share,
+          measures=Measures(modules=("qsdp.bench.codec_share",))),
     Stage("kernels", 390, "the Triton kernels at 1M-256M elements: GB/s, of a copy, vs torch.compile",
-          _kernels, ("kernels.json",), summary=summarize_kernels),
+          _kernels, ("kernels.json",), summary=summarize_kernels,
+          measures=Measures(modules=("qsdp.bench.kernels",))),
+    Stage("test-gpu", 400, "make test-gpu: the gpu tests, codec steps, Triton vs reference training, the example",
+          _test_gpu, ("test-gpu/gpu_smoke.json", "test-gpu/codecs.json"), summary=summarize_test_gpu,
+          measures=Measures(modules=("qsdp.bench.gpu_smoke", "qsdp.cli", "qsdp.bench.codecs"),
+                            files=("tests/conftest.py", "examples/fsdp2_two_lines.py", "src/qsdp/train/sample.txt"),
+                            more=_gpu_test_files)),
+    Stage("gloo-step", 240, "one step of that GPT on 4 ranks sharing the GPU over gloo, per preset",
+          _gloo_step, ("gloo-step.json",), blocker=_gloo_prepare, finish=_gloo_finish, summary=summarize_gloo_step,
+          measures=Measures(modules=("qsdp.bench.workload",))),
     Stage("cluster", 360, "qsdp bench cluster --device cuda at 20 Mbit/s, 1 Gbit/s, unlimited, with predictions",
-          _cluster, ("cluster-rates.json", "cluster-rates.png"), blocker=cluster_blocker, summary=summarize_cluster),
+          _cluster, ("cluster-rates.json", "cluster-rates.png"), blocker=cluster_blocker, summary=summarize_cluster,
+          measures=Measures(modules=("qsdp.bench.cluster", "qsdp.bench.workload", "qsdp.cli"))),
 )
+
+
+# --------------------------------------------------------------------------- validity
+
+
+def stage_fingerprint(stage: Stage, root: Path = ROOT) -> Fingerprint:
+    """The hash of what ``stage`` measures in the tree at ``root``, its commands written with
+    placeholders for the host's paths (so every host hashes the same tree the same)."""
+    placeholder = Context(Path("<out>"), python="python", scratch=Path("<scratch>"))
+    commands = "\n".join(c.text() for c in stage.commands(placeholder))
+    return stage_validity.fingerprint(stage.measures, root, commands)
+
+
+def stage_states(stages: Sequence[Stage], dirs: Sequence[Path], root: Path = ROOT) -> list[StageState]:
+    """Each stage's state against the results in ``dirs``' ``<device>-<commit>/`` folders: its
+    newest valid result, or why it is due (``missing`` / ``stale``)."""
+    results = stage_validity.read_results(dirs, {s.name: s.files for s in STAGES + tuple(stages)})
+    return [stage_validity.stage_state(s.name, stage_fingerprint(s, root), results) for s in stages]
+
+
+def newest_valid(dirs: Sequence[Path] = (RESULTS,), root: Path = ROOT) -> dict[str, stage_validity.Result | None]:
+    """The result each stage's figures are quoted from: its newest valid one in ``dirs``
+    (``None``: the stage is due)."""
+    return {st.stage: None if st.due else st.result for st in stage_states(STAGES, dirs, root)}
+
+
+def stage_cost(stage: Stage) -> float:
+    """The longest a stage can take: its budget and the grace a stopped one gets."""
+    return stage.budget_s + KILL_GRACE_S
 
 
 # --------------------------------------------------------------------------- running
@@ -320,13 +395,25 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 def run_stage(stage: Stage, ctx: Context, *, cwd: Path = ROOT) -> StageRecord:
     """Run one stage within its budget (see the module doc); never raises for the stage's own
-    failure, which its record says."""
-    record = StageRecord(stage.name, stage.budget_s)
+    failure, which its record says. The record names ``ctx.commit`` and the hash of what the
+    stage measures in ``ctx.root``, taken before it runs."""
+    measured = stage_fingerprint(stage, ctx.root)
+    record = StageRecord(stage.name, stage.budget_s, commit=ctx.commit, source_hash=measured.source_hash,
+                         source_files=measured.files, commands_hash=measured.commands_hash)
     started = time.monotonic()
+    try:
+        _run_stage(stage, ctx, cwd, record, started)
+    finally:
+        record.seconds = time.monotonic() - started
+        record.finished = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return record
+
+
+def _run_stage(stage: Stage, ctx: Context, cwd: Path, record: StageRecord, started: float) -> None:
     reason = stage.blocker(ctx)
     if reason:
         record.status, record.reason = "skipped", reason
-        return record
+        return
     deadline = started + stage.budget_s
     commands = stage.commands(ctx)
     record.commands = [c.text() for c in commands]
@@ -353,8 +440,6 @@ def run_stage(stage: Stage, ctx: Context, *, cwd: Path = ROOT) -> StageRecord:
             if record.status == "passed":
                 record.status, record.reason = "failed", record.summary
     record.files = [f for f in stage.files if (ctx.folder / f).exists()]
-    record.seconds = time.monotonic() - started
-    return record
 
 
 # --------------------------------------------------------------------------- the folder
@@ -431,20 +516,22 @@ def write_readme(folder: Path, env: dict[str, Any], records: Sequence[StageRecor
     """``folder/README.md``: what produced the folder and a row per stage."""
     head = [f"# {env['device']}, qsdp at commit {env['commit']}", "",
             f"What `{command}` measured on {date}: a row per stage, with the files it wrote here. "
-            "`report.json` holds each stage's commands, exit statuses, time and output tail.", "",
+            "`report.json` holds each stage's commands, exit statuses, time and output tail, and the hash of "
+            "the files it measures (its result stays valid until they change).", "",
             "| | |", "|---|---|"]
     for key, label in (("device", "device"), ("driver", "driver"), ("cuda", "CUDA"), ("torch", "torch"),
                        ("triton", "Triton"), ("nccl", "NCCL"), ("python", "Python"), ("host_cpu", "host CPU"),
                        ("commit", "qsdp commit")):
         head.append(f"| {label} | {env.get(key) or 'unknown'} |")
     head += [f"| command | `{command}` |", f"| date | {date} |", "",
-             "| stage | budget s | seconds | status | files | result |", "|---|---|---|---|---|---|"]
+             "| stage | budget s | seconds | status | commit | source hash | files | result |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in records:
         files = ", ".join(f"`{f}`" for f in r.files)
         result = r.summary or r.reason
         status = r.status.replace("_", " ")
-        head.append(f"| `{r.name}` | {r.budget_s:.0f} | {r.seconds:.0f} | {status} | {files} | "
-                    f"{result.replace('|', '/')} |")
+        head.append(f"| `{r.name}` | {r.budget_s:.0f} | {r.seconds:.0f} | {status} | {r.commit or 'unknown'} | "
+                    f"{r.source_hash or 'none'} | {files} | {result.replace('|', '/')} |")
     path = folder / "README.md"
     path.write_text("\n".join(head) + "\n", encoding="utf-8")
     return path
@@ -476,34 +563,90 @@ def _parser() -> argparse.ArgumentParser:
                    help="run these stages only, adding them to the folder's report")
     p.add_argument("--skip", nargs="+", default=[], choices=[s.name for s in STAGES], metavar="STAGE",
                    help="stages to leave out")
+    p.add_argument("--next", action="store_true",
+                   help="run only the stages due: no valid result in --results or --out (missing, or stale: what it "
+                        "measures changed since)")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="the time this command may take: a stage starts only while its budget and the "
+                        f"{KILL_GRACE_S:.0f} s a stopped one gets fit in what is left; the others wait")
+    p.add_argument("--results", default=str(RESULTS), metavar="DIR",
+                   help="the committed results each stage's validity is read from (default benchmarks/results/gpu)")
     p.add_argument("--wheels", metavar="DIR", help="a folder of wheels to install missing pure-Python packages from "
                    "(pyroute2 for the cluster stage)")
     p.add_argument("--commit", help="the commit to name the folder by (default: git's; for a copy without .git)")
-    p.add_argument("--dry-run", action="store_true", help="list the stages, budgets and commands; run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list each stage's state (its newest valid result, or why it is due) and what would run, "
+                        "with budgets and commands; run nothing")
     p.add_argument("--pack-wheels", metavar="DIR",
                    help="write the wheels a GPU host may lack (pyroute2) into DIR from this installation, then exit")
     return p
 
 
 def selected(only: Sequence[str] | None, skip: Sequence[str]) -> list[Stage]:
-    """The stages to run, in their order."""
+    """The stages to run, in their (priority) order."""
     return [s for s in STAGES if (not only or s.name in only) and s.name not in skip]
 
 
-def dry_run(stages: Sequence[Stage], ctx: Context) -> str:
-    """The stages, their budgets and commands, and the total against :data:`TOTAL_BUDGET_S`."""
-    lines = [f"results: {ctx.folder}/"]
-    for s in stages:
-        lines.append(f"{s.name:<12} {s.budget_s:5.0f} s  {s.what}")
-        lines += [f"    {c.text()}" for c in s.commands(ctx)]
-    total = sum(s.budget_s for s in stages)
-    lines.append(f"total budget {total:.0f} s ({total / 60:.1f} min) of at most {TOTAL_BUDGET_S / 60:.0f} min")
+def plan_text(stages: Sequence[Stage], states: Sequence[StageState] | None, budget: float | None) -> str:
+    """What a run of ``stages`` does: each stage's budget and why it runs, which ones wait for
+    time left over (``budget``: the command's seconds), the total."""
+    why = {st.stage: st.reason for st in states or ()}
+    run, wait = stage_validity.plan([(s.name, stage_cost(s)) for s in stages], budget)
+    limit = f"within {budget:.0f} s" if budget is not None else "no time limit"
+    lines = [f"plan ({limit}; a stage may take its budget and {KILL_GRACE_S:.0f} s to stop):"]
+    by_name = {s.name: s for s in stages}
+    for name in run:
+        lines.append(f"  run  {name:<12} {by_name[name].budget_s:4.0f} s  {why.get(name, '')}".rstrip())
+    for name in wait:
+        lines.append(f"  wait {name:<12} {by_name[name].budget_s:4.0f} s  {why.get(name, '')} (starts only if the "
+                     f"stages before it leave {stage_cost(by_name[name]):.0f} s)")
+    if not stages:
+        lines.append("  nothing to run")
+    total = sum(by_name[n].budget_s for n in run)
+    lines.append(f"total budget {total:.0f} s ({total / 60:.1f} min) for {len(run)} stage(s); each stage at most "
+                 f"{MAX_STAGE_S / 60:.0f} min, all of them {sum(s.budget_s for s in STAGES) / 60:.1f} of at most "
+                 f"{TOTAL_BUDGET_S / 60:.0f} min")
     return "\n".join(lines)
+
+
+def states_text(states: Sequence[StageState], dirs: Sequence[Path]) -> str:
+    """The newest valid result of each stage, or why it is due."""
+    where = ", ".join(f"{d}/" for d in dirs)
+    lines = [f"results in {where}: the newest valid result of each stage (valid: it recorded the hash of the "
+             "files it measures as they are now)"]
+    lines += [f"  {st.stage:<12} {st.state:<8} {st.reason}" for st in states]
+    return "\n".join(lines)
+
+
+def dry_run(stages: Sequence[Stage], ctx: Context, states: Sequence[StageState] | None = None,
+            budget: float | None = None) -> str:
+    """The plan for ``stages`` (:func:`plan_text`) with each stage's commands."""
+    lines = [f"results: {ctx.folder}/", plan_text(stages, states, budget), "commands:"]
+    for s in stages:
+        lines.append(f"  {s.name:<12} {s.what}")
+        lines += [f"    {c.text()}" for c in s.commands(ctx)]
+    return "\n".join(lines)
+
+
+def _results_dirs(args: argparse.Namespace, out: str) -> list[Path]:
+    """The committed results and the output folder (on a GPU host ``$OUT`` may start empty), once."""
+    dirs: dict[Path, Path] = {}
+    for d in (Path(args.results), Path(out)):
+        dirs.setdefault(d.resolve(), d)
+    return list(dirs.values())
+
+
+def _unknown_commit_tag(root: Path) -> str:
+    """Stands in for the commit of a copy without git: the hash of everything the stages
+    measure, so two copies of different code never share a folder."""
+    hashes = "".join(stage_fingerprint(s, root).source_hash for s in STAGES)
+    return "unknown-" + stage_validity.digest(hashes.encode())[:8]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the report (see the module doc): 0 when every stage run passed (skipped ones
-    included), 1 otherwise, 2 for a bad argument or a host without CUDA."""
+    included; stages left waiting for time do not count), 1 otherwise, 2 for a bad argument or
+    a host without CUDA."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.pack_wheels:
@@ -514,46 +657,78 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:
             parser.exit(2, f"{parser.prog}: error: {e}\n")
         return 0
+    if args.budget is not None and args.budget <= 0:
+        parser.error(f"--budget must be a positive number of seconds, not {args.budget:g}")
     stages = selected(args.only, args.skip)
-    out = args.out or os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "gpu")
+    out = args.out or os.environ.get("OUT") or str(RESULTS)
     commit = args.commit or git_commit()
+    dirs = _results_dirs(args, out)
+    states = stage_states(stages, dirs)
+    if args.next:
+        due = {st.stage for st in states if st.due}
+        stages = [s for s in stages if s.name in due]
     if args.dry_run:
-        print(dry_run(stages, Context(Path(out) / f"<device>-{commit}", wheels=args.wheels)))
+        print(states_text(states, dirs))
+        print(dry_run(stages, Context(Path(out) / f"<device>-{commit}", wheels=args.wheels), states, args.budget))
+        return 0
+    if not stages:
+        print(states_text(states, dirs))
+        print("nothing to run" + (": every stage selected has a valid result" if args.next else ""))
         return 0
     import torch
 
     if not torch.cuda.is_available():
         parser.exit(2, f"{parser.prog}: error: torch.cuda.is_available() is False here: the report needs a "
                        "CUDA GPU (--dry-run lists its stages without one)\n")
+    if commit == "unknown":
+        commit = _unknown_commit_tag(ROOT)
     env = {**environment(), "commit": commit}
     folder = result_dir(out, env["device"], commit)
     folder.mkdir(parents=True, exist_ok=True)
     command = "python -m qsdp.bench.gpu_report " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"{env['device']}, driver {env['driver']}, torch {env['torch']}, Triton {env['triton']}, "
           f"NCCL {env['nccl']}; results in {folder}", flush=True)
-    done = run_stages(stages, Context(folder, wheels=args.wheels), env, command)
+    print(plan_text(stages, states, args.budget), flush=True)
+    deadline = None if args.budget is None else time.monotonic() + args.budget
+    done = run_stages(stages, Context(folder, wheels=args.wheels, commit=commit), env, command, deadline=deadline)
     ok = all(r.status in ("passed", "skipped") for r in done)
-    print(f"{'every stage passed' if ok else 'NOT every stage passed'}; {folder / 'README.md'}")
+    waiting = [s.name for s in stages if s.name not in {r.name for r in done}]
+    print(f"{'every stage run passed' if ok else 'NOT every stage run passed'}"
+          f"{'; waiting for a later run: ' + ', '.join(waiting) if waiting else ''}; {folder / 'README.md'}")
     return 0 if ok else 1
 
 
 def run_stages(stages: Sequence[Stage], ctx: Context, env: dict[str, Any], command: str,
-               cwd: Path = ROOT) -> list[StageRecord]:
+               cwd: Path = ROOT, deadline: float | None = None) -> list[StageRecord]:
     """Run ``stages`` one after the other, printing a line for each, and after each write
     ``report.json`` and ``README.md`` of ``ctx.folder`` (what it held from earlier runs kept,
-    the stages run now replacing theirs): a run cut short keeps what it did. The records of
+    the stages run now replacing theirs): a run cut short keeps what it did. With a
+    ``deadline`` (``time.monotonic()``), the next stage is the first of those left whose
+    budget and stopping grace fit before it; the others wait (a line each). The records of
     this run."""
     report_path = ctx.folder / "report.json"
     previous = json.loads(report_path.read_text())["stages"] if report_path.exists() else []
     date = time.strftime("%Y-%m-%d")
     done: list[StageRecord] = []
-    for stage in stages:
+    pending = list(stages)
+    while pending:
+        left = None if deadline is None else deadline - time.monotonic()
+        run, _ = stage_validity.plan([(s.name, stage_cost(s)) for s in pending], left)
+        if not run:
+            break
+        stage = next(s for s in pending if s.name == run[0])
+        pending.remove(stage)
+        print(f"{stage.name:<12} starts: budget {stage.budget_s:.0f} s"
+              + (f", {left:.0f} s left" if left is not None else ""), flush=True)
         done.append(run_stage(stage, ctx, cwd=cwd))
         print(line(done[-1]), flush=True)
         records = _merge(previous, done)
         report = {"environment": env, "command": command, "date": date, "stages": [asdict(r) for r in records]}
         report_path.write_text(json.dumps(report, indent=2) + "\n")
         write_readme(ctx.folder, env, records, command, date)
+    for stage in pending:
+        left = max(0.0, deadline - time.monotonic()) if deadline is not None else 0.0
+        print(f"{stage.name:<12} waits: needs {stage_cost(stage):.0f} s, {left:.0f} s left", flush=True)
     return done
 
 
