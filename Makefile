@@ -54,15 +54,15 @@ GPU_REPORT_ARGS = --out "$(GPU_OUT)" $(if $(filter next,$(STAGES)),--next) $(if 
 	$(if $(BUDGET),--budget $(BUDGET)) $(if $(WHEELS),--wheels "$(WHEELS)") $(if $(COMMIT),--commit $(COMMIT))
 gpu-report:
 ifdef DRY_RUN
-	$(if $(wildcard $(PY)),$(PY),$(GPU_PYTHON)) -m qsdp.bench.gpu_report --dry-run $(GPU_REPORT_ARGS)
+	$(if $(wildcard $(PY)),$(PY),$(GPU_PYTHON)) -m benchmarks.gpu_report --dry-run $(GPU_REPORT_ARGS)
 else
 	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-	$(GPU_PYTHON) -m qsdp.bench.gpu_report $(GPU_REPORT_ARGS)
+	$(GPU_PYTHON) -m benchmarks.gpu_report $(GPU_REPORT_ARGS)
 endif
 
 gpu-wheels: $(VENV)/.dev
 	$(if $(WHEELS),,$(error gpu-wheels writes into WHEELS=DIR; name the folder))
-	$(PY) -m qsdp.bench.gpu_report --pack-wheels "$(WHEELS)"
+	$(PY) -m benchmarks.gpu_report --pack-wheels "$(WHEELS)"
 
 demo: $(VENV)/.base
 	$(VENV)/bin/qsdp demo

@@ -7,6 +7,7 @@ from a clone of the repository, its root as the working directory::
 
     python -m benchmarks.convergence --setting tiny   # paired-seed loss gaps with intervals
     python -m benchmarks.soak --minutes 30            # memory and step time over a long run
+    python -m benchmarks.gpu_report --dry-run --next  # the GPU report's stages (make gpu-report)
 
 Their results go to ``benchmarks/results/``; docs/design.md states where the line runs.
 """

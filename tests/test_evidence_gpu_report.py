@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qsdp.bench import gpu_report
-from qsdp.bench.gpu_report import STAGES, TOTAL_BUDGET_S, Command, Context, Stage, StageRecord
-from qsdp.bench.wheels import find_wheel, install_target, pack_installed
+from benchmarks import gpu_report
+from benchmarks.gpu_report import STAGES, TOTAL_BUDGET_S, Command, Context, Stage, StageRecord
+from benchmarks.wheels import find_wheel, install_target, pack_installed
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "results" / "gpu" / "h100-0ddf04a"

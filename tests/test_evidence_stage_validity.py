@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from qsdp.bench import gpu_report
-from qsdp.bench.gpu_report import STAGES, Command, Context, Stage
-from qsdp.bench.stage_validity import (Fingerprint, Measures, fingerprint, measured_files, plan, read_results,
+from benchmarks import gpu_report
+from benchmarks.gpu_report import STAGES, Command, Context, Stage
+from benchmarks.stage_validity import (Fingerprint, Measures, fingerprint, measured_files, plan, read_results,
                                        stage_state)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""``python -m qsdp.bench.gpu_report`` (``make gpu-report``): every GPU measurement, stage by stage.
+"""``python -m benchmarks.gpu_report`` (``make gpu-report``): every GPU measurement, stage by stage.
 
 For a CUDA host at hand for a short while, where torch, Triton and pytest are installed and no
 package registry is reachable. The stages (:data:`STAGES`), in priority order, each run as its
@@ -29,7 +29,7 @@ versions, the command and the date, with a row per stage, and each stage's own J
 with ``--only`` are added to a folder that already holds others.
 
 Each record keeps the commit the stage ran at and a hash of the files it measures
-(``Stage.measures``, hashed by :mod:`qsdp.bench.stage_validity` from the files' contents: a copy
+(``Stage.measures``, hashed by :mod:`benchmarks.stage_validity` from the files' contents: a copy
 of the tree without ``.git`` hashes the same). The result stays valid until those files change,
 so the results of several short runs add up to one report: ``--next`` runs only the stages
 with no valid result in ``--results`` (the committed ``benchmarks/results/gpu``) or ``--out``,
@@ -55,8 +55,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qsdp.results import cpu_model
+
 from . import stage_validity
-from .report import cpu_model
 from .stage_validity import Fingerprint, Measures, StageState
 
 __all__ = ["TOTAL_BUDGET_S", "MAX_STAGE_S", "STAGES", "Command", "Stage", "StageRecord", "Context", "device_slug",
@@ -67,7 +68,7 @@ TOTAL_BUDGET_S = 30 * 60
 # A GPU host at hand for a short while may allow one command 10 minutes and all of them 15: every
 # stage, stopped at worst, fits one command of 7 minutes, so each visit can run at least one stage.
 MAX_STAGE_S = 7 * 60
-ROOT = Path(__file__).resolve().parents[3]  # the repository: the tests and the example live there
+ROOT = Path(__file__).resolve().parents[1]  # the repository: the tests and the example live there
 RESULTS = ROOT / "benchmarks" / "results" / "gpu"  # the committed results, whatever --out says
 TAIL_CHARS = 3000
 KILL_GRACE_S = 15.0
@@ -110,7 +111,7 @@ class Stage:
     """One stage: its name, time budget, what it shows, its commands, what it writes, why it
     cannot run here (``None``: it can; it may prepare the context first), what it does after its
     commands, its one-line result from its files, and the source its result depends on (its
-    result stays valid until one of those files changes: :mod:`qsdp.bench.stage_validity`)."""
+    result stays valid until one of those files changes: :mod:`benchmarks.stage_validity`)."""
 
     name: str
     budget_s: float
@@ -127,7 +128,7 @@ class Stage:
 class StageRecord:
     """How a stage ended: ``passed``, ``failed``, ``over_budget`` or ``skipped``; the commit it
     ran at, when it finished (UTC) and the hash of what it measures
-    (:class:`~qsdp.bench.stage_validity.Fingerprint`: ``source_hash``, ``source_files``,
+    (:class:`~benchmarks.stage_validity.Fingerprint`: ``source_hash``, ``source_files``,
     ``commands_hash``)."""
 
     name: str
@@ -206,7 +207,7 @@ def cluster_blocker(ctx: Context, euid: int | None = None) -> str | None:
     """Why the sweep cannot run here (``None``: it can): root, and ``pyroute2``, installed or
     installed now from a wheel in ``ctx.wheels`` into the scratch folder (added to the stage's
     ``PYTHONPATH``)."""
-    from . import netns
+    from qsdp.bench import netns
     from .wheels import find_wheel, install_target
 
     if (os.geteuid() if euid is None else euid) != 0:
@@ -217,7 +218,7 @@ def cluster_blocker(ctx: Context, euid: int | None = None) -> str | None:
     if wheel is None:
         where = f"no pyroute2-*.whl in {ctx.wheels}" if ctx.wheels else "no --wheels folder was given"
         return (f"pyroute2 is not installed here and {where}: write its wheel on a machine that has it "
-                "with `python -m qsdp.bench.gpu_report --pack-wheels DIR`, carry DIR here and pass "
+                "with `python -m benchmarks.gpu_report --pack-wheels DIR`, carry DIR here and pass "
                 "--wheels DIR (make gpu-report WHEELS=DIR)")
     try:
         site = install_target(wheel, ctx.scratch / "site", ctx.python)
@@ -293,7 +294,7 @@ def summarize_cluster(folder: Path) -> str:
 
 def _gpu_test_files(root: Path) -> list[str]:
     """The test files the smoke hands to pytest (those that declare ``gpu`` tests)."""
-    from .gpu_smoke import gpu_test_files
+    from qsdp.bench.gpu_smoke import gpu_test_files
 
     return gpu_test_files(root / "tests")
 
@@ -556,7 +557,7 @@ def line(record: StageRecord) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m qsdp.bench.gpu_report", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_report", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None,
                    help="where the <device>-<commit> folder goes (default $OUT when set, else benchmarks/results/gpu)")
     p.add_argument("--only", nargs="+", choices=[s.name for s in STAGES], metavar="STAGE",
@@ -685,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = {**environment(), "commit": commit}
     folder = result_dir(out, env["device"], commit)
     folder.mkdir(parents=True, exist_ok=True)
-    command = "python -m qsdp.bench.gpu_report " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.gpu_report " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"{env['device']}, driver {env['driver']}, torch {env['torch']}, Triton {env['triton']}, "
           f"NCCL {env['nccl']}; results in {folder}", flush=True)
     print(plan_text(stages, states, args.budget), flush=True)
