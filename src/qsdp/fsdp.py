@@ -263,7 +263,7 @@ def quantize_comms(
                       "so nothing is quantized or metered", stacklevel=2)
     elif replicas is None and topology.rank == 0 and (unused := _unused_on_one_node(cfg, topology)):
         warnings.warn(unused, stacklevel=2)
-    elif native is not None and (spans := _hsdp.check_shard_inside_nodes(cfg, topology)) and topology.rank == 0:
+    elif native is not None and (spans := _hsdp.check_shard_inside_nodes(cfg, topology)) and dist.get_rank() == 0:
         warnings.warn(spans, stacklevel=2)
     if native is not None:
         _hsdp.broadcast_replicas(module, native)
