@@ -4,6 +4,7 @@ or those two dimensions of a 3-D mesh with TP), with no ``group=`` and no ``repl
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -20,9 +21,11 @@ pytestmark = pytest.mark.timeout(240)
 PER_NODE = 2
 
 
-def _native(preset: str | None, layout: str = "hsdp", **kw):
-    built = layouts.build(layout, native_hsdp=True)
-    handle = qsdp.quantize_comms(built.model, preset, **kw) if preset else None
+def _native(preset: str | None, layout: str = "hsdp", **build):
+    """``layouts.build(layout, **build)`` on FSDP2's native HSDP mesh, quantized with ``preset``
+    (``None``: native FSDP2) and nothing else named."""
+    built = layouts.build(layout, native_hsdp=True, **build)
+    handle = qsdp.quantize_comms(built.model, preset) if preset else None
     return built, handle
 
 
@@ -280,3 +283,47 @@ def _state_dict_keys(rank, world, preset):
 def test_the_state_dict_keeps_fsdp2s_native_placements():
     assert run_world(_state_dict_keys, 4, "sdp4bit", local_world_size=PER_NODE) == \
         run_world(_state_dict_keys, 4, None, local_world_size=PER_NODE)
+
+
+# ------------------------------------------------------------------ the layouts matrix, native rows
+
+def _matrix_cell(rank, world, layout, feature):
+    from test_layouts import FEATURES, PRESETS, STEPS
+
+    kw = dict(FEATURES[feature])
+    accumulate = kw.pop("accumulate", 1)
+    out = {}
+    for preset in PRESETS:
+        built, handle = _native(preset, layout, **kw)
+        losses = layouts.train(built, STEPS, accumulate)
+        out[preset] = (losses, layouts.full_params(built.model))
+        if handle is not None:
+            handle.close()
+    return out
+
+
+def _matrix_cells():
+    from test_layouts import FEATURES
+
+    for layout in ("hsdp", "3d"):
+        for feature in FEATURES:
+            if feature != "hpz":  # a shard group of 2: reshard_after_forward=2 is ZeRO-3
+                yield pytest.param(layout, feature, id=f"native-{layout}-{feature}", marks=[pytest.mark.slow])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout,feature", list(_matrix_cells()))
+def test_native_hsdp_layout_trains_with_every_preset(layout, feature):
+    """docs/layouts.md's native HSDP rows: ``fsdp`` bit-identical to FSDP2's native HSDP,
+    ``qsdp`` and ``sdp4bit`` finite and close to it."""
+    results = run_world(_matrix_cell, layouts.WORLD[layout], layout, feature,
+                        local_world_size=layouts.PER_NODE[layout], timeout=540)
+    for by_preset in results:
+        native_losses, native_params = by_preset[None]
+        losses, params = by_preset["fsdp"]
+        assert losses == native_losses
+        assert all(torch.equal(a, b) for a, b in zip(params, native_params))
+        for preset in ("qsdp", "sdp4bit"):
+            losses, _ = by_preset[preset]
+            assert all(math.isfinite(x) for x in losses), preset
+            assert sum(losses[-3:]) / 3 < sum(native_losses[-3:]) / 3 * 1.5 + 0.05, preset
