@@ -285,6 +285,21 @@ def test_the_state_dict_keeps_fsdp2s_native_placements():
         run_world(_state_dict_keys, 4, None, local_world_size=PER_NODE)
 
 
+def _step_check(rank, world):
+    built, handle = _native("sdp4bit")
+    x, y = fm.batch(0, built.data_rank)
+    torch.nn.functional.mse_loss(built.model(x), y).backward()
+    check = qsdp.check_gradients(handle, built.model.parameters())
+    full = torch.cat([p.grad.full_tensor().flatten() for p in built.model.parameters()]).norm().item()
+    return check.nonfinite, check.grad_norm, full
+
+
+def test_the_steps_gradient_norm_counts_each_element_once_across_the_replicas():
+    for nonfinite, norm, full in run_world(_step_check, 4, local_world_size=PER_NODE):
+        assert not nonfinite
+        assert norm == pytest.approx(full, rel=1e-6)
+
+
 # ------------------------------------------------------------------ the layouts matrix, native rows
 
 def _matrix_cell(rank, world, layout, feature):

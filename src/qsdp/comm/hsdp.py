@@ -248,6 +248,10 @@ class NativeHsdpReduceScatter(GradReduceScatter):
     def hook(self, output: torch.Tensor) -> None:
         """FSDP2's all-reduce hook, on its all-reduce stream: ``output`` (the shard of the
         reduce dtype, ``[n]``) becomes its average (or sum) across the replicas, in place."""
+        if output.is_cuda:
+            # Allocated on the reduce-scatter stream; FSDP2 keeps it alive only until the event it
+            # recorded before this hook, so tell the allocator this stream still uses it.
+            output.record_stream(torch.cuda.current_stream(output.device))
         if self._exact(output):
             self._exact_all_reduce(output)
         else:
