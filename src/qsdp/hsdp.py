@@ -94,7 +94,8 @@ def require_replicate_group(config: QuantConfig) -> None:
             f"config {config.name!r} quantizes only the gradient all-reduce across HSDP replicas "
             f"(hsdp.mode={config.hsdp.mode!r}, weights and grads plain): without replicate_group= it "
             "would run as plain FSDP at full precision; pass replicate_group= (the ranks, one per node, "
-            "holding this rank's shard): " + RECIPE
+            "holding this rank's shard): " + RECIPE + "; or shard on FSDP2's native HSDP mesh "
+            "(fully_shard(mesh=<(replicate, shard) mesh>)), whose replicas qsdp reads"
         )
 
 
