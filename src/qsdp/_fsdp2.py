@@ -4,8 +4,10 @@ FSDP2's public API sets a custom comm or a divide factor per module but cannot s
 modules share one parameter group (``fully_shard([norm, output])`` makes two ``FSDPModule``
 objects over one group), whether a divide factor was set, or which process groups a group's
 all-gathers and reduce-scatter run over (the mesh it shards over, and the smaller one of
-``reshard_after_forward=<int>``). They are read here and nowhere else;
-``tests/test_fsdp2_internals.py`` checks that these symbols still exist in the installed torch.
+``reshard_after_forward=<int>``), nor let the all-reduce hook replace native HSDP's
+all-reduce across the replicas (one field is changed for that). They are read and changed here
+and nowhere else; ``tests/test_fsdp2_internals.py`` checks that these symbols still exist and
+behave so in the installed torch.
 """
 
 from __future__ import annotations

@@ -254,7 +254,7 @@ def quantize_comms(
         check_same_config(cfg)
     else:
         _hsdp.prepare(module, cfg, group, replicate_group)
-    replicas = native or replicate_group
+    replicas = native if native is not None else replicate_group
     post_groups = list({id(m[1]): m[1] for m in meshes if m is not None and m[1] is not None}.values())
     topology, *post_topologies = build_topologies([group, *post_groups], cfg.local_world_size)
     post_topology = {id(g): t for g, t in zip(post_groups, post_topologies)}
