@@ -300,6 +300,43 @@ def test_the_steps_gradient_norm_counts_each_element_once_across_the_replicas():
         assert norm == pytest.approx(full, rel=1e-6)
 
 
+def _checked_step_reads(rank, world, preset):
+    from test_sync_policy import _count_qsdp_reads
+
+    built, handle = _native(preset)
+    opt = torch.optim.Adam(built.model.parameters(), lr=1e-2)
+
+    def step(n):
+        x, y = fm.batch(n, built.data_rank)
+        loss = torch.nn.functional.mse_loss(built.model(x), y)
+        loss.backward()
+        params = list(built.model.parameters())
+        result = qsdp.check_gradients(handle, params, sums=[loss.detach()], agree_ahead=True)
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, result.norm)
+        if not result.nonfinite:
+            opt.step()
+        opt.zero_grad()
+
+    for n in range(2):  # warm-up: replicas established, one ordinary step done
+        step(n)
+    log: list[str] = []
+    _count_qsdp_reads(log)
+    per_step = []
+    for n in range(3):
+        step(10 + n)
+        per_step.append(list(log))
+        log.clear()
+    return per_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["sdp4bit", "hsdp4"])
+def test_a_checked_step_reads_the_host_once(preset):
+    # The hook across the replicas reads nothing: the check's one read is the step's only one.
+    for per_step in run_world(_checked_step_reads, 4, preset, local_world_size=PER_NODE):
+        assert per_step == [["tolist from qsdp.gradient_check"]] * 3
+
+
 # ------------------------------------------------------------------ the layouts matrix, native rows
 
 def _matrix_cell(rank, world, layout, feature):
