@@ -40,3 +40,10 @@ def test_hsdp_example_trains_under_torchrun_with_4_bit_gradients_between_nodes()
     stdout = _torchrun(4, "hsdp.py", "--nodes", "2", "--steps", "6")
     last = [line for line in stdout.splitlines() if line.startswith("step   5")]
     assert last and "between nodes 4." in last[0] and "inside 32.00" in last[0]
+
+
+@pytest.mark.slow
+def test_hsdp_example_on_fsdp2s_native_mesh_sends_4_bit_gradients_between_nodes():
+    stdout = _torchrun(4, "hsdp.py", "--nodes", "2", "--steps", "6", "--native")
+    last = [line for line in stdout.splitlines() if line.startswith("step   5")]
+    assert last and "between nodes 4." in last[0] and "inside 32.00" in last[0]

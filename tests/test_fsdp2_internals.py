@@ -39,3 +39,33 @@ def _custom_comm_is_read_back(rank, world):
 
 def test_the_all_gather_comm_a_module_calls_is_readable():
     assert run_world(_custom_comm_is_read_back, 2) == [(True, ["PlainAllGather"])] * 2
+
+
+def _native_all_reduce_routed(rank, world):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qsdp.hsdp import self_group
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8, bias=False)
+    fully_shard(model, mesh=mesh)
+    replicas = _fsdp2.native_replicate_group(model)
+    _fsdp2.route_replicate_all_reduce_to_hook(model, self_group())
+    seen = []
+    model.set_all_reduce_hook(lambda out: seen.append(out.clone()))
+    model(torch.full((2, 8), float(rank))).sum().backward()
+    grad = model.weight.grad.to_local().clone()
+    others = [torch.empty_like(grad) for _ in range(2)]
+    dist.all_gather(others, grad, group=mesh["replicate"].get_group())
+    return (dist.get_process_group_ranks(replicas), _fsdp2.native_replicate_group(model) is replicas,
+            len(seen), torch.equal(seen[0].view_as(grad), grad), torch.equal(others[0], others[1]))
+
+
+def test_the_native_hsdp_all_reduce_can_be_left_to_the_all_reduce_hook():
+    # The replicas' gradients stay apart: FSDP2 no longer sums them, its hook sees the shard.
+    got = run_world(_native_all_reduce_routed, 4, local_world_size=2)
+    assert [g[0] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(g[1:] == (True, 1, True, False) for g in got)

@@ -391,12 +391,7 @@ def test_checkpoint_and_resume_is_bit_identical(tmp_path):
 
 def _error(rank, world, case):
     model, groups = _hsdp_model()
-    if case == "native-2d-mesh":
-        torch.manual_seed(0)
-        model = fm.TinyNet()
-        fully_shard(model, mesh=groups.mesh)
-        kwargs = {}
-    elif case == "overlap":
+    if case == "overlap":
         kwargs = {"group": groups.shard_group, "replicate_group": groups.shard_group}
     elif case == "overlap-on-one-rank":
         kwargs = {"group": groups.shard_group,
@@ -423,7 +418,6 @@ def _error(rank, world, case):
 
 
 @pytest.mark.parametrize("case,words", [
-    ("native-2d-mesh", "native HSDP"),
     ("overlap", "must share exactly this rank"),
     ("overlap-on-one-rank", "rank 0: the replicate group"),
     ("no-shard-mesh", "needs group="),

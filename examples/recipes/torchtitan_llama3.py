@@ -14,7 +14,10 @@ registered model::
         --experimental.custom_import examples.recipes.torchtitan_llama3 \\
         --model.name llama3_qsdp
 
-``QSDP_PRESET`` (default ``sdp4bit``) picks the preset.
+``QSDP_PRESET`` (default ``sdp4bit``) picks the preset. HSDP
+(``--parallelism.data_parallel_replicate_degree`` > 1, the replicas across nodes and
+``data_parallel_shard_degree`` the ranks of a node) takes the same module: the all-reduce across
+the replicas is quantized as the preset's ``hsdp`` says.
 """
 
 from __future__ import annotations
@@ -40,14 +43,12 @@ def attach_qsdp(model: nn.Module, fsdp_group: dist.ProcessGroup, preset: str = P
 
 
 def parallelize_llama_qsdp(model: nn.Module, parallel_dims, job_config) -> nn.Module:
-    """torchtitan's own ``parallelize_llama``, then qsdp on the FSDP mesh."""
+    """torchtitan's own ``parallelize_llama``, then qsdp on the FSDP mesh. With
+    ``data_parallel_replicate_degree > 1`` torchtitan shards on FSDP2's native HSDP mesh
+    ``("dp_replicate", "fsdp")``: qsdp reads the replicas from it and quantizes their all-reduce
+    as the preset's ``hsdp`` says."""
     from torchtitan.models.llama3 import parallelize_llama
 
-    if parallel_dims.dp_replicate_enabled:
-        raise ValueError(
-            "qsdp quantizes 1-D FSDP2: set parallelism.data_parallel_replicate_degree = 1 "
-            "(HSDP's inter-node all-reduce is not quantized by this recipe)"
-        )
     model = parallelize_llama(model, parallel_dims, job_config)
     if parallel_dims.fsdp_enabled:
         attach_qsdp(model, parallel_dims.get_mesh("fsdp").get_group())

@@ -4,8 +4,10 @@ FSDP2's public API sets a custom comm or a divide factor per module but cannot s
 modules share one parameter group (``fully_shard([norm, output])`` makes two ``FSDPModule``
 objects over one group), whether a divide factor was set, or which process groups a group's
 all-gathers and reduce-scatter run over (the mesh it shards over, and the smaller one of
-``reshard_after_forward=<int>``). They are read here and nowhere else;
-``tests/test_fsdp2_internals.py`` checks that these symbols still exist in the installed torch.
+``reshard_after_forward=<int>``), nor let the all-reduce hook replace native HSDP's
+all-reduce across the replicas (one field is changed for that). They are read and changed here
+and nowhere else; ``tests/test_fsdp2_internals.py`` checks that these symbols still exist and
+behave so in the installed torch.
 """
 
 from __future__ import annotations
@@ -56,3 +58,32 @@ def all_gather_comms(module: nn.Module) -> list[Any]:
     """The all-gather comm objects ``module``'s parameter groups call now (FSDP2's default, or
     what ``set_custom_all_gather`` set): FSDP2 sets them but offers no getter."""
     return [g._all_gather_comm for g in param_groups(module)]
+
+
+def native_replicate_group(module: nn.Module) -> Any:
+    """The replicate process group of ``module``'s ``fully_shard`` call on FSDP2's native HSDP
+    mesh (the ranks holding the same shard, the first of the 2-D data-parallel dimensions), or
+    ``None`` for a module sharded on a 1-D mesh or owning no parameter. Read from the mesh, so it
+    is the real group even after :func:`route_replicate_all_reduce_to_hook`."""
+    groups = param_groups(module)
+    if not groups:
+        return None
+    info = groups[0].mesh_info
+    dim = getattr(info, "replicate_mesh_dim", None)
+    if dim is None or getattr(info, "shard_mesh_dim", None) is None:
+        return None
+    return info.mesh.get_group(dim)
+
+
+def route_replicate_all_reduce_to_hook(module: nn.Module, noop_group: Any) -> None:
+    """Make FSDP2's native HSDP all-reduce of ``module``'s groups run over ``noop_group`` (a
+    process group of this rank alone, where it leaves the gradient as it is) so that the sum
+    across the replicas is the all-reduce hook's to do.
+
+    FSDP2 all-reduces over ``mesh_info.replicate_process_group`` after the custom
+    reduce-scatter, with no hook in between; every other use of the mesh (the DTensor
+    placements, the state dict, the gradient accumulation of ``set_requires_all_reduce(False)``
+    and the all-reduce hook that follows) stays FSDP2's. The divide factors FSDP2 derives from
+    the replicate group's size count this rank alone: the hook divides by the replicas."""
+    for g in param_groups(module):
+        g.mesh_info.replicate_process_group = noop_group

@@ -214,10 +214,18 @@ def quantize_comms(
         group: the FSDP shard process group. Default: the group FSDP2 really shards over, read
             from its state (a 1-D mesh, or the shard dimension of a dp x tp or 3-D mesh); a group
             whose ranks differ from it is refused.
-        replicate_group: HSDP: the ranks (one per node) holding the same shard as this rank;
+        replicate_group: qsdp's own HSDP recipe, for a model sharded with 1-D FSDP2 inside the
+            node: the ranks (one per node) holding the same shard as this rank;
             the gradient all-reduce across them travels as ``config.hsdp`` says, and their
             initial weights are made identical (see :mod:`qsdp.hsdp`). Required by configs that
-            quantize nothing else (``hsdp4``, ``hsdp8``).
+            quantize nothing else (``hsdp4``, ``hsdp8``). Leave it out for a model sharded on
+            FSDP2's native HSDP mesh (``fully_shard(mesh=<2-D (replicate, shard) mesh>)``, or
+            those two dimensions of a 3-D mesh with TP): the replicas are then the mesh's
+            replicate dimension, FSDP2's all-reduce across them is replaced by qsdp's (the
+            config's ``hsdp``), and everything else (placements, state dict, accumulation with
+            ``set_requires_all_reduce(False)``) stays FSDP2's. Its shard dimension belongs
+            inside a node: one spanning nodes is refused for ``hsdp4``/``hsdp8`` and warned
+            about for configs that quantize the shard group's traffic too.
 
     The config is validated first and then compared across ranks with one collective; both
     raise :class:`qsdp.ConfigError` naming the problem before any data moves. A model whose comms
@@ -232,27 +240,34 @@ def quantize_comms(
     if not fsdp_modules:
         raise _no_fsdp2_module(module)
     _refuse_misuse(module, fsdp_modules)
-    _hsdp.reject_native_hsdp(module)
+    native = _native_replicas(fsdp_modules, replicate_group)
     members_of = _shard_groups(fsdp_modules)
     meshes = [shard_groups(members[0]) for members in members_of]
     if group is None and replicate_group is not None and all(m is None for m in meshes):
         raise ConfigError("replicate_group needs group= the shard group (the ranks FSDP2 shards over): no parameter "
                           f"of {type(module).__name__} was sharded by fully_shard; " + _hsdp.RECIPE)
     group = _fsdp_group(meshes, group)
-    if replicate_group is None:
+    if native is not None:
+        check_same_config(cfg)
+    elif replicate_group is None:
         _hsdp.require_replicate_group(cfg)
         check_same_config(cfg)
     else:
         _hsdp.prepare(module, cfg, group, replicate_group)
+    replicas = native if native is not None else replicate_group
     post_groups = list({id(m[1]): m[1] for m in meshes if m is not None and m[1] is not None}.values())
     topology, *post_topologies = build_topologies([group, *post_groups], cfg.local_world_size)
     post_topology = {id(g): t for g, t in zip(post_groups, post_topologies)}
-    if topology.world_size == 1 and replicate_group is None:
+    if topology.world_size == 1 and replicas is None:
         warnings.warn("qsdp: the FSDP group has one rank; FSDP2 calls no custom collective on it, "
                       "so nothing is quantized or metered", stacklevel=2)
-    elif replicate_group is None and topology.rank == 0 and (unused := _unused_on_one_node(cfg, topology)):
+    elif replicas is None and topology.rank == 0 and (unused := _unused_on_one_node(cfg, topology)):
         warnings.warn(unused, stacklevel=2)
-    handle = QuantizedComms(cfg, topology, replicas=1 if replicate_group is None else replicate_group.size())
+    elif native is not None and (spans := _hsdp.check_shard_inside_nodes(cfg, topology)) and dist.get_rank() == 0:
+        warnings.warn(spans, stacklevel=2)
+    if native is not None:
+        _hsdp.broadcast_replicas(module, native)
+    handle = QuantizedComms(cfg, topology, replicas=1 if replicas is None else replicas.size())
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
     for i, members in enumerate(members_of):
         m = members[0]
@@ -262,7 +277,9 @@ def quantize_comms(
         if meshes[i] is not None and meshes[i][1] is not None:
             ag.post_forward = _post_forward_gather(cfg, post_topology[id(meshes[i][1])], i, f"{ag.name} after forward")
         rs_cls = PlainReduceScatter if cfg.grads.mode == "plain" else QuantizedReduceScatter
-        if replicate_group is None:
+        if native is not None:
+            rs = _hsdp.native_hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, native)
+        elif replicate_group is None:
             rs = rs_cls(cfg, topology, i)
         else:
             rs = _hsdp.hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, replicate_group)
@@ -279,6 +296,16 @@ def quantize_comms(
     if cfg.weights.mode != "plain":
         _watch_parameter_changes(handle)
     return handle
+
+
+def _native_replicas(fsdp_modules: list[nn.Module], replicate_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The replicate group of FSDP2's native HSDP mesh the model was sharded on, or ``None``;
+    refuses ``replicate_group=`` beside it (qsdp reads the replicas from the mesh). Local."""
+    native = _hsdp.native_replicate_group(fsdp_modules)
+    if native is not None and replicate_group is not None:
+        raise ConfigError("replicate_group= is for 1-D FSDP2 inside the node, but this model was sharded on FSDP2's "
+                          "native HSDP mesh, whose replicate dimension qsdp reads: leave replicate_group= out")
+    return native
 
 
 def _ranks(group: dist.ProcessGroup) -> list[int]:

@@ -62,7 +62,9 @@ def _local_shards(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) 
         g = p.grad
         if g is None:
             continue
-        if not isinstance(g, DTensor) or not _sharded(g.placements[0]):
+        # FSDP2's shard dimension: the mesh's first sharded one (native HSDP replicates on dim 0).
+        dim = next((i for i, pl in enumerate(g.placements) if _sharded(pl)), None) if isinstance(g, DTensor) else None
+        if dim is None:
             raise ValueError(
                 "check_gradients: the gradient norm needs FSDP2's sharded gradients; "
                 f"got a {type(g).__name__} gradient; pass the parameters of the module quantize_comms was called on, or none")
@@ -70,7 +72,7 @@ def _local_shards(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) 
             raise ValueError(f"check_gradients: a gradient with placements {g.placements} is not reduced yet")
         mesh = g.device_mesh
         if id(mesh) not in checked:
-            ranks = dist.get_process_group_ranks(mesh.get_group(0))
+            ranks = dist.get_process_group_ranks(mesh.get_group(dim))
             if ranks != want:
                 raise ValueError(
                     f"check_gradients: gradients sharded over ranks {ranks} but the handle's shard group is {want}; "

@@ -1,7 +1,17 @@
 """Setting up quantized HSDP: the two process groups, the checks of their layout, and the
 replicas' initial weights.
 
-The recipe (``D`` nodes x ``M`` ranks, torchrun numbering)::
+Two ways, both quantizing the all-reduce across the replicas as the config's ``hsdp`` says.
+FSDP2's native HSDP mesh (``D`` nodes x ``M`` ranks, torchrun numbering)::
+
+    mesh = init_device_mesh("cuda", (D, M), mesh_dim_names=("dp_replicate", "dp_shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)                   # 2-D: replicate, shard
+    fully_shard(model, mesh=mesh)
+    qsdp.quantize_comms(model, "sdp4bit")
+
+(with tensor parallelism: ``fully_shard(mesh=mesh3d["dp_replicate", "dp_shard"])``). qsdp's
+own recipe, 1-D FSDP2 inside the node and the replicas named::
 
     groups = qsdp.hsdp_groups(nodes=D)                  # a (replicate, shard) DeviceMesh
     for block in model.blocks:
@@ -24,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._fsdp2 import has_custom_divide_factor
+from ._fsdp2 import has_custom_divide_factor, param_groups, route_replicate_all_reduce_to_hook
+from ._fsdp2 import native_replicate_group as read_replicate_group
 from .codecs.rng import derive_seed
-from .comm.hsdp import HsdpReduceScatter, ReplicaAllReduce
+from .comm.hsdp import HsdpReduceScatter, NativeHsdpReduceScatter, ReplicaAllReduce
 from .comm.topology import Topology
 from .config import ConfigError, QuantConfig, config_diff
 
@@ -69,20 +80,6 @@ def hsdp_groups(nodes: int, ranks_per_node: int | None = None, device_type: str 
     return HsdpGroups(mesh, mesh["shard"], mesh["shard"].get_group(), mesh["replicate"].get_group())
 
 
-def reject_native_hsdp(module: nn.Module) -> None:
-    """Raise naming the recipe if ``module`` was sharded on FSDP2's native 2-D HSDP mesh (its
-    parameters replicated on the first mesh dimension): that all-reduce runs after every hook
-    qsdp can set, so it cannot be quantized."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    for name, p in module.named_parameters():
-        if isinstance(p, DTensor) and p.device_mesh.ndim >= 2 and isinstance(p.placements[0], Replicate):
-            raise ConfigError(
-                f"{name} was sharded with fully_shard(mesh=<2-D mesh>) (FSDP2's native HSDP), whose "
-                "inter-node all-reduce qsdp cannot replace; instead " + RECIPE
-            )
-
-
 def quantizes_only_replicas(config: QuantConfig) -> bool:
     """Whether ``config`` quantizes nothing but the gradient all-reduce across HSDP replicas (the
     ``hsdp4`` / ``hsdp8`` variants): without a replicate group it would run as plain FSDP."""
@@ -97,7 +94,8 @@ def require_replicate_group(config: QuantConfig) -> None:
             f"config {config.name!r} quantizes only the gradient all-reduce across HSDP replicas "
             f"(hsdp.mode={config.hsdp.mode!r}, weights and grads plain): without replicate_group= it "
             "would run as plain FSDP at full precision; pass replicate_group= (the ranks, one per node, "
-            "holding this rank's shard): " + RECIPE
+            "holding this rank's shard): " + RECIPE + "; or shard on FSDP2's native HSDP mesh "
+            "(fully_shard(mesh=<(replicate, shard) mesh>)), whose replicas qsdp reads"
         )
 
 
@@ -185,3 +183,79 @@ def prepare(module: nn.Module, config: QuantConfig, group: dist.ProcessGroup,
     (locally, then across the world), and make the replicas' weights identical."""
     check_same_layout(config, group, replicate_group)
     broadcast_replicas(module, replicate_group)
+
+
+def native_replicate_group(fsdp_modules: list[nn.Module]) -> dist.ProcessGroup | None:
+    """The replicate group of a model sharded on FSDP2's native HSDP mesh (the first
+    data-parallel dimension of ``fully_shard(mesh=<2-D mesh>)``), or ``None`` if no module was.
+    Raises :class:`ConfigError` if the modules that own parameters disagree (some on a 1-D mesh,
+    or replicate groups of different ranks); local, no collective."""
+    found: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    for m in fsdp_modules:
+        if param_groups(m):
+            group = read_replicate_group(m)
+            found.setdefault(() if group is None else tuple(dist.get_process_group_ranks(group)), group)
+    if len(found) > 1:
+        seen = ", ".join(str(list(k)) if k else "none (a 1-D mesh)" for k in found)
+        raise ConfigError(f"the FSDP modules are sharded on different data-parallel meshes (replicate groups: {seen}); "
+                          "pass one mesh to every fully_shard call: the 2-D (replicate, shard) mesh for FSDP2's "
+                          "native HSDP")
+    return next(iter(found.values()), None)
+
+
+_SELF_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def self_group() -> dist.ProcessGroup:
+    """A process group of this rank alone (created once per default group): FSDP2's native
+    all-reduce over it leaves the gradient as it is. Local: no other rank takes part."""
+    key = id(dist.group.WORLD)
+    group = _SELF_GROUPS.get(key)
+    if group is not None:
+        try:
+            dist.get_process_group_ranks(group)
+            return group
+        except (KeyError, ValueError, RuntimeError):  # the default group was destroyed and re-made
+            pass
+    group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    _SELF_GROUPS[key] = group
+    return group
+
+
+def native_hsdp_reduce_scatter(
+    module: nn.Module, rs_cls: type, config: QuantConfig, topology: Topology, comm_id: int,
+    replicate_group: dist.ProcessGroup,
+) -> NativeHsdpReduceScatter:
+    """FSDP2's reduce-scatter comm for one FSDP module on FSDP2's native HSDP mesh: ``rs_cls``
+    over the mesh's shard dimension; FSDP2's unquantized all-reduce across the replicas is
+    replaced by the module's all-reduce hook, qsdp's (see :class:`NativeHsdpReduceScatter`).
+    It replaces any all-reduce hook set before."""
+    # Each replica rounds its reduce-scatter with its own randomness, so that the replicas'
+    # rounding errors are independent when they are summed.
+    shard_config = dataclasses.replace(config, seed=derive_seed(config.seed, replicate_group.rank()))
+    rs = NativeHsdpReduceScatter(rs_cls(shard_config, topology, comm_id),
+                                 ReplicaAllReduce(config, replicate_group, comm_id),
+                                 divide_replicas=not has_custom_divide_factor(module))
+    route_replicate_all_reduce_to_hook(module, self_group())
+    module.set_all_reduce_hook(rs.hook)
+    return rs
+
+
+def check_shard_inside_nodes(config: QuantConfig, topology: Topology) -> str | None:
+    """On FSDP2's native HSDP mesh, the shard dimension (``topology``) belongs inside a node and
+    the replicas across nodes. A shard group spanning nodes: :class:`ConfigError` for a config
+    that quantizes only the all-reduce across replicas (``hsdp4``, ``hsdp8``: its weights and
+    gradients would cross nodes at full precision); for one that quantizes the shard group's
+    traffic too, the warning to give (on rank 0); ``None`` when the layout fits or the config
+    quantizes nothing."""
+    if topology.nodes == 1:
+        return None
+    where = (f"the HSDP mesh's shard dimension ({topology.world_size} ranks) spans {topology.nodes} nodes; "
+             "make it the ranks of one node (mesh shape (nodes, ranks per node)) so that only the all-reduce "
+             "across replicas crosses nodes")
+    if quantizes_only_replicas(config):
+        raise ConfigError(f"config {config.name!r} quantizes only the all-reduce across HSDP replicas, but {where}: "
+                          "its weight all-gathers and gradient reduce-scatters would cross nodes at full precision")
+    if config.weights.mode == "plain" and config.grads.mode == "plain":
+        return None
+    return f"qsdp: {config.name}: {where}"

@@ -208,3 +208,88 @@ class HsdpReduceScatter(GradReduceScatter):
     def reset(self) -> None:
         self.inner.reset()
         self._pending = None
+
+
+class NativeHsdpReduceScatter(GradReduceScatter):
+    """FSDP2's custom reduce-scatter and all-reduce hook on FSDP2's native HSDP mesh.
+
+    ``inner`` (a reduce-scatter over the mesh's shard dimension) is called by FSDP2 with the op
+    it chose (``AVG``: divide by the shard group; ``SUM`` with a custom divide factor or fp16,
+    where FSDP2 divides itself). FSDP2's own all-reduce runs over a group of this rank alone
+    (:func:`qsdp._fsdp2.route_replicate_all_reduce_to_hook`), so it keeps accumulating the
+    reduce-scatters of ``set_requires_all_reduce(False)`` micro-batches itself and calls
+    :meth:`hook` once with their sum; the hook sums across the replicas as ``config.hsdp``
+    says and divides by them unless ``divide_replicas`` is ``False`` (a custom divide factor is
+    FSDP2's whole division).
+
+    Exact (``hsdp.mode == "plain"``, or a shard too small to quantize): one all-reduce of the
+    reduce dtype in place, ``AVG`` or ``SUM`` as FSDP2's native HSDP runs it, so the ``fsdp``
+    preset equals native HSDP bit for bit. Quantized: :class:`ReplicaAllReduce` on the fp32
+    value, divided in fp32 before the cast back.
+    """
+
+    def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce,
+                 divide_replicas: bool = True) -> None:
+        super().__init__(inner.config, inner.topology, inner.comm_id)
+        self.inner = inner
+        self.all_reduce = all_reduce
+        self.divide_replicas = divide_replicas
+
+    def bind_meter(self, byte_meter: ByteMeter) -> None:
+        super().bind_meter(byte_meter)
+        self.inner.bind_meter(byte_meter)
+        self.all_reduce.byte_meter = byte_meter
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
+        self.inner(output_tensor, input_tensor, group, op)
+        return None
+
+    def hook(self, output: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook, on its all-reduce stream: ``output`` (the shard of the
+        reduce dtype, ``[n]``) becomes its average (or sum) across the replicas, in place."""
+        if output.is_cuda:
+            # Allocated on the reduce-scatter stream; FSDP2 keeps it alive only until the event it
+            # recorded before this hook, so tell the allocator this stream still uses it.
+            output.record_stream(torch.cuda.current_stream(output.device))
+        if self._exact(output):
+            self._exact_all_reduce(output)
+        else:
+            total = self.all_reduce(output.float(), inplace=True)
+            if self.divide_replicas:
+                total.div_(self.all_reduce.replicas)  # in fp32, before any cast to the reduce dtype
+            if total is not output:
+                output.copy_(total)
+        self.watch(output)
+
+    def _exact(self, output: torch.Tensor) -> bool:
+        return (self.config.hsdp.mode == "plain" or not self.config.quantizes_shard(output.numel())) \
+            and output.dtype in (torch.float32, torch.bfloat16)
+
+    def _exact_all_reduce(self, output: torch.Tensor) -> None:
+        reduce = self.all_reduce
+        if reduce.replicas == 1:
+            return
+        reduce.calls += 1
+        op = dist.ReduceOp.AVG if self.divide_replicas else dist.ReduceOp.SUM
+        dist.all_reduce(output, op=op, group=reduce.group)
+        d, n = reduce.replicas, output.numel()
+        chunk = -(-n // d)
+        # Metered as the direct algorithm the quantized path runs: a chunk to every peer, twice.
+        reduce.byte_meter.record("grads", "inter", 2 * (d - 1) * chunk * output.element_size(), 2 * (d - 1) * chunk)
+
+    def take_nonfinite_flag(self) -> torch.Tensor | None:
+        """The all-reduce carries a non-finite value of any replica into every replica's
+        result, so the replicated result's flag is the one that counts (the inner one is reset)."""
+        self.inner.take_nonfinite_flag()
+        return super().take_nonfinite_flag()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "all_reduce": self.all_reduce.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state.get("inner", {}))
+        self.all_reduce.load_state_dict(state.get("all_reduce", {}))
+
+    def reset(self) -> None:
+        self.inner.reset()
