@@ -30,18 +30,20 @@ SCHEDULES = {
 
 
 class Part(nn.Module):
-    """One stage of a ``TinyNet``: its input layer (first stage), some blocks, its head (last)."""
+    """One stage of a ``TinyNet``: its input layer (first stage), some blocks, its head (last).
+    The blocks keep their names in the whole model (``blocks.3``), as torchtitan's stages do, so
+    that the stages' state dicts do not collide in one checkpoint."""
 
     def __init__(self, net: fm.TinyNet, first: bool, blocks: list[int], last: bool) -> None:
         super().__init__()
         self.inp = net.inp if first else None
-        self.blocks = nn.ModuleList(net.blocks[i] for i in blocks)
+        self.blocks = nn.ModuleDict({str(i): net.blocks[i] for i in blocks})
         self.head = net.head if last else None
 
     def forward(self, x):
         if self.inp is not None:
             x = self.inp(x)
-        for b in self.blocks:
+        for b in self.blocks.values():
             x = b(x)
         return self.head(x) if self.head is not None else x
 
@@ -118,9 +120,9 @@ def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0) 
         if "tp" in (device_mesh.mesh_dim_names or ()):
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-            for b in part.blocks:
+            for b in part.blocks.values():
                 parallelize_module(b, device_mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-        for b in part.blocks:
+        for b in part.blocks.values():
             fully_shard(b, mesh=dp_mesh)
         fully_shard(part, mesh=dp_mesh)
         if preset is not None:

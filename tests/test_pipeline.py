@@ -53,9 +53,9 @@ def _train(pipe, steps: int, check: bool, poison_at: tuple[int, int] | None = No
     return out
 
 
-def _native_and(rank, world, schedule, preset, steps=3):
+def _native_and(rank, world, schedule, preset, steps=3, tp=1):
     """The same pipeline trained natively and with ``preset`` on one mesh."""
-    mesh = pl.mesh(2, 2)
+    mesh = pl.mesh(2, 2, tp)
     native = _train(pl.build(mesh, schedule), steps, check=False)
     quantized = _train(pl.build(mesh, schedule, preset), steps, check=True)
     return native, quantized
@@ -70,7 +70,7 @@ def test_the_fsdp_preset_equals_native_fsdp2_bit_for_bit_on_unequal_stages(sched
         assert [c[0] for c in fsdp["checks"]] == [False] * 3
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.slow), "interleaved"])
 def test_sdp4bit_trains_close_to_native_with_the_check_over_stages_of_different_group_counts(schedule):
     # Stages of 2 and 3 FSDP groups (1f1b), or 2 + 3 against 2 + 2 per rank (interleaved): the
     # weight-difference flags of each dp group are agreed in the check without a size mismatch.
@@ -89,8 +89,8 @@ def test_sdp4bit_trains_close_to_native_with_the_check_over_stages_of_different_
     assert len({tuple(r[1]["checks"]) for r in results}) == 1
 
 
-def _norm(rank, world, schedule, preset):
-    pipe = pl.build(pl.mesh(2, 2), schedule, preset)
+def _norm(rank, world, schedule, preset, tp=1):
+    pipe = pl.build(pl.mesh(2, 2, tp), schedule, preset)
     losses = pipe.step(0)
     mean = torch.stack(losses).mean().detach() if losses else torch.zeros(())
     check = qsdp.check_gradients(pipe.handles, pipe.params, sums=[mean], agree_ahead=True)
@@ -129,3 +129,24 @@ def test_with_one_rank_per_dp_group_a_nan_is_flagged_without_qsdps_reduce_scatte
         assert [c[0] for c in r["checks"]] == [False, True, False]
         assert r["changed"] == [True, False, True]
         assert all(torch.isfinite(s).all() for s in r["shards"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp_x_fsdp_x_tp_equals_native_and_its_norm_is_the_unsharded_models():
+    # (pp, dp, tp) = (2, 2, 2): tensor parallelism on each block's MLP inside every stage.
+    for native, fsdp in run_world(_native_and, 8, "1f1b", "fsdp", 3, 2, local_world_size=2, timeout=540):
+        assert fsdp["losses"] == native["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(fsdp["shards"], native["shards"]))
+    for norm, _, _, (reference, _) in run_world(_norm, 8, "interleaved", "fsdp", 2, local_world_size=2, timeout=540):
+        assert norm == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp_x_fsdp_x_tp_sdp4bit_trains_close_to_native():
+    for native, sdp4bit in run_world(_native_and, 8, "interleaved", "sdp4bit", 8, 2, local_world_size=2, timeout=540):
+        assert [c[0] for c in sdp4bit["checks"]] == [False] * 8
+        if native["losses"][0] is not None:
+            assert all(math.isfinite(x) for x in sdp4bit["losses"])
+            assert sum(sdp4bit["losses"]) == pytest.approx(sum(native["losses"]), rel=0.15)
