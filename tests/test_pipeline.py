@@ -150,3 +150,49 @@ def test_pp_x_fsdp_x_tp_sdp4bit_trains_close_to_native():
         if native["losses"][0] is not None:
             assert all(math.isfinite(x) for x in sdp4bit["losses"])
             assert sum(sdp4bit["losses"]) == pytest.approx(sum(native["losses"]), rel=0.15)
+
+
+def _steps(pipe, opt, steps) -> list:
+    losses = []
+    for step in steps:
+        out = pipe.step(step)
+        mean = torch.stack(out).mean().detach() if out else torch.zeros(())
+        check = qsdp.check_gradients(pipe.handles, pipe.params, sums=[mean], agree_ahead=True)
+        assert not check.nonfinite
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(mean))
+    return losses
+
+
+def _resume(rank, world, preset, out):
+    """4 steps uninterrupted, against 2 steps, a checkpoint of each rank's stage, a fresh process
+    state (new model, optimizer and comms) loaded from it, and 2 more steps."""
+    from qsdp.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    mesh = pl.mesh(2, 2)
+    whole = pl.build(mesh, "1f1b", preset)
+    uninterrupted = _steps(whole, torch.optim.Adam(whole.params, lr=1e-2), range(4))
+    first = pl.build(mesh, "1f1b", preset)
+    opt = torch.optim.Adam(first.params, lr=1e-2)
+    before = _steps(first, opt, range(2))
+    save_checkpoint(out, 2, first.parts[0], opt, first.handles[0], {})
+    second = pl.build(mesh, "1f1b", preset, seed=1)  # other initial weights: all of them come from the checkpoint
+    opt = torch.optim.Adam(second.params, lr=1e-2)
+    load_checkpoint(latest_checkpoint(out), second.parts[0], opt, second.handles[0], torch.device("cpu"))
+    after = _steps(second, opt, range(2, 4))
+    return uninterrupted, before + after, _shards(whole), _shards(second)
+
+
+# Not yet, in qsdp.train.checkpoint: the optimizer's param_groups are saved under one key that
+# every stage writes (with flatten_optimizer_state_dict=True the fsdp case resumes bit for bit),
+# and _load_replicas all-reduces one flag per replica-holding group over the world, a length
+# that differs between stages of different depths (sdp4bit times out).
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="qsdp.train.checkpoint: one optimizer param_groups key for every "
+                                       "stage; a world all-reduce of stage-dependent length")
+@pytest.mark.parametrize("preset", ["fsdp", "sdp4bit"])
+def test_a_pipeline_resumes_from_a_checkpoint_bit_for_bit(preset, tmp_path):
+    for uninterrupted, resumed, whole, again in run_world(_resume, 4, preset, str(tmp_path), local_world_size=1):
+        assert resumed == uninterrupted
+        assert all(torch.equal(a, b) for a, b in zip(whole, again))
