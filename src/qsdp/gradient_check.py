@@ -79,11 +79,11 @@ def _sharded(placement: Any) -> bool:
 
 def _handle_of(mesh: Any, handles: list[Any]) -> Any:
     """The handle whose shard group is a dimension of ``mesh``. Raises when there is none."""
-    dims = {_ranks(mesh.get_group(i)) for i in range(mesh.ndim)}
+    dims = _mesh_dims(mesh)
     handle = next((h for h in handles if _ranks(h.topology.group) in dims), None)
     if handle is None:
         raise ValueError(
-            f"check_gradients: gradients sharded over a mesh of ranks {sorted(mesh.mesh.flatten().tolist())} "
+            f"check_gradients: gradients sharded over a mesh whose dimensions hold ranks {[list(d) for d in dims]} "
             f"that no handle shards over (their shard groups: {[list(_ranks(h.topology.group)) for h in handles]}); "
             "pass the parameters of the modules quantize_comms was called on, and every handle of this rank")
     return handle
@@ -101,9 +101,14 @@ def _part_ranks(handle: Any) -> int:
     largest = max(meshes, key=lambda m: m.size(), default=None)
     ranks = largest.size() if largest is not None else handle.topology.world_size
     replicate = handle.replicate_group
-    if replicate is not None and (largest is None or not set(_ranks(replicate)) <= set(largest.mesh.flatten().tolist())):
+    if replicate is not None and (largest is None or _ranks(replicate) not in _mesh_dims(largest)):
         ranks *= replicate.size()
     return ranks
+
+
+def _mesh_dims(mesh: Any) -> list[tuple[int, ...]]:
+    """The ranks of this rank's process group along each dimension of ``mesh`` (no tensor read)."""
+    return [_ranks(mesh.get_group(i)) for i in range(mesh.ndim)]
 
 
 def _local_shards(parameters: Iterable[nn.Parameter], handles: list[Any]
