@@ -147,12 +147,14 @@ def check_same_config(config: QuantConfig, group: dist.ProcessGroup | Sequence[d
 
 
 def _mesh_groups(module: nn.Module, group: dist.ProcessGroup) -> list[dist.ProcessGroup]:
-    """The groups of every dimension of the mesh ``module``'s parameters live on (its model part:
-    the FSDP group, with the tensor-parallel one on a dp x tp mesh), or ``[group]`` where no
+    """The groups of every dimension of the largest mesh ``module``'s parameters live on (its
+    model part's: the FSDP group, with the tensor-parallel one on a dp x tp mesh; a parameter that
+    tensor parallelism left alone lives on the dp dimension only), or ``[group]`` where no
     parameter is a DTensor; local, no collective."""
     from torch.distributed.tensor import DTensor
 
-    mesh = next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
+    meshes = [p.device_mesh for p in module.parameters() if isinstance(p, DTensor)]
+    mesh = max(meshes, key=lambda m: m.size(), default=None)
     if mesh is None:
         return [group]
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
