@@ -196,3 +196,26 @@ def test_a_pipeline_resumes_from_a_checkpoint_bit_for_bit(preset, tmp_path):
     for uninterrupted, resumed, whole, again in run_world(_resume, 4, preset, str(tmp_path), local_world_size=1):
         assert resumed == uninterrupted
         assert all(torch.equal(a, b) for a, b in zip(whole, again))
+
+
+def _reads(rank, world, schedule, preset):
+    from test_sync_policy import _count_qsdp_reads
+
+    pipe = pl.build(pl.mesh(2, 2), schedule, preset)
+    opt = torch.optim.Adam(pipe.params, lr=1e-2)
+    _steps(pipe, opt, range(2))  # warm-up: replicas established
+    log: list[str] = []
+    _count_qsdp_reads(log)
+    per_step = []
+    for step in range(2, 4):
+        _steps(pipe, opt, [step])
+        per_step.append(list(log))
+        log.clear()
+    return per_step
+
+
+def test_a_pipeline_step_reads_the_host_once_for_every_stage_of_the_rank():
+    # Two stages a rank, their dp group's weight-difference flags in an all-reduce of their own:
+    # still one read, the check's.
+    for per_step in run_world(_reads, 4, "interleaved", "sdp4bit", local_world_size=1):
+        assert per_step == [["tolist from qsdp.gradient_check"]] * 2
