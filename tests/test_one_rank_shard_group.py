@@ -33,7 +33,7 @@ def _one_gpu(rank, world, preset, nan):
     return flagged, check.nonfinite, check.grad_norm
 
 
-@pytest.mark.parametrize("preset", ["sdp4bit", "fsdp"])
+@pytest.mark.parametrize("preset", ["sdp4bit", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_nan_loss_on_one_gpu_is_flagged(preset):
     (flagged, nonfinite, norm), = run_world(_one_gpu, 1, preset, True)
     assert flagged and nonfinite and math.isnan(norm)
