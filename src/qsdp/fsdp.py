@@ -6,6 +6,7 @@ import json
 import sys
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,16 +34,20 @@ class QuantizedComms:
     group (one ``fully_shard`` call, in ``module.modules()`` order), its all-gather and
     reduce-scatter objects; ``meter`` counts the bytes of this handle's comms only
     (:meth:`comm_stats`), and passes them on to the process-wide meter (:func:`qsdp.comm_stats`).
-    ``replicas``: HSDP's replicate group size (1 without HSDP). Printed, it is one line."""
+    ``group_parameters``: per FSDP parameter group, its parameters (sharded). ``replicas``: HSDP's
+    replicate group size (1 without HSDP); ``replicate_group``: the one ``replicate_group=`` named.
+    Printed, it is one line."""
 
     config: QuantConfig
     topology: Topology
     modules: list[nn.Module] = field(default_factory=list)
     all_gathers: list[WeightAllGather] = field(default_factory=list)
     reduce_scatters: list[GradReduceScatter] = field(default_factory=list)
+    group_parameters: list[list[nn.Parameter]] = field(default_factory=list)
     tracker: ChangeTracker = field(default_factory=ChangeTracker)
     meter: ByteMeter = field(default_factory=lambda: ByteMeter(parent=METER))
     replicas: int = 1
+    replicate_group: dist.ProcessGroup | None = None
 
     _hooks: list[Any] = field(default_factory=list)
 
@@ -54,13 +59,16 @@ class QuantizedComms:
                 f"{t.world_size} ranks = {t.nodes} node{'s' if t.nodes != 1 else ''} x {t.ranks_per_node}{hsdp})")
 
     def nonfinite_gradients(self) -> bool:
-        """Collective: ``True`` on every rank if any rank reduced a NaN/Inf gradient since the
-        last call. Call it after ``backward`` and skip the optimizer step when it is ``True``
-        (weights, optimizer state and weight-difference replicas then stay unchanged and
-        identical on all ranks). One all-reduce and one host read, which also carry the
-        weight-difference gathers' agreement for the coming optimizer step, so the next forward
-        reads nothing: :func:`qsdp.check_gradients` with ``agree_ahead=True`` (and its promise),
-        which can also take the gradient norm and a loss in the same all-reduce."""
+        """Collective over the world: ``True`` on every rank if any rank reduced a NaN/Inf
+        gradient since the last call (a group of a one-rank shard group, which FSDP2 reduces
+        without qsdp's reduce-scatter, is looked at in its local gradients). Call it after
+        ``backward`` and skip the optimizer step when it is ``True`` (weights, optimizer state and
+        weight-difference replicas then stay unchanged and identical on all ranks). One host read,
+        which also carries the weight-difference gathers' agreement for the coming optimizer
+        step, so the next forward reads nothing: :func:`qsdp.check_gradients` with
+        ``agree_ahead=True`` (and its promise), which can also take the gradient norm and a loss
+        in the same all-reduce. A rank holding several model parts (pipeline stages) checks
+        them together, once a step: ``qsdp.check_gradients(handles, agree_ahead=True).nonfinite``."""
         from .gradient_check import check_gradients
 
         return check_gradients(self, agree_ahead=True).nonfinite
@@ -111,24 +119,48 @@ class QuantizedComms:
             rs.load_state_dict(state["reduce_scatter"].get(str(i), {}))
 
 
-def check_same_config(config: QuantConfig, group: dist.ProcessGroup | None = None) -> None:
-    """One collective that every rank of ``group`` joins: raises ``ConfigError`` on every rank,
-    naming the fields that differ, if any rank passed a different config."""
+def check_same_config(config: QuantConfig, group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None
+                      ) -> None:
+    """Collective over ``group`` (default: the world), or over the dimensions of a mesh given as
+    its groups in order (every rank of the mesh joins each): raises ``ConfigError`` on every rank
+    of it, naming the fields that differ, if any rank passed a different config. Along a mesh, each
+    dimension passes on the distinct configs seen so far, so after the last one every rank has
+    seen every rank's config: ranks of other meshes (other pipeline stages) make no call."""
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
     mine = json.dumps(config.to_dict(), sort_keys=True)
-    world = dist.get_world_size(group)
-    everyone: list[str | None] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    if all(other == mine for other in everyone):
+    seen = {mine: dist.get_rank()}  # each distinct config, with the first global rank that holds it
+    for g in groups:
+        everyone: list[dict[str, int] | None] = [None] * dist.get_world_size(g)
+        dist.all_gather_object(everyone, seen, group=g)
+        for theirs in everyone:
+            for text, rank in theirs.items():
+                seen[text] = min(rank, seen.get(text, rank))
+    if len(seen) == 1:
         return
     base = config.to_dict()
-    for rank, other in enumerate(everyone):
-        if other != mine:
-            theirs = json.loads(other)
-            diffs = config_diff(base, theirs)
-            raise ConfigError(
-                f"qsdp config differs across ranks: rank {dist.get_rank(group)} vs rank {rank}: "
-                + "; ".join(f"{k}: {a!r} != {b!r}" for k, a, b in diffs)
-            )
+    other, rank = min(((t, r) for t, r in seen.items() if t != mine), key=lambda item: item[1])
+    diffs = config_diff(base, json.loads(other))
+    raise ConfigError(
+        f"qsdp config differs across ranks: rank {dist.get_rank()} vs rank {rank}: "
+        + "; ".join(f"{k}: {a!r} != {b!r}" for k, a, b in diffs)
+    )
+
+
+def _mesh_groups(module: nn.Module, group: dist.ProcessGroup) -> list[dist.ProcessGroup]:
+    """The groups of every dimension of the largest mesh ``module``'s parameters live on (its
+    model part's: the FSDP group, with the tensor-parallel one on a dp x tp mesh; a parameter that
+    tensor parallelism left alone lives on the dp dimension only), or ``[group]`` where no
+    parameter is a DTensor; local, no collective."""
+    from torch.distributed.tensor import DTensor
+
+    meshes = [p.device_mesh for p in module.parameters() if isinstance(p, DTensor)]
+    mesh = max(meshes, key=lambda m: m.size(), default=None)
+    if mesh is None:
+        return [group]
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    if not any(_ranks(g) == _ranks(group) for g in groups):
+        groups.append(group)
+    return groups
 
 
 def _shard_groups(fsdp_modules: list[nn.Module]) -> list[list[nn.Module]]:
@@ -248,10 +280,10 @@ def quantize_comms(
                           f"of {type(module).__name__} was sharded by fully_shard; " + _hsdp.RECIPE)
     group = _fsdp_group(meshes, group)
     if native is not None:
-        check_same_config(cfg)
+        check_same_config(cfg, _mesh_groups(module, group))
     elif replicate_group is None:
         _hsdp.require_replicate_group(cfg)
-        check_same_config(cfg)
+        check_same_config(cfg, _mesh_groups(module, group))
     else:
         _hsdp.prepare(module, cfg, group, replicate_group)
     replicas = native if native is not None else replicate_group
@@ -267,13 +299,15 @@ def quantize_comms(
         warnings.warn(spans, stacklevel=2)
     if native is not None:
         _hsdp.broadcast_replicas(module, native)
-    handle = QuantizedComms(cfg, topology, replicas=1 if replicas is None else replicas.size())
+    handle = QuantizedComms(cfg, topology, replicas=1 if replicas is None else replicas.size(),
+                            replicate_group=replicas)
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
     for i, members in enumerate(members_of):
         m = members[0]
         label = ", ".join(names[id(x)] for x in members)
         ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i, handle.tracker)
-        ag.track([p for x in members for p in managed_parameters(x, fsdp_modules)], f"group {i} ({label})")
+        params = [p for x in members for p in managed_parameters(x, fsdp_modules)]
+        ag.track(params, f"group {i} ({label})")
         if meshes[i] is not None and meshes[i][1] is not None:
             ag.post_forward = _post_forward_gather(cfg, post_topology[id(meshes[i][1])], i, f"{ag.name} after forward")
         rs_cls = PlainReduceScatter if cfg.grads.mode == "plain" else QuantizedReduceScatter
@@ -292,6 +326,7 @@ def quantize_comms(
         handle.modules.append(m)
         handle.all_gathers.append(ag)
         handle.reduce_scatters.append(rs)
+        handle.group_parameters.append(params)
     handle._bind_meter()
     if cfg.weights.mode != "plain":
         _watch_parameter_changes(handle)

@@ -1,0 +1,222 @@
+"""Pipeline parallelism x FSDP2 (torchtitan's PP x FSDP): stages of different depths, one or two
+per rank, each FSDP-sharded over its dp group and quantized by its own ``quantize_comms`` call;
+the step's check over all of them (``tests/pipeline.py`` builds the layouts).
+
+Four ranks are ``(pp, dp) = (2, 2)``, each rank on a node of its own, so a dp group spans two
+nodes and ``sdp4bit`` quantizes both its gathers and its reductions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import qsdp
+from distributed import run_world
+import pipeline as pl
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _shards(pipe) -> list[torch.Tensor]:
+    return [p.to_local().detach().clone() for p in pipe.params]
+
+
+def _train(pipe, steps: int, check: bool, poison_at: tuple[int, int] | None = None) -> dict:
+    """``steps`` optimizer steps; with ``check``, each after ``qsdp.check_gradients`` over this
+    rank's handles (norm, loss, weight-difference agreement ahead), skipped when it says
+    non-finite. ``poison_at``: (step, rank) whose first stage back-propagates NaN."""
+    import torch.distributed as dist
+
+    opt = torch.optim.Adam(pipe.params, lr=1e-2)
+    out: dict = {"losses": [], "checks": [], "changed": []}
+    for step in range(steps):
+        before = _shards(pipe)
+        losses = pipe.step(step, poison=poison_at == (step, dist.get_rank()))
+        mean = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        out["losses"].append(float(mean) if losses else None)
+        out["grads"] = [p.grad.to_local().clone() for p in pipe.params]
+        skip = False
+        if check:
+            c = qsdp.check_gradients(pipe.handles, pipe.params, sums=[mean], agree_ahead=True)
+            out["checks"].append((c.nonfinite, c.grad_norm, c.sums[0]))
+            skip = c.nonfinite
+        if skip:
+            opt.zero_grad()
+        else:
+            opt.step()
+            opt.zero_grad()
+        out["changed"].append(any(not torch.equal(a, b) for a, b in zip(before, _shards(pipe))))
+    out["shards"] = _shards(pipe)
+    return out
+
+
+def _native_and(rank, world, schedule, preset, steps=3, tp=1):
+    """The same pipeline trained natively and with ``preset`` on one mesh."""
+    mesh = pl.mesh(2, 2, tp)
+    native = _train(pl.build(mesh, schedule), steps, check=False)
+    quantized = _train(pl.build(mesh, schedule, preset), steps, check=True)
+    return native, quantized
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_the_fsdp_preset_equals_native_fsdp2_bit_for_bit_on_unequal_stages(schedule):
+    for native, fsdp in run_world(_native_and, 4, schedule, "fsdp", local_world_size=1):
+        assert fsdp["losses"] == native["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(fsdp["grads"], native["grads"]))
+        assert all(torch.equal(a, b) for a, b in zip(fsdp["shards"], native["shards"]))
+        assert [c[0] for c in fsdp["checks"]] == [False] * 3
+
+
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.slow), "interleaved"])
+def test_sdp4bit_trains_close_to_native_with_the_check_over_stages_of_different_group_counts(schedule):
+    # Stages of 2 and 3 FSDP groups (1f1b), or 2 + 3 against 2 + 2 per rank (interleaved): the
+    # weight-difference flags of each dp group are agreed in the check without a size mismatch.
+    results = run_world(_native_and, 4, schedule, "sdp4bit", 8, local_world_size=1)
+    for native, sdp4bit in results:
+        assert [c[0] for c in sdp4bit["checks"]] == [False] * 8
+        assert all(c[1] > 0 and math.isfinite(c[1]) for c in sdp4bit["checks"])
+        assert any(not torch.equal(a, b) for a, b in zip(sdp4bit["shards"], native["shards"]))  # quantized
+        if native["losses"][0] is None:
+            continue  # not the last stage
+        # The first forward gathers exact weights; then 4-bit weight differences and gradients.
+        assert sdp4bit["losses"][0] == native["losses"][0]
+        assert all(math.isfinite(x) for x in sdp4bit["losses"])
+        assert sum(sdp4bit["losses"]) == pytest.approx(sum(native["losses"]), rel=0.15)
+    # every rank read the same check
+    assert len({tuple(r[1]["checks"]) for r in results}) == 1
+
+
+def _norm(rank, world, schedule, preset, tp=1):
+    pipe = pl.build(pl.mesh(2, 2, tp), schedule, preset)
+    losses = pipe.step(0)
+    mean = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+    check = qsdp.check_gradients(pipe.handles, pipe.params, sums=[mean], agree_ahead=True)
+    return check.grad_norm, check.norm.item(), check.sums[0], pl.reference_norm(schedule, 0, 2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_the_norm_over_stages_is_the_unsharded_models_gradient_norm(schedule):
+    for norm, norm_tensor, loss_sum, (reference, reference_loss) in run_world(
+            _norm, 4, schedule, "fsdp", local_world_size=1):
+        assert norm == pytest.approx(reference, rel=1e-5)  # fp32 gradients against a float64 norm
+        assert norm_tensor == pytest.approx(norm, rel=1e-6)
+        assert loss_sum / 2 == pytest.approx(reference_loss, rel=1e-5)  # the last stage's 2 dp ranks
+
+
+def _nan(rank, world, schedule, preset, dp=2):
+    mesh = pl.mesh(world // dp, dp)
+    return _train(pl.build(mesh, schedule, preset), 3, check=True, poison_at=(1, 0))
+
+
+@pytest.mark.parametrize("schedule,preset", [("1f1b", "sdp4bit"),
+                                             pytest.param("interleaved", "qsdp", marks=pytest.mark.slow)])
+def test_a_nan_in_one_stage_skips_the_step_on_every_rank(schedule, preset):
+    # Rank 0's first stage alone back-propagates NaN at step 1: the other stage's ranks reduce
+    # finite gradients, and skip with it.
+    results = run_world(_nan, 4, schedule, preset, local_world_size=1)
+    for r in results:
+        assert [c[0] for c in r["checks"]] == [False, True, False]
+        assert r["changed"] == [True, False, True]
+        assert all(torch.isfinite(s).all() for s in r["shards"])
+
+
+def test_with_one_rank_per_dp_group_a_nan_is_flagged_without_qsdps_reduce_scatter():
+    # (pp, dp) = (2, 1): FSDP2 reduces a one-rank group without calling the custom reduce-scatter.
+    results = run_world(_nan, 2, "1f1b", "sdp4bit", 1)
+    for r in results:
+        assert [c[0] for c in r["checks"]] == [False, True, False]
+        assert r["changed"] == [True, False, True]
+        assert all(torch.isfinite(s).all() for s in r["shards"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp_x_fsdp_x_tp_equals_native_and_its_norm_is_the_unsharded_models():
+    # (pp, dp, tp) = (2, 2, 2): tensor parallelism on each block's MLP inside every stage.
+    for native, fsdp in run_world(_native_and, 8, "1f1b", "fsdp", 3, 2, local_world_size=2, timeout=540):
+        assert fsdp["losses"] == native["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(fsdp["shards"], native["shards"]))
+    for norm, _, _, (reference, _) in run_world(_norm, 8, "interleaved", "fsdp", 2, local_world_size=2, timeout=540):
+        assert norm == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp_x_fsdp_x_tp_sdp4bit_trains_close_to_native():
+    for native, sdp4bit in run_world(_native_and, 8, "interleaved", "sdp4bit", 8, 2, local_world_size=2, timeout=540):
+        assert [c[0] for c in sdp4bit["checks"]] == [False] * 8
+        if native["losses"][0] is not None:
+            assert all(math.isfinite(x) for x in sdp4bit["losses"])
+            assert sum(sdp4bit["losses"]) == pytest.approx(sum(native["losses"]), rel=0.15)
+
+
+def _steps(pipe, opt, steps) -> list:
+    losses = []
+    for step in steps:
+        out = pipe.step(step)
+        mean = torch.stack(out).mean().detach() if out else torch.zeros(())
+        check = qsdp.check_gradients(pipe.handles, pipe.params, sums=[mean], agree_ahead=True)
+        assert not check.nonfinite
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(mean))
+    return losses
+
+
+def _resume(rank, world, preset, out):
+    """4 steps uninterrupted, against 2 steps, a checkpoint of each rank's stage, a fresh process
+    state (new model, optimizer and comms) loaded from it, and 2 more steps."""
+    from qsdp.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    mesh = pl.mesh(2, 2)
+    whole = pl.build(mesh, "1f1b", preset)
+    uninterrupted = _steps(whole, torch.optim.Adam(whole.params, lr=1e-2), range(4))
+    first = pl.build(mesh, "1f1b", preset)
+    opt = torch.optim.Adam(first.params, lr=1e-2)
+    before = _steps(first, opt, range(2))
+    save_checkpoint(out, 2, first.parts[0], opt, first.handles[0], {})
+    second = pl.build(mesh, "1f1b", preset, seed=1)  # other initial weights: all of them come from the checkpoint
+    opt = torch.optim.Adam(second.params, lr=1e-2)
+    load_checkpoint(latest_checkpoint(out), second.parts[0], opt, second.handles[0], torch.device("cpu"))
+    after = _steps(second, opt, range(2, 4))
+    return uninterrupted, before + after, _shards(whole), _shards(second)
+
+
+# Not yet, in qsdp.train.checkpoint: the optimizer's param_groups are saved under one key that
+# every stage writes (with flatten_optimizer_state_dict=True the fsdp case resumes bit for bit),
+# and _load_replicas all-reduces one flag per replica-holding group over the world, a length
+# that differs between stages of different depths (sdp4bit times out).
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="qsdp.train.checkpoint: one optimizer param_groups key for every "
+                                       "stage; a world all-reduce of stage-dependent length")
+@pytest.mark.parametrize("preset", ["fsdp", "sdp4bit"])
+def test_a_pipeline_resumes_from_a_checkpoint_bit_for_bit(preset, tmp_path):
+    for uninterrupted, resumed, whole, again in run_world(_resume, 4, preset, str(tmp_path), local_world_size=1):
+        assert resumed == uninterrupted
+        assert all(torch.equal(a, b) for a, b in zip(whole, again))
+
+
+def _reads(rank, world, schedule, preset):
+    from test_sync_policy import _count_qsdp_reads
+
+    pipe = pl.build(pl.mesh(2, 2), schedule, preset)
+    opt = torch.optim.Adam(pipe.params, lr=1e-2)
+    _steps(pipe, opt, range(2))  # warm-up: replicas established
+    log: list[str] = []
+    _count_qsdp_reads(log)
+    per_step = []
+    for step in range(2, 4):
+        _steps(pipe, opt, [step])
+        per_step.append(list(log))
+        log.clear()
+    return per_step
+
+
+def test_a_pipeline_step_reads_the_host_once_for_every_stage_of_the_rank():
+    # Two stages a rank, their dp group's weight-difference flags in an all-reduce of their own:
+    # still one read, the check's.
+    for per_step in run_world(_reads, 4, "interleaved", "sdp4bit", local_world_size=1):
+        assert per_step == [["tolist from qsdp.gradient_check"]] * 2
