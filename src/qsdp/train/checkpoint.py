@@ -72,6 +72,7 @@ LATEST_FILE = "latest"
 META_FILE = "trainer.json"
 COMMS_FILE = "comms.json"
 _REQUIRED = (".metadata", META_FILE, COMMS_FILE, DIGEST_FILE)
+_NAMED = _REQUIRED[:2]  # what a run's checks read before the load checks the rest
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
@@ -87,9 +88,9 @@ def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _missing(path: Path) -> str | None:
-    """The first file a complete checkpoint has that ``path`` lacks, or ``None``."""
-    return next((name for name in _REQUIRED if not (path / name).is_file()), None)
+def _missing(path: Path, required: tuple[str, ...] = _REQUIRED) -> str | None:
+    """The first of the ``required`` files of a checkpoint that ``path`` lacks, or ``None``."""
+    return next((name for name in required if not (path / name).is_file()), None)
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -118,10 +119,10 @@ def _step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _require_complete(path: Path) -> Path:
+def _require_complete(path: Path, required: tuple[str, ...] = _REQUIRED) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist{_previous(path.parent, _step_of(path))}")
-    missing = _missing(path)
+    missing = _missing(path, required)
     if missing is not None:
         raise CheckpointError(f"checkpoint {path} is incomplete: {missing} is missing"
                               f"{_previous(path.parent, _step_of(path))}")
@@ -152,7 +153,7 @@ def latest_checkpoint(out: str | os.PathLike) -> Path | None:
     path = root / name
     if not path.is_dir():
         raise CheckpointError(f"{latest} names {name}, which does not exist{_previous(root, _step_of(path))}")
-    return _require_complete(path)
+    return _require_complete(path, _NAMED)
 
 
 def named_checkpoint(out: str | os.PathLike, name: str) -> Path:
@@ -164,7 +165,7 @@ def named_checkpoint(out: str | os.PathLike, name: str) -> Path:
             raise CheckpointError(f"--resume-from {name!r} is not a checkpoint name (step_XXXXXXXX under "
                                   f"{checkpoint_root(out)})")
         path = checkpoint_root(out) / name
-    return _require_complete(path)
+    return _require_complete(path, _NAMED)
 
 
 def make_latest(path: str | os.PathLike) -> None:
