@@ -57,7 +57,7 @@ def _save_run(rank, world, out, poison_after):
         save_checkpoint(out, step, model, opt, handle, meta={"mine": step}, keep=2)
 
 
-def _load(rank, world, path, marker=None):
+def _load(rank, world, path):
     model = fm.build(seed=5)
     handle = qsdp.quantize_comms(model, "sdp4bit")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -129,11 +129,11 @@ def test_a_rank_blob_that_would_run_code_is_refused(tmp_path, monkeypatch):
         torch.save({"comms": Evil(), "rng": {}}, buf)
         return buf.getvalue()
 
-    monkeypatch.setattr(ckpt, "_rank_blob", evil_blob)  # the forked ranks write the untrusted checkpoint
-    run_world(_save_one, 2, str(tmp_path / "run"), timeout=90)
+    monkeypatch.setattr(ckpt, "_rank_blob", evil_blob)  # the forked rank writes the untrusted checkpoint
+    run_world(_save_one, 1, str(tmp_path / "run"), timeout=90)
     monkeypatch.undo()
     step = tmp_path / "run" / CHECKPOINT_DIR / step_dirname(1)
-    for message in run_world(_load, 2, str(step), timeout=90):
+    for message in run_world(_load, 1, str(step), timeout=90):
         assert message.startswith(f"cannot load checkpoint {step}: UnpicklingError: Weights only load failed")
     assert not marker.exists()
 
@@ -150,13 +150,13 @@ def test_rotation_keeps_the_newest_checkpoint_saved_with_finite_state(tmp_path):
     """Steps 1, 2, 3 with keep 2, a weight NaN from step 2 on: step 1, the newest whose state
     was finite, stays beside the newest two; loading step 3 names the NaN tensor and step 1."""
     out = tmp_path / "run"
-    run_world(_save_run, 2, str(out), 2, timeout=120)
+    run_world(_save_run, 1, str(out), 2, timeout=120)
     root = out / CHECKPOINT_DIR
     assert sorted(p.name for p in root.iterdir()) == [LATEST_FILE, "step_00000001", "step_00000002",
                                                       "step_00000003"]
     assert [read_digests(root / step_dirname(s))["state_finite"] for s in (1, 2, 3)] == [True, False, False]
     step3 = root / step_dirname(3)
-    for message in run_world(_load, 2, str(step3), timeout=90):
+    for message in run_world(_load, 1, str(step3), timeout=90):
         assert message == (f"checkpoint {step3} holds non-finite values (rank 0: blocks.0.fc1.weight); the "
                            "previous complete checkpoint is step_00000001 (qsdp train: --resume-from step_00000001)")
 
@@ -185,7 +185,9 @@ def test_an_incomplete_checkpoint_names_the_previous_complete_one(good, tmp_path
     out = _copy(good, tmp_path)
     step3 = out / CHECKPOINT_DIR / step_dirname(3)
     (step3 / DIGEST_FILE).unlink()
-    for message in run_world(_load, 2, str(step3), timeout=90):
+    with pytest.raises(CheckpointError) as e:  # found before any collective
+        load_checkpoint(step3, None, None, None, CPU)
+    for message in [str(e.value)]:
         assert message == (f"checkpoint {step3} is incomplete: {DIGEST_FILE} is missing; the previous complete "
                            "checkpoint is step_00000002 (qsdp train: --resume-from step_00000002)")
 
@@ -208,3 +210,16 @@ def test_the_counters_maximum_is_stored_once_beside_one_blob_a_rank(good):
     assert all(g["changed"] is True for g in comms["continued"]["all_gather"].values())
     keys = FileSystemReader(str(step3)).read_metadata().state_dict_metadata
     assert sorted(k for k in keys if k.startswith("rank_state.")) == ["rank_state.0", "rank_state.1"]
+
+
+def test_a_fresh_run_refuses_a_directory_holding_checkpoints_without_latest(good, tmp_path):
+    """Its rotation would remove them: the directory holds a run even without `latest`."""
+    from qsdp.train.args import TrainArgs, TrainError
+    from qsdp.train.preflight import check_out_dir
+
+    out = _copy(good, tmp_path)
+    (out / CHECKPOINT_DIR / LATEST_FILE).unlink()
+    with pytest.raises(TrainError) as e:
+        check_out_dir(TrainArgs(out=str(out)))
+    assert str(e.value) == (f"--out {out} already holds a run (checkpoints/step_00000003); pass --resume to "
+                            "continue it or choose another --out")

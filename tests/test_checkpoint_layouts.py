@@ -71,6 +71,7 @@ def _resumes_bit_identically(tmp_path, layout, presets):
             assert resumed[rank][preset] == uninterrupted[rank][preset], (rank, preset)
 
 
+@pytest.mark.slow  # the 1-D resume is also in tests/test_comm_checkpoint.py and tests/test_elastic.py
 def test_an_own_loop_resumes_bit_identically_on_a_1d_mesh(tmp_path):
     _resumes_bit_identically(tmp_path, "1d", PRESETS)
 

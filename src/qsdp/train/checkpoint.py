@@ -259,7 +259,8 @@ def _counters_everywhere(handle: Any, device: torch.device) -> Any:
     fields = int.from_bytes(hashlib.sha256(repr([p for p, _ in ints]).encode()).digest()[:7], "big")
     check = torch.tensor([len(ints), -len(ints), fields, -fields], dtype=torch.int64, device=device)
     dist.all_reduce(check, op=dist.ReduceOp.MAX)
-    if int(check[0]) != -int(check[1]) or int(check[2]) != -int(check[3]):
+    most, least, most_fields, least_fields = check.tolist()
+    if most != -least or most_fields != -least_fields:
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, state)
         return _continued_counters(everyone)

@@ -40,7 +40,8 @@ DIGEST_FILE = "digests.json"
 _CHUNK = 1 << 20
 _RANK_FILE = re.compile(r"^__(\d+)[_.]")
 # Why a file failed, in the order an all-reduce MIN prefers them.
-_REASONS = ("is missing", "has another size than at save", "does not match its digest (sha256) written at save")
+_REASONS = ("is missing", "cannot be read", "has another size than at save",
+            "does not match its digest (sha256) written at save")
 
 
 class DigestMismatch(Exception):
@@ -95,7 +96,10 @@ def write_digests(directory: str | os.PathLike, state_finite: bool) -> None:
 def read_digests(directory: str | os.PathLike) -> dict[str, Any]:
     """The ``digests.json`` of a checkpoint; ValueError/OSError when unreadable or malformed."""
     data = json.loads((Path(directory) / DIGEST_FILE).read_text(encoding="utf-8"))
-    if not isinstance(data, dict) or data.get("algorithm") != "sha256" or not isinstance(data.get("files"), dict):
+    files = data.get("files") if isinstance(data, dict) else None
+    if (not isinstance(files, dict) or data.get("algorithm") != "sha256"
+            or not all(isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("bytes"), int)
+                       for e in files.values())):
         raise ValueError(f"{DIGEST_FILE} is not a sha256 digest list")
     return data
 
@@ -110,13 +114,16 @@ def state_verified(directory: str | os.PathLike) -> bool:
 
 def _check_file(path: Path, entry: dict[str, Any]) -> int | None:
     """The index in ``_REASONS`` of what is wrong with ``path``, or ``None``."""
+    if not path.is_file():
+        return 0
     try:
         size = path.stat().st_size
+        digest = file_digest(path)[0] if size == entry["bytes"] else None
     except OSError:
-        return 0
-    if size != entry.get("bytes"):
         return 1
-    return None if file_digest(path)[0] == entry.get("sha256") else 2
+    if size != entry["bytes"]:
+        return 2
+    return None if digest == entry["sha256"] else 3
 
 
 def verify_digests(directory: str | os.PathLike, device: torch.device) -> None:

@@ -163,7 +163,10 @@ def check_out_dir(args: TrainArgs) -> None:
     if args.resume:
         return
     out = Path(args.out)
-    for name in (METRICS_FILE, "checkpoints/latest"):
+    # A checkpoint without `latest` is a run too: a fresh run's rotation would remove it.
+    steps = sorted(f"checkpoints/{p.name}" for p in (out / "checkpoints").glob("step_*")
+                   if p.is_dir() and p.name[5:].isdigit())
+    for name in (METRICS_FILE, "checkpoints/latest", *steps[-1:]):
         if (out / name).exists():
             raise TrainError(
                 f"--out {args.out} already holds a run ({name}); pass --resume to continue it "
