@@ -156,7 +156,7 @@ def _make_checkpoint(rank, world, out, corpus):
 
 @pytest.mark.timeout(150)
 def test_error_inside_the_workers_is_one_line_from_the_real_cli(tmp_path, corpus):
-    """A corrupt checkpoint is found by the workers (DCP load): the console script prints the
+    """A corrupt checkpoint is found by the workers (its digests): the console script prints the
     root cause once, exits 2, and `latest` still names the (corrupt) last checkpoint."""
     from distributed import run_world
 
@@ -174,6 +174,7 @@ def test_error_inside_the_workers_is_one_line_from_the_real_cli(tmp_path, corpus
     )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr
-    assert len(lines) == 1 and lines[0].startswith("qsdp: error: cannot load checkpoint"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("qsdp: error: checkpoint "), proc.stderr
+    assert f"is damaged: {shard.name} has another size than at save" in lines[0], proc.stderr
     assert (out / CHECKPOINT_DIR / LATEST_FILE).read_text().strip() == "step_00000002"
     assert not (out / CHECKPOINT_DIR / "step_00000004").exists()

@@ -264,3 +264,68 @@ def test_a_stalled_peer_ends_the_run_within_the_timeout(tmp_path, corpus, monkey
     assert "CollectiveTimeoutError: step 3: a collective waited longer than the timeout (4 s" in lines[0]
     # The timeout plus the workers' shutdown; nowhere near the 120 s stall.
     assert ended - last_step_logged < timeout + 20, ended - last_step_logged
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged checkpoints and runs that train nothing
+
+
+@pytest.mark.timeout(150)
+def test_a_run_whose_every_step_since_the_resume_was_skipped_fails(tmp_path, corpus, monkeypatch):
+    """Resumed at step 2 for one more step whose gradient is NaN: nothing was trained, so the
+    run fails naming that (not "done"), and the summary is not replaced."""
+    run = tmp_path / "run"
+    train(_args(run, corpus, preset="sdp4bit", steps=2, decay_steps=3))
+    monkeypatch.setenv("QSDP_TEST_NAN_AT", "3:1")
+    with pytest.raises(RuntimeError, match=r"NonFiniteGradientError: every step since the resume from step 2 "
+                                           r"\(steps 3-3\) had non-finite gradients \(NaN/Inf\) and was skipped: "
+                                           r"nothing was trained; the last checkpoint is step_00000003"):
+        train(_args(run, corpus, preset="sdp4bit", steps=3, decay_steps=3, resume=True))
+    assert read_summary(run)["steps"] == 2
+
+
+def _flip_last_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_damaged_checkpoint_is_not_retried_and_resume_from_continues_from_the_previous(
+        tmp_path, corpus, capsys):
+    """`latest` (step 2) damaged: `--resume --max-restarts 2` ends with one line naming the file
+    and step 1 (exit 2); `--resume-from step_00000001` continues from it and makes it latest."""
+    from qsdp.cli import main
+
+    run = tmp_path / "run"
+    train(_args(run, corpus, preset="fsdp", steps=2, ckpt_every=1, keep_checkpoints=0))
+    _flip_last_byte(run / CHECKPOINT_DIR / "step_00000002" / "__1_0.distcp")
+    common = ["train", "--preset", "fsdp", "--nproc", "2", "--batch-size", "4", "--seq-len", "32", "--data", corpus,
+              "--out", str(run), "--steps", "3", "--lr", "3e-3", "--warmup", "2", "--eval-every", "0",
+              "--eval-batches", "2", "--ckpt-every", "0", "--no-progress"]
+    assert main([*common, "--resume", "--max-restarts", "2"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines == [f"qsdp: error: checkpoint {run / CHECKPOINT_DIR / 'step_00000002'} is damaged: __1_0.distcp "
+                     "does not match its digest (sha256) written at save; the previous complete checkpoint is "
+                     "step_00000001 (qsdp train: --resume-from step_00000001)"]
+    assert main([*common, "--resume-from", "step_00000001"]) == 0
+    assert read_summary(run)["start_step"] == 1 and read_summary(run)["restarts"] == 0
+    assert latest_checkpoint(run).name == "step_00000003"
+
+
+def test_a_restarted_worker_ends_at_once_after_an_error_no_restart_can_change(tmp_path, monkeypatch):
+    """What `--max-restarts` restarts: after a rank's user error (a bad input, an unusable
+    checkpoint) the restarted worker returns before touching anything; after a crash it runs."""
+    import json
+
+    from qsdp.train.launcher import _worker_entry, final_error
+
+    record = {"rank": 0, "attempt": 0, "time": 0.0, "type": "CheckpointError", "message": "damaged",
+              "user": True, "secondary": False, "traceback": ""}
+    (tmp_path / "rank0.attempt0.json").write_text(json.dumps(record))
+    assert final_error(tmp_path)["message"] == "damaged"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _worker_entry(None, None, str(tmp_path)) is None  # no args, no plan: nothing else ran
+    (tmp_path / "rank0.attempt0.json").write_text(json.dumps({**record, "user": False}))
+    assert final_error(tmp_path) is None

@@ -95,6 +95,9 @@ def _add_run_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> None
     group.add_argument("--out", default=defaults.out, help=f"run directory (default {defaults.out})")
     group.add_argument("--resume", action="store_true",
                        help="continue from OUT/checkpoints/latest, on any number of ranks and nodes")
+    group.add_argument("--resume-from", metavar="step_XXXXXXXX", default=None,
+                       help="continue from this checkpoint of OUT/checkpoints instead of latest (e.g. the "
+                            "previous complete one a damaged checkpoint's error names); implies --resume")
     group.add_argument("--new-global-batch", action="store_true",
                        help="on a resume with another number of ranks, train with --batch-size per rank "
                             "instead of keeping the checkpoint's global batch")

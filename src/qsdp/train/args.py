@@ -69,6 +69,8 @@ class TrainArgs:
     hsdp: shard inside the node, replicate across the ``world / local_world_size`` nodes (at
         least 2), the inter-node gradient all-reduce travelling as the config's ``hsdp`` says
         (see :mod:`qsdp.hsdp`).
+    resume_from: the checkpoint to continue from instead of ``latest`` (``step_XXXXXXXX`` under
+        ``OUT/checkpoints``, or its path); implies ``resume``, and the run makes it ``latest``.
     on_nonfinite: ``skip`` (drop the step on every rank, count it) or ``raise`` (stop the run)
         when some rank reduced a NaN/Inf gradient; see :mod:`qsdp.train.trainer`.
     param_dtype: ``float32`` or ``bfloat16`` (FSDP2 mixed precision, gradients reduced in fp32);
@@ -105,6 +107,7 @@ class TrainArgs:
     ckpt_every: int = 500
     keep_checkpoints: int = 2
     resume: bool = False
+    resume_from: str | None = None
     new_global_batch: bool = False
     log_every: int = 1
     local_world_size: int | None = None
@@ -118,6 +121,10 @@ class TrainArgs:
     cache_dir: str | None = None
     progress: bool = True
     sync_timing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.resume_from is not None:
+            self.resume = True
 
     def schedule(self) -> tuple[int, int, float]:
         """(warmup, decay_steps, min_lr) with the defaults filled in."""
@@ -212,6 +219,8 @@ def _check_choices(args: TrainArgs) -> None:
     _need(not (args.backend == "nccl" and not args.use_cuda()),
           "backend nccl needs CUDA tensors; use --backend gloo on CPU")
     _need(bool(args.out), "out must be a directory path")
+    _need(args.resume_from is None or (isinstance(args.resume_from, str) and bool(args.resume_from.strip())),
+          f"resume_from must name a checkpoint (step_XXXXXXXX), got {args.resume_from!r}")
     _need(isinstance(args.hsdp, bool), f"hsdp must be a bool, got {args.hsdp!r}")
 
 

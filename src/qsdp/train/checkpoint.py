@@ -3,35 +3,46 @@
 Layout under the run directory::
 
     checkpoints/
-      step_00000200/          one complete checkpoint (DCP files + trainer.json)
+      step_00000200/          one complete checkpoint (DCP files, trainer.json, comms.json, digests.json)
       step_00000400/
       latest                  text file: the name of the newest complete checkpoint
 
 A checkpoint holds, through DCP, the sharded model and optimizer state (from
 ``torch.distributed.checkpoint.state_dict.get_state_dict``, so DCP reshards it into any FSDP2
-layout of the same model), the weight-difference replicas as one tensor per row of each group's
-gathered buffer (``qsdp_replicas.ag{group}_w{world}_row{row}``: a row held by several ranks is
-written once) and, per rank, a small blob of that rank's comm counters, RNG state and the layout
-(world size, shard group size, HSDP replicas); ``trainer.json`` holds the step and what the
-run was (model, config, world size, data position, cumulative bytes on the wire), readable
-without torch.
+layout of the same model), the weight-difference replicas as one tensor per row of each FSDP
+group's gathered buffer, keyed by the module's path and the group (a digest of the world size
+and the group's global ranks: ``qsdp_replicas.{path}:g{digest}:row{row}``; a row held by several
+ranks of a group is written once, the rows of two groups of a dp x tp mesh are kept apart) and,
+per rank, a small blob of that rank's comm counters and RNG state (plain tensors and numbers,
+read with ``torch.load(weights_only=True)``). Beside them, written by rank 0: ``trainer.json``,
+the step and what the run was (model, config, world size, data position, cumulative bytes on
+the wire), readable without torch; ``comms.json``, the layout (world size, shard group size,
+HSDP replicas) and the comm counters' maximum over every rank, stored once; ``digests.json``,
+the SHA-256 of every other file (:mod:`qsdp.train.integrity`).
+
+A load first checks every file against ``digests.json`` (the ranks share the hashing), then
+loads, then checks that the model and optimizer state are finite; a damaged checkpoint is one
+:class:`CheckpointError` naming the file (or tensor) and the previous complete checkpoint.
 
 Loaded into the same layout, everything is restored and the run continues bit for bit (with
-other ranks per node too: a rank loads the rows its nodes make it hold). Loaded into another
-layout (world size, shard group or HSDP replicas), the replicas of the old one are never used:
-every weight-difference gather re-establishes its replica from the loaded weights with exact
-values. The comm counters (which, with the seed and the rank, pick every stochastic rounding)
-continue after the largest value any rank of the old layout reached, so no rank repeats a
-rounding stream used before; the RNG state stays the one the job seeded.
+other ranks per node too: a rank loads the rows its nodes make it hold); each rank reads its
+own blob only. Loaded into another layout (world size, shard group or HSDP replicas), the
+replicas of the old one are never used: every weight-difference gather re-establishes its
+replica from the loaded weights with exact values. The comm counters (which, with the seed and
+the rank, pick every stochastic rounding) continue after the largest value any rank of the old
+layout reached (``comms.json``, no rank blob read), so no rank repeats a rounding stream used
+before; the RNG state stays the one the job seeded.
 
 A save writes into ``step_XXXXXXXX.tmp``, waits until every rank has finished, renames the
 directory and only then replaces ``latest`` (temp file + ``os.replace``). A save interrupted at
 any point leaves ``latest`` on the previous complete checkpoint; leftover ``.tmp`` directories
-are never read and are removed by the next save.
+are never read and are removed by the next save. Rotation (``keep``) never removes the newest
+checkpoint whose state was finite when saved.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -48,16 +59,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .files import atomic_write, fsync_dir
+from .integrity import DIGEST_FILE, DigestMismatch, nonfinite_state, state_verified, verify_digests, write_digests
 
 __all__ = [
-    "CheckpointError", "CHECKPOINT_DIR", "LATEST_FILE", "META_FILE",
-    "checkpoint_root", "step_dirname", "latest_checkpoint", "read_meta",
-    "save_checkpoint", "load_checkpoint",
+    "CheckpointError", "CHECKPOINT_DIR", "LATEST_FILE", "META_FILE", "COMMS_FILE",
+    "checkpoint_root", "step_dirname", "latest_checkpoint", "named_checkpoint", "complete_checkpoints",
+    "read_meta", "save_checkpoint", "load_checkpoint", "make_latest",
 ]
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
 META_FILE = "trainer.json"
+COMMS_FILE = "comms.json"
+_REQUIRED = (".metadata", META_FILE, COMMS_FILE, DIGEST_FILE)
+_NAMED = _REQUIRED[:2]  # what a run's checks read before the load checks the rest
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
@@ -73,32 +88,110 @@ def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def latest_checkpoint(out: str | os.PathLike) -> Path | None:
-    """The directory ``checkpoints/latest`` names, or ``None`` if there is no ``latest``.
+def _missing(path: Path, required: tuple[str, ...] = _REQUIRED) -> str | None:
+    """The first of the ``required`` files of a checkpoint that ``path`` lacks, or ``None``."""
+    return next((name for name in required if not (path / name).is_file()), None)
 
-    Raises CheckpointError if ``latest`` names something that is not a complete checkpoint.
+
+def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every checkpoint under ``root`` (a ``checkpoints/`` directory)
+    with all of its files and a state that was finite when saved, oldest first. Its files'
+    digests are not read here: :func:`load_checkpoint` checks them."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    return sorted((s, p) for s, p in found if _missing(p) is None and state_verified(p))
+
+
+def _previous(root: Path, before: int | None) -> str:
+    """The end of a message about a checkpoint that cannot be used: the newest complete one
+    before step ``before`` (any step: ``None``), and how to resume from it."""
+    older = [p for s, p in complete_checkpoints(root) if before is None or s < before]
+    if not older:
+        return "; no earlier complete checkpoint is left"
+    name = older[-1].name
+    return f"; the previous complete checkpoint is {name} (qsdp train: --resume-from {name})"
+
+
+def _step_of(path: Path) -> int | None:
+    m = _STEP_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def _require_complete(path: Path, required: tuple[str, ...] = _REQUIRED) -> Path:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist{_previous(path.parent, _step_of(path))}")
+    missing = _missing(path, required)
+    if missing is not None:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {missing} is missing"
+                              f"{_previous(path.parent, _step_of(path))}")
+    return path
+
+
+def latest_checkpoint(out: str | os.PathLike) -> Path | None:
+    """The directory ``checkpoints/latest`` names, or ``None`` if there is no ``latest`` and no
+    complete checkpoint.
+
+    Raises CheckpointError if ``latest`` names something that is not a complete checkpoint, and
+    if ``latest`` is missing while complete checkpoints are there (naming the newest): a run
+    that starts afresh there would rotate them away.
     """
     root = checkpoint_root(out)
     latest = root / LATEST_FILE
     if not latest.is_file():
+        complete = complete_checkpoints(root)
+        if complete:
+            name = complete[-1][1].name
+            raise CheckpointError(f"{latest} is missing, but {root} holds complete checkpoints (newest {name}): "
+                                  f"resume from it with --resume-from {name}")
         return None
     name = latest.read_text(encoding="utf-8").strip()
     if not _STEP_RE.match(name):
-        raise CheckpointError(f"{latest} names {name!r}, not a checkpoint directory (step_XXXXXXXX)")
+        raise CheckpointError(f"{latest} names {name!r}, not a checkpoint directory (step_XXXXXXXX)"
+                              f"{_previous(root, None)}")
     path = root / name
-    for required in (".metadata", META_FILE):
-        if not (path / required).is_file():
-            raise CheckpointError(f"checkpoint {path} is incomplete: {required} is missing")
-    return path
+    if not path.is_dir():
+        raise CheckpointError(f"{latest} names {name}, which does not exist{_previous(root, _step_of(path))}")
+    return _require_complete(path, _NAMED)
+
+
+def named_checkpoint(out: str | os.PathLike, name: str) -> Path:
+    """The complete checkpoint ``name`` (``step_XXXXXXXX``, or a path to one) of the run in
+    ``out``; CheckpointError naming the problem otherwise."""
+    path = Path(name)
+    if len(path.parts) == 1:
+        if not _STEP_RE.match(name):
+            raise CheckpointError(f"--resume-from {name!r} is not a checkpoint name (step_XXXXXXXX under "
+                                  f"{checkpoint_root(out)})")
+        path = checkpoint_root(out) / name
+    return _require_complete(path, _NAMED)
+
+
+def make_latest(path: str | os.PathLike) -> None:
+    """Make the checkpoint directory ``path`` its run's ``latest`` (atomically; rank 0 only):
+    a run resumed from an older checkpoint continues from it after a restart too."""
+    path = Path(path)
+    atomic_write(path.parent / LATEST_FILE, lambda f: f.write(f"{path.name}\n".encode()))
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The ``trainer.json`` of a checkpoint directory."""
-    p = Path(path) / META_FILE
+    return _read_json(Path(path) / META_FILE)
+
+
+def _read_json(p: Path) -> dict[str, Any]:
     try:
         return json.loads(p.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {p}: {e}") from None
+
+
+def _pg_device() -> torch.device:
+    """The device the default process group's tensors live on."""
+    if "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -123,19 +216,18 @@ def _layout(handle: Any) -> dict[str, int]:
             "replicas": getattr(handle, "replicas", 1)}
 
 
-def _same_layout(stored: dict[str, Any], handle: Any) -> bool:
-    """Whether a rank blob was written by this layout (a blob without one: by the world size)."""
-    if "layout" in stored:
-        return stored["layout"] == _layout(handle)
-    return stored.get("world_size") == dist.get_world_size()
-
-
 def _rank_blob(handle: Any) -> bytes:
-    """This rank's comm counters, RNG state and layout, serialized (a few KB)."""
+    """This rank's comm counters and RNG state, serialized (a few KB of plain tensors and
+    numbers: :func:`torch.load` reads it with ``weights_only=True``)."""
     buf = io.BytesIO()
-    torch.save({"comms": handle.state_dict(), "rng": _rng_state(), "world_size": dist.get_world_size(),
-                "layout": _layout(handle)}, buf)
+    torch.save({"comms": handle.state_dict(), "rng": _rng_state()}, buf)
     return buf.getvalue()
+
+
+def _unpack(blob: bytes, device: torch.device) -> dict[str, Any]:
+    """A rank blob; anything but tensors and plain numbers (a pickle that would run code) is
+    refused by ``weights_only=True``."""
+    return torch.load(io.BytesIO(blob), map_location=device, weights_only=True) if blob else {}
 
 
 def _continued_counters(states: list[Any]) -> Any:
@@ -152,40 +244,107 @@ def _continued_counters(states: list[Any]) -> Any:
     return first
 
 
-def _replica_key(group: int, world: int, row: int) -> str:
-    return f"ag{group}_w{world}_row{row}"
+def _leaves(tree: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    if isinstance(tree, dict):
+        return [leaf for k in sorted(tree) for leaf in _leaves(tree[k], (*path, str(k)))]
+    return [(path, tree)]
 
 
-def _replica_state(handle: Any) -> dict[str, torch.Tensor]:
-    """Every weight-difference replica row this rank holds, keyed by group and row."""
-    world = dist.get_world_size()
-    return {
-        _replica_key(i, world, row): values
-        for i, ag in enumerate(handle.all_gathers) if ag.holds_replicas()
-        for row, values in ag.replica_rows().items()
-    }
+def _counters_everywhere(handle: Any, device: torch.device) -> Any:
+    """Collective: the comm state that continues every rank's (:func:`_continued_counters`),
+    from one all-reduce of the counters where every rank's state has the same fields (one
+    small check first), else from an all-gather of the states."""
+    state = handle.state_dict()
+    ints = [(p, v) for p, v in _leaves(state) if isinstance(v, int) and not isinstance(v, bool)]
+    fields = int.from_bytes(hashlib.sha256(repr([p for p, _ in ints]).encode()).digest()[:7], "big")
+    check = torch.tensor([len(ints), -len(ints), fields, -fields], dtype=torch.int64, device=device)
+    dist.all_reduce(check, op=dist.ReduceOp.MAX)
+    most, least, most_fields, least_fields = check.tolist()
+    if most != -least or most_fields != -least_fields:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, state)
+        return _continued_counters(everyone)
+    if ints:
+        values = torch.tensor([v for _, v in ints], dtype=torch.int64, device=device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        largest = dict(zip([p for p, _ in ints], values.tolist()))
+    else:
+        largest = {}
+
+    def continued(tree: Any, path: tuple[str, ...] = ()) -> Any:
+        if isinstance(tree, dict):
+            return {k: continued(v, (*path, str(k))) for k, v in tree.items()}
+        if isinstance(tree, bool):
+            return True
+        return largest.get(path, tree)
+
+    return continued(state)
 
 
-def _load_replicas(path: Path, stored: dict[str, Any], handle: Any, device: torch.device) -> None:
+def _group_id(handle: Any) -> str:
+    """A short digest of the world size and the global ranks of the handle's shard group: the
+    rows of two groups (the dp groups of a dp x tp mesh) never share a key."""
+    ranks = dist.get_process_group_ranks(handle.topology.group)
+    return hashlib.sha256(f"{dist.get_world_size()}:{ranks}".encode()).hexdigest()[:12]
+
+
+def _replica_key(path: str, group: str, row: int) -> str:
+    return f"{path}:g{group}:row{row}"
+
+
+def _replica_groups(model: torch.nn.Module, handle: Any) -> list[tuple[str, Any]]:
+    """``(module path, all-gather)`` of every FSDP group whose gather keeps replica rows."""
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    modules = getattr(handle, "modules", [])
+    return [(names.get(id(modules[i]), f"<group {i}>") if i < len(modules) else f"<group {i}>", ag)
+            for i, ag in enumerate(handle.all_gathers) if ag.holds_replicas()]
+
+
+def _replica_state(model: torch.nn.Module, handle: Any) -> dict[str, torch.Tensor]:
+    """Every weight-difference replica row this rank holds, keyed by module, group and row."""
+    group = _group_id(handle)
+    return {_replica_key(path, group, row): values
+            for path, ag in _replica_groups(model, handle)
+            for row, values in ag.replica_rows().items()}
+
+
+def _load_replicas(path: Path, stored: dict[str, Any], model: torch.nn.Module, handle: Any,
+                   device: torch.device) -> None:
     """Load the rows this rank's replicas hold where the checkpoint has every one of them on
     every rank (one all-reduce agrees on it); other groups re-establish theirs exactly."""
-    world = dist.get_world_size()
-    groups = [(i, ag) for i, ag in enumerate(handle.all_gathers) if ag.holds_replicas()]
-    keys = {i: {row: _replica_key(i, world, row) for row in ag.rows} for i, ag in groups}
-    found = [bool(keys[i]) and all(f"qsdp_replicas.{k}" in stored for k in keys[i].values()) for i, _ in groups]
+    group = _group_id(handle)
+    groups = _replica_groups(model, handle)
+    keys = [{row: _replica_key(name, group, row) for row in ag.rows} for name, ag in groups]
+    found = [bool(k) and all(f"qsdp_replicas.{key}" in stored for key in k.values()) for k in keys]
     # On the process group's device: an NCCL group cannot all-reduce a CPU tensor.
     everywhere = torch.tensor([int(f) for f in found] or [0], dtype=torch.int32, device=device)
     dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
     wanted: dict[str, torch.Tensor] = {}
-    for (i, _), ok in zip(groups, everywhere.tolist()):
-        for k in keys[i].values() if ok else ():
-            md = stored[f"qsdp_replicas.{k}"]
-            wanted[k] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+    for k, ok in zip(keys, everywhere.tolist()):
+        for key in k.values() if ok else ():
+            md = stored[f"qsdp_replicas.{key}"]
+            wanted[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
     if wanted:
         dcp.load({"qsdp_replicas": wanted}, checkpoint_id=str(path))
-    for (i, ag), ok in zip(groups, everywhere.tolist()):
-        ag.load_replica_rows({row: wanted[k] for row, k in keys[i].items()} if ok else None)
+    for (_, ag), k, ok in zip(groups, keys, everywhere.tolist()):
+        ag.load_replica_rows({row: wanted[key] for row, key in k.items()} if ok else None)
 
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rotate(root: Path, step: int, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints, never the one of ``step`` nor the newest
+    whose state was finite when saved (the one a damaged newer checkpoint falls back to)."""
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name)))
+    verified = next((s for s, p in reversed(steps) if _missing(p) is None and state_verified(p)), None)
+    for s, p in steps[:-keep]:
+        if s not in (step, verified):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def save_checkpoint(
@@ -203,9 +362,10 @@ def save_checkpoint(
     ``out`` is the run directory; ``handle`` is the :class:`qsdp.QuantizedComms` of the model;
     ``meta`` (JSON-able, the same on every rank: what your loop needs back, e.g. its data
     position) is written to ``trainer.json`` with ``step`` added. After the new checkpoint is
-    ``latest``, all but the newest ``keep`` checkpoints are removed (``keep <= 0`` keeps all).
+    ``latest``, all but the newest ``keep`` checkpoints are removed (``keep <= 0`` keeps all),
+    except the newest one whose state was finite when saved.
     """
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), _pg_device()
     root = checkpoint_root(out)
     name = step_dirname(step)
     final, tmp = root / name, root / (name + ".tmp")
@@ -215,16 +375,17 @@ def save_checkpoint(
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
+    finite = nonfinite_state(model, optimizer, device) is None
+    comms = {"layout": _layout(handle), "continued": _counters_everywhere(handle, device)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "qsdp_replicas": _replica_state(handle),
+    state = {"model": model_sd, "optim": optim_sd, "qsdp_replicas": _replica_state(model, handle),
              "rank_state": {str(rank): _rank_blob(handle)}}
     dcp.save(state, checkpoint_id=str(tmp))
     if rank == 0:
-        with open(tmp / META_FILE, "w", encoding="utf-8") as f:
-            json.dump({**meta, "step": step}, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-    # Every rank's shards are on disk before the checkpoint gets its final name.
+        _write_json(tmp / META_FILE, {**meta, "step": step})
+        _write_json(tmp / COMMS_FILE, comms)
+    # Collective: every rank's files are on disk and hashed before the checkpoint gets its name.
+    write_digests(tmp, finite)
     dist.barrier()
     if rank == 0:
         if final.exists():  # a checkpoint of the same step from a run that did not reach `latest`
@@ -234,15 +395,9 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         os.rename(tmp, final)
         fsync_dir(root)
-        atomic_write(root / LATEST_FILE, lambda f: f.write(f"{name}\n".encode()))
+        make_latest(final)
         if keep > 0:
-            steps = sorted(
-                (int(m.group(1)), p) for p in root.iterdir()
-                if p.is_dir() and (m := _STEP_RE.match(p.name))
-            )
-            for s, p in steps[:-keep]:
-                if s != step:
-                    shutil.rmtree(p, ignore_errors=True)
+            _rotate(root, step, keep)
     dist.barrier()
     return final
 
@@ -272,49 +427,61 @@ def load_checkpoint(
     rank's comm state and weight-difference replicas go, the device of the process group's
     tensors: ``cpu`` with gloo, this rank's ``cuda`` device with NCCL. Call it after
     ``fully_shard`` and ``quantize_comms``, before the first forward.
+
+    Before anything is loaded, every file is checked against the digests written at save; after
+    the load, the model and optimizer state are checked finite. Either failure, like a
+    missing file, is a :class:`CheckpointError` naming the file (or tensor) and the previous
+    complete checkpoint.
     """
     path = Path(path)
     if not (path / META_FILE).exists() and checkpoint_root(path).is_dir():
         raise CheckpointError(f"{path} is a run directory, not a checkpoint: pass latest_checkpoint({str(path)!r}) "
                               f"(a directory under {checkpoint_root(path)})")
+    _require_complete(path)
+    try:
+        verify_digests(path, device)
+    except DigestMismatch as e:
+        raise CheckpointError(f"checkpoint {path} is damaged: {e}{_previous(path.parent, _step_of(path))}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path / DIGEST_FILE}: {e}"
+                              f"{_previous(path.parent, _step_of(path))}") from None
     meta = read_meta(path)
+    comms = _read_json(path / COMMS_FILE)
+    same_layout = comms.get("layout") == _layout(handle)
     rank = dist.get_rank()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     try:
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        old_ranks = sorted(int(k.split(".", 1)[1]) for k in stored if k.startswith("rank_state."))
-        # Rank 0's blob says the checkpoint's layout to every rank alike; this rank's own, if
-        # the layout is the same, its counters and RNG.
-        state["rank_state"] = {str(r): b"" for r in {0, rank} if r in old_ranks}
+        # Only this rank's own blob, and only where its counters and RNG continue as they were.
+        own = same_layout and f"rank_state.{rank}" in stored
+        if own:
+            state["rank_state"] = {str(rank): b""}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        blobs = {int(r): _unpack(b, device) for r, b in state["rank_state"].items()}
-        if 0 in blobs and _same_layout(blobs[0], handle) and rank in blobs:
-            handle.load_state_dict(blobs[rank]["comms"])  # after the parameters: see its doc
-            _set_rng_state(blobs[rank]["rng"])
-            _load_replicas(path, stored, handle, device)
+        where = nonfinite_state(model, optimizer, device)
+        if where is not None:
+            raise CheckpointError(f"checkpoint {path} holds non-finite values ({where})"
+                                  f"{_previous(path.parent, _step_of(path))}")
+        if own:
+            blob = _unpack(state["rank_state"][str(rank)], device)
+            handle.load_state_dict(blob["comms"])  # after the parameters: see its doc
+            _set_rng_state(blob["rng"])
+            _load_replicas(path, stored, model, handle, device)
         else:
-            _continue_on_another_layout(path, old_ranks, handle, device)
+            _continue_on_another_layout(comms.get("continued"), handle)
+    except CheckpointError:
+        raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
         raise CheckpointError(f"cannot load checkpoint {path}: {_short(e)}") from None
     return meta
 
 
-def _unpack(blob: bytes, device: torch.device) -> dict[str, Any]:
-    return torch.load(io.BytesIO(blob), map_location=device, weights_only=False) if blob else {}
-
-
-def _continue_on_another_layout(path: Path, old_ranks: list[int], handle: Any, device: torch.device) -> None:
-    """The comm state after a load into another layout: counters past every old rank's (all
-    of their blobs read, a few KB each), replicas re-established exactly at the next gather."""
-    if old_ranks:
-        blobs: dict[str, Any] = {"rank_state": {str(r): b"" for r in old_ranks}}
-        dcp.load(blobs, checkpoint_id=str(path))
-        states = [_unpack(b, device).get("comms") for b in blobs["rank_state"].values()]
-        states = [s for s in states if s]
-        if states:
-            handle.load_state_dict(_continued_counters(states))
+def _continue_on_another_layout(continued: Any, handle: Any) -> None:
+    """The comm state after a load into another layout: counters past every old rank's (their
+    maximum, stored once in ``comms.json``), replicas re-established exactly at the next gather."""
+    if continued:
+        handle.load_state_dict(continued)
     handle.reset_replicas()
     for ag in handle.all_gathers:
         if ag.holds_replicas():

@@ -34,7 +34,7 @@ from qsdp.train.loop import train_worker
 from qsdp.train.preflight import Plan, preflight, prepare_dataset, require_packages
 
 __all__ = ["UsageError", "WorkerFailure", "EXIT_USAGE", "run_training", "launch", "plan_run",
-           "check_writable", "quiet_elastic_logs", "root_cause"]
+           "check_writable", "quiet_elastic_logs", "root_cause", "final_error"]
 
 EXIT_USAGE = 2
 
@@ -107,8 +107,23 @@ def plan_run(args: TrainArgs, nproc: int | None, *, prepare_data: bool,
     return preflight(args, world, data_id, config)
 
 
+def final_error(error_dir: str | Path) -> dict[str, Any] | None:
+    """The record of an earlier attempt's error that no restart can change, or ``None``: a bad
+    input or an unusable checkpoint (a user error a rank raised itself, not a peer's consequence)."""
+    for path in sorted(Path(error_dir).glob("rank*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(path.read_text(encoding="utf-8"))
+            if record.get("user") and not record.get("secondary"):
+                return record
+    return None
+
+
 def _worker_entry(args: TrainArgs, plan: Plan, error_dir: str) -> dict[str, Any] | None:
     """What each launched worker runs (top level, so the spawn start method can pickle it)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) and final_error(error_dir) is not None:
+        # The elastic agent restarts on any failure; this one would fail the same way again
+        # (--max-restarts is for crashes): end at once, and the launcher reports the error.
+        return None
     try:
         summary = train_worker(args, plan)
         return summary if int(os.environ.get("RANK", "0")) == 0 else None
@@ -189,6 +204,8 @@ def launch(args: TrainArgs, plan: Plan, max_restarts: int = 0) -> dict[str, Any]
     try:
         with quiet_elastic_logs():
             results = launch_local(_worker_entry, nproc, args, plan, str(error_dir), max_restarts=max_restarts)
+        if final_error(error_dir) is not None:  # the restart ended at once: report what it would repeat
+            raise root_cause(error_dir, {}, args.out)
     except ChildFailedError as e:
         raise root_cause(error_dir, e.failures, args.out) from None
     finally:

@@ -26,7 +26,7 @@ from qsdp.config import AUTO_PIPELINE_SLICES, QuantConfig
 from qsdp.extras import require
 from qsdp.hsdp import quantizes_only_replicas
 from qsdp.train.args import TrainArgs, TrainError, validate_args
-from qsdp.train.checkpoint import latest_checkpoint, read_meta
+from qsdp.train.checkpoint import latest_checkpoint, named_checkpoint, read_meta
 from qsdp.train.data import TokenDataset, get_tokenizer, load_corpus, require_default_corpus
 from qsdp.train.elastic import LAYOUT_FIELDS, RESUMABLE_CHANGES, resume_batch_size
 from qsdp.train.files import atomic_write
@@ -163,7 +163,10 @@ def check_out_dir(args: TrainArgs) -> None:
     if args.resume:
         return
     out = Path(args.out)
-    for name in (METRICS_FILE, "checkpoints/latest"):
+    # A checkpoint without `latest` is a run too: a fresh run's rotation would remove it.
+    steps = sorted(f"checkpoints/{p.name}" for p in (out / "checkpoints").glob("step_*")
+                   if p.is_dir() and p.name[5:].isdigit())
+    for name in (METRICS_FILE, "checkpoints/latest", *steps[-1:]):
         if (out / name).exists():
             raise TrainError(
                 f"--out {args.out} already holds a run ({name}); pass --resume to continue it "
@@ -240,9 +243,10 @@ def _check_identity(path: Path, meta: dict[str, Any], mine: dict[str, Any]) -> N
 
 def check_resume(args: TrainArgs, world_size: int, data_id: str | None = None,
                  config: QuantConfig | None = None) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint ``--resume`` continues from and its ``trainer.json``; TrainError if there
-    is none, if it was written by a different run, or if it is already at ``--steps``."""
-    path = latest_checkpoint(args.out)
+    """The checkpoint ``--resume`` continues from (``--resume-from``'s, else ``latest``) and its
+    ``trainer.json``; TrainError if there is none, if it was written by a different run, or if it
+    is already at ``--steps`` (CheckpointError if it is incomplete)."""
+    path = named_checkpoint(args.out, args.resume_from) if args.resume_from else latest_checkpoint(args.out)
     if path is None:
         raise TrainError(f"--resume: no checkpoint in {os.path.join(args.out, 'checkpoints')} "
                          "(checkpoints/latest is missing)")

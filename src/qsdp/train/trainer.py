@@ -71,7 +71,14 @@ from qsdp.train.args import (
     TrainArgs,
     lr_at,
 )
-from qsdp.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from qsdp.train.checkpoint import (
+    CheckpointError,
+    checkpoint_root,
+    latest_checkpoint,
+    load_checkpoint,
+    make_latest,
+    save_checkpoint,
+)
 from qsdp.train.data import TokenDataset
 from qsdp.train.elastic import samples_consumed
 from qsdp.train.faults import Faults
@@ -221,6 +228,9 @@ class Trainer:
             meta = load_checkpoint(plan.resume_from, self.model, self.optimizer, self.comms, device)
             self.load_state_dict(meta)
             self.start_step = self.state.step
+            if self.rank == 0 and plan.resume_from.parent.resolve() == checkpoint_root(args.out).resolve():
+                make_latest(plan.resume_from)  # --resume-from: a restart continues from it too
+        self.skipped_at_start = self.state.nonfinite_skipped
         if self.rank == 0 and (plan.resume_from is not None or plan.restarted):
             drop_records_after(args.out, self.start_step)
         self.tokens_per_step = args.batch_size * args.seq_len * self.world
@@ -376,6 +386,7 @@ class Trainer:
                 self.maybe_evaluate(step)
             if self.start_step >= args.steps:
                 self._final_evaluation_only()
+            self._require_progress()
         except RuntimeError as e:
             if isinstance(e, (NonFiniteGradientError, PeerError)) or "timed out" not in str(e).lower():
                 raise
@@ -388,6 +399,17 @@ class Trainer:
                 self.bar.close()
             self.writer.close()
         return self.summary()
+
+    def _require_progress(self) -> None:
+        """A run whose every step since its start or resume was skipped trained nothing (its
+        weights may be damaged in a way no check saw): it fails instead of ending as done."""
+        ran = self.args.steps - self.start_step
+        if ran > 0 and self.state.nonfinite_skipped - self.skipped_at_start == ran:
+            since = f"the resume from step {self.start_step}" if self.start_step else "the start"
+            raise NonFiniteGradientError(
+                f"every step since {since} (steps {self.start_step + 1}-{self.args.steps}) had non-finite "
+                f"gradients (NaN/Inf) and was skipped: nothing was trained; the last checkpoint is "
+                f"{latest_name(self.args.out)}")
 
     def _final_evaluation_only(self) -> None:
         # A restart after the final checkpoint: only the final evaluation is left.

@@ -1,0 +1,180 @@
+"""What makes a checkpoint trustworthy before it is loaded: a SHA-256 digest of every file,
+written when the save is complete and checked before anything is read, and a check that the
+model and optimizer state are finite.
+
+``digests.json`` (in the checkpoint directory)::
+
+    {"algorithm": "sha256", "state_finite": true,
+     "files": {".metadata": {"sha256": "...", "bytes": 1234}, "__0_0.distcp": {...}, ...}}
+
+Every file of the checkpoint but ``digests.json`` itself is listed. Each rank hashes the DCP
+files it wrote itself (``__{rank}_*``, still in the page cache), rank 0 the rest (``.metadata``,
+``trainer.json``, ``comms.json``), and rank 0 writes the list. At load, the files are split
+round-robin over the ranks, each rank hashes its part, and one all-reduce agrees on the first
+file that is missing, has another size or another digest, so every rank raises the same error.
+
+``state_finite``: whether every floating-point tensor of the saved model and optimizer state was
+finite. Rotation keeps the newest checkpoint where it is ``true`` (:mod:`qsdp.train.checkpoint`).
+
+Not detected: a consistent rewrite (files and ``digests.json`` changed together), and a state
+that was already wrong but finite when it was saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+__all__ = ["DIGEST_FILE", "DigestMismatch", "file_digest", "write_digests", "read_digests", "verify_digests",
+           "nonfinite_state", "state_verified"]
+
+DIGEST_FILE = "digests.json"
+_CHUNK = 1 << 20
+_RANK_FILE = re.compile(r"^__(\d+)[_.]")
+# Why a file failed, in the order an all-reduce MIN prefers them.
+_REASONS = ("is missing", "cannot be read", "has another size than at save",
+            "does not match its digest (sha256) written at save")
+
+
+class DigestMismatch(Exception):
+    """A checkpoint file that is not the one written at save; ``file`` names it."""
+
+    def __init__(self, file: str, reason: str) -> None:
+        super().__init__(f"{file} {reason}")
+        self.file, self.reason = file, reason
+
+
+def file_digest(path: str | os.PathLike) -> tuple[str, int]:
+    """``(sha256 hex, size in bytes)`` of a file, read in 1 MiB chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def _writer(name: str) -> int:
+    """The rank that hashes ``name`` at save: DCP's per-rank files their writer's, others 0's."""
+    m = _RANK_FILE.match(name)
+    return int(m.group(1)) if m else 0
+
+
+def write_digests(directory: str | os.PathLike, state_finite: bool) -> None:
+    """Collective, after every file of the checkpoint in ``directory`` was written: hash them
+    (each rank its own) and write ``digests.json`` on rank 0."""
+    directory, rank = Path(directory), dist.get_rank()
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != DIGEST_FILE)
+    mine = {}
+    for name in names:
+        if _writer(name) == rank:
+            digest, size = file_digest(directory / name)
+            mine[name] = {"sha256": digest, "bytes": size}
+    parts: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
+    dist.gather_object(mine, parts if rank == 0 else None, dst=0)
+    if rank == 0:
+        files = {name: entry for part in parts for name, entry in part.items()}
+        missing = [n for n in names if n not in files]
+        for name in missing:  # a file no rank claimed (another writer's naming): rank 0 hashes it
+            digest, size = file_digest(directory / name)
+            files[name] = {"sha256": digest, "bytes": size}
+        with open(directory / DIGEST_FILE, "w", encoding="utf-8") as f:
+            json.dump({"algorithm": "sha256", "state_finite": bool(state_finite),
+                       "files": dict(sorted(files.items()))}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_digests(directory: str | os.PathLike) -> dict[str, Any]:
+    """The ``digests.json`` of a checkpoint; ValueError/OSError when unreadable or malformed."""
+    data = json.loads((Path(directory) / DIGEST_FILE).read_text(encoding="utf-8"))
+    files = data.get("files") if isinstance(data, dict) else None
+    if (not isinstance(files, dict) or data.get("algorithm") != "sha256"
+            or not all(isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("bytes"), int)
+                       for e in files.values())):
+        raise ValueError(f"{DIGEST_FILE} is not a sha256 digest list")
+    return data
+
+
+def state_verified(directory: str | os.PathLike) -> bool:
+    """Whether a checkpoint has a digest list saying its state was finite when saved."""
+    try:
+        return read_digests(directory).get("state_finite") is True
+    except (OSError, ValueError):
+        return False
+
+
+def _check_file(path: Path, entry: dict[str, Any]) -> int | None:
+    """The index in ``_REASONS`` of what is wrong with ``path``, or ``None``."""
+    if not path.is_file():
+        return 0
+    try:
+        size = path.stat().st_size
+        digest = file_digest(path)[0] if size == entry["bytes"] else None
+    except OSError:
+        return 1
+    if size != entry["bytes"]:
+        return 2
+    return None if digest == entry["sha256"] else 3
+
+
+def verify_digests(directory: str | os.PathLike, device: torch.device) -> None:
+    """Collective: raise :class:`DigestMismatch` on every rank when a file listed in
+    ``digests.json`` is missing, has another size or another digest (each rank hashes every
+    ``world``-th file; one all-reduce on ``device``). ``digests.json`` must be readable."""
+    directory = Path(directory)
+    files = read_digests(directory)["files"]
+    names = sorted(files)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    worst = len(names) * len(_REASONS)  # "nothing wrong" sorts after every failure
+    for index in range(rank, len(names), world):
+        reason = _check_file(directory / names[index], files[names[index]])
+        if reason is not None:
+            worst = index * len(_REASONS) + reason
+            break
+    code = torch.tensor([worst], dtype=torch.int64, device=device)
+    dist.all_reduce(code, op=dist.ReduceOp.MIN)
+    found = int(code.item())
+    if found < len(names) * len(_REASONS):
+        index, reason = divmod(found, len(_REASONS))
+        raise DigestMismatch(names[index], _REASONS[reason])
+
+
+def _local(tensor: Any) -> torch.Tensor | None:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local if isinstance(local, torch.Tensor) and local.is_floating_point() else None
+
+
+def nonfinite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                    device: torch.device) -> str | None:
+    """Collective: ``None`` when every floating-point tensor of this model's parameters and
+    optimizer state is finite on every rank, else where the first non-finite one is
+    (``"rank R: NAME"``, the same string on every rank). One host read and one all-reduce when
+    all is finite."""
+    names, flags = [], []
+    for name, param in model.named_parameters():
+        tensors = [(name, param)]
+        if optimizer is not None:
+            tensors += [(f"{name} (optimizer {key})", v) for key, v in optimizer.state.get(param, {}).items()]
+        for label, tensor in tensors:
+            local = _local(tensor.detach() if isinstance(tensor, torch.Tensor) else tensor)
+            if local is not None and local.numel():
+                names.append(label)
+                flags.append(torch.isfinite(local).all().logical_not().to(device))
+    bad = [names[i] for i, f in enumerate(torch.stack(flags).tolist()) if f] if flags else []
+    count = torch.tensor([len(bad)], dtype=torch.int64, device=device)
+    dist.all_reduce(count)
+    if not int(count.item()):
+        return None
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, bad[0] if bad else None)
+    rank, first = next((r, b) for r, b in enumerate(everyone) if b is not None)
+    return f"rank {rank}: {first}"

@@ -1,0 +1,225 @@
+"""A checkpoint is verified before it is trusted: every file against the digest written at save,
+the loaded state for finite values, the rank blobs as plain data; rotation keeps the newest
+checkpoint saved with a finite state; a checkpoint that cannot be used is one line naming the
+file and the previous complete checkpoint."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+import qsdp
+import fsdp_models as fm
+from distributed import run_world
+from qsdp.train.checkpoint import (
+    CHECKPOINT_DIR,
+    LATEST_FILE,
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    named_checkpoint,
+    save_checkpoint,
+    step_dirname,
+)
+from qsdp.train.integrity import DIGEST_FILE, read_digests
+
+pytestmark = pytest.mark.timeout(240)
+CPU = torch.device("cpu")
+
+
+def _train(model, opt, first, count, rank):
+    for step in range(first, first + count):
+        x, y = fm.batch(step, rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _save_run(rank, world, out, poison_after):
+    """Checkpoints of steps 1, 2, 3 (keep 2), a training step before each; from step
+    ``poison_after`` on, no more training and one weight NaN."""
+    model = fm.build()
+    handle = qsdp.quantize_comms(model, "sdp4bit")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in (1, 2, 3):
+        if poison_after is None or step < poison_after:
+            _train(model, opt, step - 1, 1, rank)
+        if step == poison_after:
+            with torch.no_grad():
+                model.blocks[0].fc1.weight.to_local().fill_(float("nan"))
+        save_checkpoint(out, step, model, opt, handle, meta={"mine": step}, keep=2)
+
+
+def _load(rank, world, path):
+    model = fm.build(seed=5)
+    handle = qsdp.quantize_comms(model, "sdp4bit")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    try:
+        return load_checkpoint(path, model, opt, handle, CPU)
+    except CheckpointError as e:
+        return str(e)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A run directory with the complete checkpoints of steps 2 and 3 (2 ranks)."""
+    out = tmp_path_factory.mktemp("good")
+    run_world(_save_run, 2, str(out), None, timeout=120)
+    return out
+
+
+def _copy(good, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(good, out)
+    return out
+
+
+def _flip_a_byte_inside_a_weight(step_dir, file_prefix="__1_"):
+    """Flip the lowest bit of one float of a model weight inside its .distcp payload (the
+    value changes by one unit in the last place; the file keeps its size). Returns the file."""
+    metadata = FileSystemReader(str(step_dir)).read_metadata()
+    index, info = next((i, s) for i, s in metadata.storage_data.items()
+                       if i.fqn.startswith("model.") and i.fqn.endswith("weight")
+                       and s.relative_path.startswith(file_prefix))
+    path = step_dir / info.relative_path
+    data = bytearray(path.read_bytes())
+    item = bytes(data[info.offset:info.offset + info.length])
+    values = torch.load(io.BytesIO(item), weights_only=True).numpy().tobytes()
+    at = info.offset + item.index(values) + 4 * 3  # the 4th float's least significant byte
+    data[at] ^= 1
+    size = path.stat().st_size
+    path.write_bytes(bytes(data))
+    assert path.stat().st_size == size
+    return path
+
+
+def test_a_byte_flipped_inside_a_payload_is_refused_naming_the_file_and_the_previous_checkpoint(good, tmp_path):
+    out = _copy(good, tmp_path)
+    step3 = out / CHECKPOINT_DIR / step_dirname(3)
+    damaged = _flip_a_byte_inside_a_weight(step3)
+    for message in run_world(_load, 2, str(step3), timeout=90):
+        assert message == (f"checkpoint {step3} is damaged: {damaged.name} does not match its digest (sha256) "
+                           "written at save; the previous complete checkpoint is step_00000002 "
+                           "(qsdp train: --resume-from step_00000002)")
+    # The one it names loads.
+    assert [m["mine"] for m in run_world(_load, 2, str(named_checkpoint(out, "step_00000002")), timeout=90)] == [2, 2]
+
+
+def test_a_rank_blob_that_would_run_code_is_refused(tmp_path, monkeypatch):
+    """A checkpoint from an untrusted source whose rank blob is a pickle that calls ``open``
+    (digests rewritten to match: a consistent rewrite is not detected) is refused when the
+    blob is read, and the code never runs."""
+    import qsdp.train.checkpoint as ckpt
+
+    marker = tmp_path / "the blob ran code"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    def evil_blob(handle):
+        buf = io.BytesIO()
+        torch.save({"comms": Evil(), "rng": {}}, buf)
+        return buf.getvalue()
+
+    monkeypatch.setattr(ckpt, "_rank_blob", evil_blob)  # the forked rank writes the untrusted checkpoint
+    run_world(_save_one, 1, str(tmp_path / "run"), timeout=90)
+    monkeypatch.undo()
+    step = tmp_path / "run" / CHECKPOINT_DIR / step_dirname(1)
+    for message in run_world(_load, 1, str(step), timeout=90):
+        assert message.startswith(f"cannot load checkpoint {step}: UnpicklingError: Weights only load failed")
+    assert not marker.exists()
+
+
+def _save_one(rank, world, out):
+    model = fm.build()
+    handle = qsdp.quantize_comms(model, "sdp4bit")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train(model, opt, 0, 1, rank)
+    save_checkpoint(out, 1, model, opt, handle, meta={})
+
+
+def test_rotation_keeps_the_newest_checkpoint_saved_with_finite_state(tmp_path):
+    """Steps 1, 2, 3 with keep 2, a weight NaN from step 2 on: step 1, the newest whose state
+    was finite, stays beside the newest two; loading step 3 names the NaN tensor and step 1."""
+    out = tmp_path / "run"
+    run_world(_save_run, 1, str(out), 2, timeout=120)
+    root = out / CHECKPOINT_DIR
+    assert sorted(p.name for p in root.iterdir()) == [LATEST_FILE, "step_00000001", "step_00000002",
+                                                      "step_00000003"]
+    assert [read_digests(root / step_dirname(s))["state_finite"] for s in (1, 2, 3)] == [True, False, False]
+    step3 = root / step_dirname(3)
+    for message in run_world(_load, 1, str(step3), timeout=90):
+        assert message == (f"checkpoint {step3} holds non-finite values (rank 0: blocks.0.fc1.weight); the "
+                           "previous complete checkpoint is step_00000001 (qsdp train: --resume-from step_00000001)")
+
+
+def test_a_latest_naming_a_missing_directory_names_the_previous_complete_checkpoint(good, tmp_path):
+    out = _copy(good, tmp_path)
+    shutil.rmtree(out / CHECKPOINT_DIR / step_dirname(3))
+    latest = out / CHECKPOINT_DIR / LATEST_FILE
+    with pytest.raises(CheckpointError) as e:
+        latest_checkpoint(out)
+    assert str(e.value) == (f"{latest} names step_00000003, which does not exist; the previous complete "
+                            "checkpoint is step_00000002 (qsdp train: --resume-from step_00000002)")
+
+
+def test_a_missing_latest_beside_complete_checkpoints_names_the_newest(good, tmp_path):
+    out = _copy(good, tmp_path)
+    root = out / CHECKPOINT_DIR
+    (root / LATEST_FILE).unlink()
+    with pytest.raises(CheckpointError) as e:
+        latest_checkpoint(out)
+    assert str(e.value) == (f"{root / LATEST_FILE} is missing, but {root} holds complete checkpoints "
+                            "(newest step_00000003): resume from it with --resume-from step_00000003")
+
+
+def test_an_incomplete_checkpoint_names_the_previous_complete_one(good, tmp_path):
+    out = _copy(good, tmp_path)
+    step3 = out / CHECKPOINT_DIR / step_dirname(3)
+    (step3 / DIGEST_FILE).unlink()
+    with pytest.raises(CheckpointError) as e:  # found before any collective
+        load_checkpoint(step3, None, None, None, CPU)
+    for message in [str(e.value)]:
+        assert message == (f"checkpoint {step3} is incomplete: {DIGEST_FILE} is missing; the previous complete "
+                           "checkpoint is step_00000002 (qsdp train: --resume-from step_00000002)")
+
+
+def test_digests_cover_every_file_of_a_checkpoint(good):
+    step3 = good / CHECKPOINT_DIR / step_dirname(3)
+    listed = read_digests(step3)["files"]
+    assert sorted(listed) == sorted(p.name for p in step3.iterdir() if p.name != DIGEST_FILE)
+    assert {".metadata", "trainer.json", "comms.json", "__0_0.distcp", "__1_0.distcp"} <= set(listed)
+    assert all(entry["bytes"] == (step3 / name).stat().st_size for name, entry in listed.items())
+
+
+def test_the_counters_maximum_is_stored_once_beside_one_blob_a_rank(good):
+    """comms.json holds the layout and every counter's maximum over the ranks, each "changed"
+    flag set (what a resume on another layout continues from, reading no rank blob)."""
+    step3 = good / CHECKPOINT_DIR / step_dirname(3)
+    comms = json.loads((step3 / "comms.json").read_text())
+    assert comms["layout"] == {"world_size": 2, "shard_group": 2, "replicas": 1}
+    assert [g["calls"] for g in comms["continued"]["reduce_scatter"].values()] == [3, 3, 3]  # 3 steps
+    assert all(g["changed"] is True for g in comms["continued"]["all_gather"].values())
+    keys = FileSystemReader(str(step3)).read_metadata().state_dict_metadata
+    assert sorted(k for k in keys if k.startswith("rank_state.")) == ["rank_state.0", "rank_state.1"]
+
+
+def test_a_fresh_run_refuses_a_directory_holding_checkpoints_without_latest(good, tmp_path):
+    """Its rotation would remove them: the directory holds a run even without `latest`."""
+    from qsdp.train.args import TrainArgs, TrainError
+    from qsdp.train.preflight import check_out_dir
+
+    out = _copy(good, tmp_path)
+    (out / CHECKPOINT_DIR / LATEST_FILE).unlink()
+    with pytest.raises(TrainError) as e:
+        check_out_dir(TrainArgs(out=str(out)))
+    assert str(e.value) == (f"--out {out} already holds a run (checkpoints/step_00000003); pass --resume to "
+                            "continue it or choose another --out")
