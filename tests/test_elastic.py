@@ -277,27 +277,75 @@ def _cli(argv, capsys) -> tuple[int, list[str]]:
     return rc, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
-def test_a_resume_on_another_layout_keeps_the_global_batch(tmp_path, corpus):
+def test_a_resume_on_another_layout_keeps_the_global_batch_in_micro_batches_no_larger(tmp_path, corpus):
     from qsdp.train.preflight import preflight
 
-    _written_by(tmp_path, corpus, 4, batch_size=8, local_world_size=2)
-    for world, lws, per_rank in ((2, 1, 16), (8, 4, 4), (4, 4, 8)):
-        plan = preflight(_args(tmp_path, corpus, batch_size=8, local_world_size=lws, resume=True), world)
-        assert plan.resume_from.name == "step_00000002" and plan.batch_size == per_rank
-    plan = preflight(_args(tmp_path, corpus, batch_size=3, new_global_batch=True, resume=True), 2)
-    assert plan.batch_size == 3
+    _written_by(tmp_path, corpus, 4, batch_size=8, local_world_size=2)  # 32 a step
+    cases = {3: ((11, 11, 10), 2), 2: ((16, 16), 2), 1: ((32,), 4), 5: ((7, 7, 6, 6, 6), 1), 8: ((4,) * 8, 1)}
+    for world, (counts, accumulation) in cases.items():
+        args = _args(tmp_path, corpus, batch_size=8, local_world_size=1, resume=True)
+        plan = preflight(args, world)
+        split = plan.batch_split(plan.run_args(args))
+        assert plan.resume_from.name == "step_00000002" and (split.counts, split.accumulation) == (counts, accumulation)
+        assert max(max(split.micro_sizes(r)) for r in range(world)) <= 8  # each rank had 8
+        assert [sum(split.micro_sizes(r)) for r in range(world)] == list(counts)
+        assert plan.identity(plan.run_args(args))["global_batch"] == 32
+    args = _args(tmp_path, corpus, batch_size=3, new_global_batch=True, resume=True)
+    plan = preflight(args, 2)
+    assert plan.batch_split(plan.run_args(args)).counts == (3, 3)
 
 
-def test_a_number_of_ranks_that_cannot_keep_the_global_batch_is_refused_in_one_line(tmp_path, corpus, capsys):
-    _written_by(tmp_path, corpus, 4, batch_size=8)
-    argv = ["train", "--data", corpus, "--out", str(tmp_path), "--model", "tiny", "--preset", "sdp4bit",
+def _refusal_argv(out, corpus) -> list[str]:
+    return ["train", "--data", corpus, "--out", str(out), "--model", "tiny", "--preset", "sdp4bit",
             "--steps", "9", "--decay-steps", "9", "--batch-size", "8", "--seq-len", "16", "--eval-every", "0",
-            "--eval-batches", "2", "--ckpt-every", "3", "--keep-checkpoints", "0", "--lr", "3e-3",
-            "--no-progress", "--resume", "--nproc", "3"]
-    rc, lines = _cli(argv, capsys)
+            "--eval-batches", "2", "--ckpt-every", "3", "--keep-checkpoints", "0", "--lr", "3e-3", "--no-progress"]
+
+
+def test_a_global_batch_smaller_than_the_ranks_is_refused_once_before_any_worker_starts(tmp_path, corpus, capsys):
+    _written_by(tmp_path, corpus, 2, batch_size=1)  # 2 a step
+    rc, lines = _cli([*_refusal_argv(tmp_path, corpus), "--resume", "--nproc", "3", "--max-restarts", "2"], capsys)
     assert rc == 2 and len(lines) == 1, lines
-    assert "a global batch of 32 sequences, which 3 ranks cannot split evenly" in lines[0]
-    assert "--new-global-batch" in lines[0]
+    assert "a global batch of 2 sequences, fewer than the 3 ranks (each needs at least one)" in lines[0]
+    assert "resume on at most 2 ranks, or pass --new-global-batch" in lines[0]
+    assert not (tmp_path / "torchrun_job").exists()  # no worker ran
+
+
+def test_a_running_job_restarted_on_more_ranks_than_its_global_batch_is_not_refused(tmp_path, corpus, monkeypatch):
+    """Refused there, the restart would fail again at every one of the agent's restarts."""
+    from qsdp.train.preflight import preflight, record_job
+
+    _written_by(tmp_path, corpus, 2, batch_size=1)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    record_job(str(tmp_path))  # the job trained here before it grew to 3 ranks
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    args = _args(tmp_path, corpus, batch_size=1)
+    plan = preflight(args, 3)
+    split = plan.batch_split(plan.run_args(args))
+    assert plan.restarted and plan.resume_from.name == "step_00000002"
+    assert split.counts == (1, 1, 0) and split.idle_ranks() == 1
+
+
+def _four_ranks_then_stop(rank, world, args):
+    from qsdp.train.loop import train_worker
+
+    return train_worker(args)["global_batch"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_qsdp_train_resumes_a_4_rank_checkpoint_of_32_a_step_on_3_ranks(tmp_path, corpus, capsys):
+    """The command line, as a user meets it: 32 sequences a step on 4 ranks, resumed with
+    ``--nproc 3`` (once refused: 3 ranks cannot split 32 evenly)."""
+    argv = [*_refusal_argv(tmp_path, corpus), "--steps", "3", "--decay-steps", "3", "--ckpt-every", "2"]
+    first = _args(tmp_path, corpus, steps=2, decay_steps=3, batch_size=8, ckpt_every=2)
+    assert run_world(_four_ranks_then_stop, 4, first, timeout=120) == [32] * 4
+    rc, lines = _cli([*argv, "--resume", "--nproc", "3"], capsys)
+    assert rc == 0, lines
+    summary = __import__("json").loads((tmp_path / "summary.json").read_text())
+    assert (summary["start_step"], summary["world_size"], summary["global_batch"]) == (2, 3, 32)
+    assert (summary["rank_batches"], summary["micro_batch"], summary["accumulation_steps"]) == ([11, 11, 10], 8, 2)
+    assert read_meta(latest_checkpoint(tmp_path))["samples"] == 3 * 32
+    assert len(_losses(tmp_path)) == 3
 
 
 def test_a_resume_still_refuses_another_model_config_data_or_seed_naming_what_may_change(tmp_path, corpus):
