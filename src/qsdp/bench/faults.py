@@ -3,8 +3,8 @@ the emulated cluster, and whether the job survives them on the same trajectory.
 
 ``qsdp train`` runs as ``--nodes`` emulated nodes (2 by default) x ``--ranks-per-node`` ranks
 (2): the network namespaces and links of :mod:`qsdp.bench.cluster`, one torchrun agent per node
-with ``--max-restarts``, c10d rendezvous on node 0, checkpoints every ``--ckpt-every`` steps. Once the job has logged ``--fault-step``,
-one fault is injected per case:
+with ``--max-restarts``, c10d rendezvous on node 0, checkpoints every ``--ckpt-every`` steps.
+Once the job has logged ``--fault-step``, one fault is injected per case:
 
 ``link-down``
     The inter-node link goes down (both veth ends) for ``--outage`` seconds. Every collective
@@ -650,8 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     result["meta"] = {"command": "qsdp bench faults " + " ".join(argv if argv is not None else sys.argv[1:]),
                       "torch": torch.__version__,
-                      "device": f"cpu (gloo), {job.nodes} network namespaces x {job.ranks_per_node} ranks on one machine "
-                                f"with {os.cpu_count()} CPUs",
+                      "device": f"cpu (gloo), {job.nodes} network namespaces x {job.ranks_per_node} ranks on one "
+                                f"machine with {os.cpu_count()} CPUs",
                       "date": time.strftime("%Y-%m-%d")}
     rc = emit(result, as_json=a.json, save=a.save, format_text=format_table)
     return rc if result["all_ok"] else 1
