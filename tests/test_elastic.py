@@ -425,3 +425,27 @@ def test_hsdp_resumed_from_2_replicas_to_1_and_back_keeps_the_state_exact(tmp_pa
     _check_loaded(two, run / "checkpoints" / "step_00000006", tmp_path)
     a, b = _losses(ref), _losses(run)
     assert a[:3] == b[:3] and max(abs(x - y) for x, y in zip(a, b)) < LOSS_GAP, (a, b)
+
+
+# --------------------------------------------------------------------------- a node lost under torchrun
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_node_lost_on_3_emulated_nodes_leaves_2_that_keep_the_global_batch():
+    """`qsdp bench faults --cases node-lost --nodes 3`: torchrun agents in network namespaces,
+    node 1 killed for good; the 2 nodes left resume and finish with 9 a step as 5 and 4 in 2
+    micro-batches of at most the 3 each rank drew, close to the uninterrupted run."""
+    from qsdp.bench.cluster import missing_requirements
+    from qsdp.bench.faults import VAL_LOSS_TOLERANCE, FaultJob, run_cases
+
+    missing = missing_requirements()
+    if missing:
+        pytest.skip("needs " + "; ".join(missing))
+    job = FaultJob(nodes=3, ranks_per_node=1, batch_size=3, steps=10, ckpt_every=2, fault_step=4, timeout_s=5.0,
+                   outage_s=8.0, deadline_s=400.0)
+    result = run_cases(["node-lost"], job, log=lambda msg: None)
+    (row,) = result["cases"]
+    assert (row["final_nodes"], row["final_global_batch"], row["final_rank_batches"]) == (2, 9, [5, 4])
+    assert row["final_accumulation_steps"] == 2 and row["restarts"] == 1
+    assert abs(row["val_loss_diff"]) < VAL_LOSS_TOLERANCE and row["ok"] and result["namespaces_left"] == []
