@@ -1,10 +1,10 @@
 """``qsdp bench faults``: faults between nodes, injected into a real multi-node training job on
 the emulated cluster, and whether the job survives them on the same trajectory.
 
-``qsdp train`` runs as 2 emulated nodes x 2 ranks: the network namespaces and veth link of
-:mod:`qsdp.bench.cluster`, one torchrun agent per node with ``--max-restarts``, c10d rendezvous
-on node 0, checkpoints every ``--ckpt-every`` steps. Once the job has logged ``--fault-step``,
-one fault is injected per case:
+``qsdp train`` runs as ``--nodes`` emulated nodes (2 by default) x ``--ranks-per-node`` ranks
+(2): the network namespaces and links of :mod:`qsdp.bench.cluster`, one torchrun agent per node
+with ``--max-restarts``, c10d rendezvous on node 0, checkpoints every ``--ckpt-every`` steps.
+Once the job has logged ``--fault-step``, one fault is injected per case:
 
 ``link-down``
     The inter-node link goes down (both veth ends) for ``--outage`` seconds. Every collective
@@ -21,14 +21,16 @@ one fault is injected per case:
     (:func:`qsdp.train.preflight.rejoins_job`).
 ``node-lost``
     Every process of node 1 is killed and no node replaces it. The agents were started as an
-    elastic job of 1 to 2 nodes (torchrun ``--nnodes 1:2``): node 0's agent restarts its
-    workers, the rendezvous closes with node 0 alone, and the 2 ranks left resume from the last
-    checkpoint on the new layout (the global batch kept: twice the sequences per rank), to
-    the end. Not bit for bit: the final loss is compared with the reference's.
+    elastic job of 1 to N nodes (torchrun ``--nnodes 1:N``): the other agents restart their
+    workers, the rendezvous closes with the N - 1 nodes left, and their ranks resume from the
+    last checkpoint on the new layout, to the end. The global batch is kept
+    (:mod:`qsdp.train.elastic`): shares that may differ by one sequence, drawn in micro-batches
+    no larger than each rank's batch before (3 nodes x 1 rank at 3 a rank: 9 a step, then 5 and
+    4 in 2 micro-batches each). Not bit for bit: the final loss is compared with the reference's.
 ``node-returns``
     As ``node-lost``; once the one-node group has logged ``--return-after`` steps, node 1's
     agent starts again. Node 0's agent sees a node waiting, stops its workers (a membership
-    change, not a failure), and the job resumes on 2 nodes from the last checkpoint.
+    change, not a failure), and the job resumes on all N nodes from the last checkpoint.
 ``slow-link``
     The link is shaped to ``--slow-rate`` for ``--slow-for`` seconds: netem with
     ``--slow-delay-ms`` of delay and ``--slow-loss`` percent of loss where the kernel has
@@ -115,6 +117,7 @@ class FaultJob:
     # the new agent's start and the rendezvous (about 6 s here), or the job ends on one node.
     return_after_steps: int = 2
     last_call_s: float = 10.0  # elastic cases: the rendezvous waits this long for more nodes
+    nodes: int = 2
     ranks_per_node: int = 2
     seq_len: int = 64
     batch_size: int = 4
@@ -123,6 +126,9 @@ class FaultJob:
     def problems(self) -> list[str]:
         """What is wrong with these settings (empty: nothing)."""
         out = []
+        if self.nodes < 2 or self.ranks_per_node < 1 or self.batch_size < 1:
+            out.append(f"--nodes {self.nodes} must be at least 2, --ranks-per-node {self.ranks_per_node} and "
+                       f"--batch-size {self.batch_size} at least 1")
         if not 1 <= self.fault_step < self.steps:
             out.append(f"--fault-step {self.fault_step} must be between 1 and --steps - 1 ({self.steps - 1})")
         if self.ckpt_every < 1 or self.ckpt_every > self.fault_step:
@@ -308,7 +314,7 @@ class _Timeline:
     first_step_after_restart: int | None = None
     steps_after_restart: int = 0  # steps the restarted group has logged
     returned_s: float | None = None  # node-returns: the node's new agent started
-    regrouped_s: float | None = None  # ... and its workers started: the group of 2 nodes formed
+    regrouped_s: float | None = None  # ... and its workers started: the whole group formed
     last_step_before_regrow: int | None = None
     regrown_s: float | None = None  # ... and it logged its first step
     worker_exits: dict[int, float] = field(default_factory=dict)  # pid -> seconds after the fault
@@ -321,18 +327,19 @@ def _due(when: Any, now: float, tl: _Timeline) -> bool:
 
 def _follow_regrow(run: TrainingJob, tl: _Timeline, records: list[dict[str, Any]], new: list[dict[str, Any]],
                    now: float, case: str, log: Callable[[str], None]) -> None:
-    """node-returns: when the returned node's workers start (the 2-node group has formed; the
-    one-node group was stopped before) and when that group logs its first step."""
+    """node-returns: when the returned node's workers start (the whole group has formed; the
+    smaller group was stopped before) and when that group logs its first step."""
     if tl.returned_s is None or tl.regrown_s is not None:
         return
     if tl.regrouped_s is None:
         if run.workers(REPLACED_NODE):
             tl.regrouped_s = now
             tl.last_step_before_regrow = max((r["step"] for r in records), default=0)
-            log(f"[{case}] +{now:.1f} s: node {REPLACED_NODE}'s workers started (the group of 2 nodes)")
+            log(f"[{case}] +{now:.1f} s: node {REPLACED_NODE}'s workers started "
+                f"(the group of {run.cluster.nodes} nodes)")
     elif new:
         tl.regrown_s = now
-        log(f"[{case}] +{now:.1f} s: the group of 2 nodes logged step {new[0]['step']}")
+        log(f"[{case}] +{now:.1f} s: the group of {run.cluster.nodes} nodes logged step {new[0]['step']}")
 
 
 def _wait_for_step(run: TrainingJob, step: int, deadline: float) -> int:
@@ -405,7 +412,8 @@ def _final_state(run: TrainingJob) -> dict[str, Any]:
     return {"losses": [r["loss"] for r in records], "step_times_s": [r["step_time_s"] for r in records],
             **{k: summary.get(k) for k in ("final_train_loss", "final_val_loss", "final_weights_sha256",
                                            "final_optimizer_sha256", "start_step", "restarts", "steps",
-                                           "nodes", "world_size")}}
+                                           "nodes", "world_size", "global_batch", "rank_batches",
+                                           "accumulation_steps")}}
 
 
 def _compare(state: dict[str, Any], ref: dict[str, Any]) -> dict[str, bool]:
@@ -477,7 +485,10 @@ def _case_row(case: str, res: dict[str, Any], ref: dict[str, Any], job: FaultJob
         "slowed_step_s": _slowed_step(case, tl, res["step_times_s"]),
     }
     row.update(final_train_loss=res["final_train_loss"], final_nodes=res["nodes"],
-               val_loss_diff=res["final_val_loss"] - ref["final_val_loss"])
+               val_loss_diff=res["final_val_loss"] - ref["final_val_loss"],
+               # the batch of the group that finished: the reference's global batch, its shares
+               final_global_batch=res["global_batch"], final_rank_batches=res["rank_batches"],
+               final_accumulation_steps=res["accumulation_steps"])
     if case == "node-returns":
         row.update(
             regrow_s=(tl.regrown_s - tl.returned_s if tl.regrown_s is not None and tl.returned_s is not None
@@ -490,7 +501,8 @@ def _case_row(case: str, res: dict[str, Any], ref: dict[str, Any], job: FaultJob
     same_trajectory = row["matched"]
     if case in ELASTIC_CASES:  # another layout after the fault: the curve continues, not the bits
         same_trajectory = (abs(row["val_loss_diff"]) < VAL_LOSS_TOLERANCE
-                           and row["final_nodes"] == (1 if case == "node-lost" else 2)
+                           and row["final_global_batch"] == ref["global_batch"]
+                           and row["final_nodes"] == (job.nodes - 1 if case == "node-lost" else job.nodes)
                            and (case == "node-lost" or row["regrow_s"] is not None))
     row["ok"] = (same_trajectory and row["left_behind_processes"] == 0 and row["restarts"] == expected_restarts
                  and row["detected_within_bound"] is not False)
@@ -499,7 +511,7 @@ def _case_row(case: str, res: dict[str, Any], ref: dict[str, Any], job: FaultJob
 
 def run_cases(cases: Sequence[str] = CASES, job: FaultJob = FaultJob(), log=None,
               logs_dir: str | None = None) -> dict[str, Any]:
-    """Bring up 2 emulated nodes, run the reference and every case, tear everything down;
+    """Bring up ``job.nodes`` emulated nodes, run the reference and every case, tear everything down;
     ``logs_dir``: keep every agent's log there."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     problems = missing_requirements() + job.problems()
@@ -512,7 +524,7 @@ def run_cases(cases: Sequence[str] = CASES, job: FaultJob = FaultJob(), log=None
         problems.append(str(e))
     if problems:
         raise ClusterError("qsdp bench faults: " + "; ".join(problems))
-    emu = _Emulation(2, Job(ranks_per_node=job.ranks_per_node), log)
+    emu = _Emulation(job.nodes, Job(ranks_per_node=job.ranks_per_node), log)
     rows = []
     with emu:
         namespaces = list(emu.cluster.namespaces)
@@ -525,7 +537,7 @@ def run_cases(cases: Sequence[str] = CASES, job: FaultJob = FaultJob(), log=None
             log(f"[{case}] final state {'identical to' if row['matched'] else 'DIFFERENT from'} the reference")
             rows.append(row)
     left = sorted(set(namespaces) & set(netns.list_namespaces()))
-    return {"nodes": 2, "ranks_per_node": job.ranks_per_node, "job": asdict(job),
+    return {"nodes": job.nodes, "ranks_per_node": job.ranks_per_node, "job": asdict(job),
             "reference": {k: v for k, v in ref.items() if k not in ("losses", "step_times_s")},
             "reference_median_step_s": statistics.median(ref["step_times_s"]), "cases": rows,
             "namespaces_left": left, "all_ok": all(r["ok"] for r in rows) and not left,
@@ -555,9 +567,10 @@ def format_table(result: dict[str, Any]) -> str:
                       _regrow(r), _final(r), f"{r['left_behind_processes']} processes"))
     foot = ("detected: until every surviving worker exited; restart: from then until the restarted group's "
             "first step; slowed step: median while the link was slow, against the reference's; node back: from "
-            "the returning node's agent until the 2-node group's first step, and the steps that group "
+            "the returning node's agent until the whole group's first step, and the steps that group "
             "repeated; final state: losses, weights and optimizer state against the uninterrupted reference "
-            "(on fewer nodes: the final validation loss and its difference); "
+            "(on another number of nodes: the final validation loss and its difference, and the global batch as "
+            "the ranks' shares x micro-batches); "
             f"namespaces left: {len(result['namespaces_left'])}")
     return "\n".join([head, *aligned(lines), foot])
 
@@ -572,9 +585,11 @@ def _regrow(row: dict[str, Any]) -> str:
 def _final(row: dict[str, Any]) -> str:
     if row["case"] not in ELASTIC_CASES:
         return "identical" if row["matched"] else "DIFFERENT"
-    nodes = row["final_nodes"]
+    nodes, shares = row["final_nodes"], row.get("final_rank_batches") or []
+    batch = (f", {row['final_global_batch']} a step as {'+'.join(map(str, shares))}"
+             f" x{row['final_accumulation_steps']}" if shares else "")
     return (f"val loss {row['final_val_loss']:.4f} ({row['val_loss_diff']:+.4f}) on {nodes} "
-            f"node{'s' if nodes != 1 else ''}")
+            f"node{'s' if nodes != 1 else ''}{batch}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -582,6 +597,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qsdp bench faults", description=description(__doc__),
                                 epilog="Needs root and the pyroute2 package (pip install 'qsdp[bench]').")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES, help="faults to inject, one job each")
+    p.add_argument("--nodes", type=int, default=d.nodes, help="emulated nodes (network namespaces)")
+    p.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="qsdp train --batch-size: sequences per rank")
     p.add_argument("--preset", default=d.preset)
     p.add_argument("--model", default=d.model)
     p.add_argument("--steps", type=int, default=d.steps)
@@ -614,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
                    timeout_s=a.timeout, outage_s=a.outage, replace_after_s=a.replace_after, slow_for_s=a.slow_for,
                    slow_rate_mbit=a.slow_rate, slow_delay_ms=a.slow_delay_ms, slow_loss_pct=a.slow_loss,
                    max_restarts=a.max_restarts, return_after_steps=a.return_after, last_call_s=a.last_call,
-                   deadline_s=a.deadline)
+                   deadline_s=a.deadline, nodes=a.nodes, ranks_per_node=a.ranks_per_node, batch_size=a.batch_size)
     problems = job.problems()
     if problems:
         parser.error("; ".join(problems))
@@ -632,8 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     result["meta"] = {"command": "qsdp bench faults " + " ".join(argv if argv is not None else sys.argv[1:]),
                       "torch": torch.__version__,
-                      "device": f"cpu (gloo), 2 network namespaces x {job.ranks_per_node} ranks on one machine "
-                                f"with {os.cpu_count()} CPUs",
+                      "device": f"cpu (gloo), {job.nodes} network namespaces x {job.ranks_per_node} ranks on one "
+                                f"machine with {os.cpu_count()} CPUs",
                       "date": time.strftime("%Y-%m-%d")}
     rc = emit(result, as_json=a.json, save=a.save, format_text=format_table)
     return rc if result["all_ok"] else 1

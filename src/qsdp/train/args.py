@@ -59,11 +59,12 @@ class TrainArgs:
         cosine schedule (``None`` = ``steps``); set it to stop a run early on the schedule of a
         longer one (a run of ``k`` steps with ``decay_steps=2k``, resumed with ``steps=2k``, is
         the run of ``2k`` steps). min_lr: ``None`` = ``lr / 10``.
-    batch_size: sequences per rank per step; a resume on another number of ranks keeps the
-        checkpoint's global batch instead, unless ``new_global_batch`` (see
-        :mod:`qsdp.train.elastic`). eval_batches: validation batches in all, split
-        over the ranks (rounded up to a multiple of the world size). eval_every, ckpt_every:
-        0 = only at the end. grad_clip: 0 = off.
+    batch_size: sequences per rank per step, and the most a rank's micro-batch ever holds; a
+        resume on another number of ranks keeps the checkpoint's global batch and per-rank
+        batch instead (shares that may differ by one, drawn in micro-batches no larger),
+        unless ``new_global_batch`` (see :mod:`qsdp.train.elastic`).
+    eval_batches: validation batches in all, split over the ranks (rounded up to a multiple of
+        the world size). eval_every, ckpt_every: 0 = only at the end. grad_clip: 0 = off.
     local_world_size: ranks per node for the two-level reduce-scatter (``None``: the config's
         value or ``LOCAL_WORLD_SIZE``); lets one machine emulate several nodes.
     hsdp: shard inside the node, replicate across the ``world / local_world_size`` nodes (at

@@ -280,7 +280,8 @@ class TokenDataset:
       Sample ``k`` of the stream depends only on (seed, k), so the data position is the number
       of samples consumed: a run resumed on any number of ranks continues the epoch without
       seeing a sample twice or skipping one, provided the global batch is taken as consecutive
-      samples (:meth:`stream_batch`);
+      samples (:meth:`stream_batch` for equal shares; the training job's shares may differ by
+      one, :class:`qsdp.train.elastic.BatchSplit`);
     * :meth:`batch`: random windows whose positions depend only on (seed, step, rank), for
       measurements that need independent batches without a position.
     """

@@ -9,8 +9,8 @@ identity yet), and passes the plan's config to :func:`qsdp.quantize_comms`.
 A run is *resumable* from a checkpoint whose identity (model, tokenizer, sequence length, seed,
 config and data) equals this run's, apart from the layout: the number of ranks, the ranks per
 node and the per-rank batch may change (:mod:`qsdp.train.elastic`; the global batch is kept
-unless ``--new-global-batch``). Fields only one side knows are not compared, so a config field
-added since the checkpoint is not a change.
+unless ``--new-global-batch``, split over any number of ranks). Fields only one side knows are
+not compared, so a config field added since the checkpoint is not a change.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from qsdp.hsdp import quantizes_only_replicas
 from qsdp.train.args import TrainArgs, TrainError, validate_args
 from qsdp.train.checkpoint import latest_checkpoint, named_checkpoint, read_meta
 from qsdp.train.data import TokenDataset, get_tokenizer, load_corpus, require_default_corpus
-from qsdp.train.elastic import LAYOUT_FIELDS, RESUMABLE_CHANGES, resume_batch_size
+from qsdp.train.elastic import LAYOUT_FIELDS, RESUMABLE_CHANGES, BatchSplit, resume_batch, split_batch
 from qsdp.train.files import atomic_write
 from qsdp.train.metrics import METRICS_FILE
 
@@ -44,8 +44,9 @@ class Plan:
     fresh start). ``data_id``: a fingerprint of the text and the tokenizer (``None`` until the
     dataset was prepared). ``restarted``: this is a restart by torch's elastic agent (or a
     node that joined the same torchrun job after one, see :func:`rejoins_job`). ``batch_size``:
-    the per-rank batch of a resume, which keeps the checkpoint's global batch on another number
-    of ranks (``None``: the arguments' own)."""
+    the per-rank batch of a resume, the bound on every rank's micro-batch (``None``: the
+    arguments' own); ``global_batch``: the sequences per step of a resume, which it keeps on any
+    number of ranks (``None``: the per-rank batch times the ranks)."""
 
     config: QuantConfig
     world_size: int
@@ -53,6 +54,7 @@ class Plan:
     resume_from: Path | None = None
     restarted: bool = False
     batch_size: int | None = None
+    global_batch: int | None = None
 
     def run_args(self, args: TrainArgs) -> TrainArgs:
         """``args`` with the plan's per-rank batch: what the workers train with."""
@@ -60,9 +62,15 @@ class Plan:
             return args
         return dataclasses.replace(args, batch_size=self.batch_size)
 
+    def batch_split(self, args: TrainArgs) -> BatchSplit:
+        """How each step's global batch is drawn by this plan's ranks (``args``: the run's,
+        :meth:`run_args`)."""
+        total = self.global_batch if self.global_batch is not None else args.batch_size * self.world_size
+        return split_batch(total, self.world_size, args.batch_size)
+
     def identity(self, args: TrainArgs) -> dict[str, Any]:
         """What must be equal for a checkpoint to be resumed by this run (stored in it)."""
-        return run_identity(args, self.world_size, self.data_id, self.config)
+        return run_identity(args, self.world_size, self.data_id, self.config, self.global_batch)
 
 
 def restart_count() -> int:
@@ -175,12 +183,14 @@ def check_out_dir(args: TrainArgs) -> None:
 
 
 def run_identity(args: TrainArgs, world_size: int, data_id: str | None,
-                 config: QuantConfig | None = None) -> dict[str, Any]:
-    """What must be equal for a checkpoint to be resumed by this run."""
+                 config: QuantConfig | None = None, global_batch: int | None = None) -> dict[str, Any]:
+    """What must be equal for a checkpoint to be resumed by this run. ``global_batch``: the
+    run's sequences per step where it is not ``args.batch_size`` per rank (a resume)."""
     config = config if config is not None else validate_args(args)
+    total = global_batch if global_batch is not None else args.batch_size * world_size
     identity: dict[str, Any] = {
         "model": args.model, "tokenizer": args.tokenizer, "seq_len": args.seq_len,
-        "batch_size": args.batch_size, "global_batch": args.batch_size * world_size, "seed": args.seed,
+        "batch_size": args.batch_size, "global_batch": total, "seed": args.seed,
         "world_size": world_size, "config": config.to_dict(), "hsdp": args.hsdp,
     }
     if data_id is not None:
@@ -290,7 +300,11 @@ def preflight(args: TrainArgs, world_size: int, data_id: str | None = None,
         resume_from, _ = check_resume(args, world_size, data_id, config)
     else:
         check_out_dir(args)
-    batch_size = (resume_batch_size(args, world_size, read_meta(resume_from), resume_from)
-                  if resume_from is not None else None)
+    total = batch_size = None
+    if resume_from is not None:
+        # A job that already ran here restarts on whatever nodes it has left: refusing its batch
+        # would only repeat at every restart. A launch refuses it once, before any worker starts.
+        total, batch_size = resume_batch(args, world_size, read_meta(resume_from), resume_from,
+                                         running=rejoins_job(args.out))
     return Plan(config=config, world_size=world_size, data_id=data_id, resume_from=resume_from,
-                restarted=restarted, batch_size=batch_size)
+                restarted=restarted, batch_size=batch_size, global_batch=total)

@@ -3,17 +3,20 @@ comms, AdamW, metrics, checkpoints.
 
 Every rank runs the same code; rank 0 alone writes metrics, the summary and the progress bar.
 Steps are counted from 1: the record of step ``s`` is written after ``s`` optimizer steps. Each
-step takes the next global batch of the data stream (``TokenDataset.stream_batch`` at the
-samples consumed so far, :attr:`RunState.samples`), so a checkpoint of step ``s`` resumes
-exactly (model, optimizer, comm state, RNG, and :meth:`Trainer.state_dict`; the learning rate is
-a function of the step), and on another number of ranks continues the same stream
-(:mod:`qsdp.train.elastic`). Per step, in this
-order: :meth:`~Trainer.train_step`, :meth:`~Trainer.log`, :meth:`~Trainer.maybe_checkpoint`,
-:meth:`~Trainer.maybe_evaluate`.
+step takes the next global batch of the data stream (``TokenDataset.samples`` from the samples
+consumed so far, :attr:`RunState.samples`), so a checkpoint of step ``s`` resumes exactly
+(model, optimizer, comm state, RNG, and :meth:`Trainer.state_dict`; the learning rate is a
+function of the step), and on another number of ranks continues the same stream with the same
+global batch (:mod:`qsdp.train.elastic`): the ranks' shares may differ by one sequence, a share
+larger than the run's per-rank batch is drawn in several micro-batches whose gradients
+accumulate (FSDP2 synchronizes on the last), and each micro-batch's mean loss is weighted
+(:meth:`qsdp.train.elastic.BatchSplit.weight`) so that the gradient is the mean over the global
+batch. Per step, in this order: :meth:`~Trainer.train_step`, :meth:`~Trainer.log`,
+:meth:`~Trainer.maybe_checkpoint`, :meth:`~Trainer.maybe_evaluate`.
 
 One host sync per step. After ``backward`` one all-reduce (:func:`qsdp.check_gradients`),
 read once, tells every rank whether any rank reduced a NaN or Inf gradient, the gradient norm
-(clipping then needs no read of its own), the loss summed over the ranks, on logged steps the
+(clipping then needs no read of its own), the ranks' weighted losses summed, on logged steps the
 bytes the meters counted, and the weight-difference gathers' agreement on which shards the
 coming optimizer step changes (the next forward then agrees on nothing). The step time is the
 host's, from the start of the step to the end of its optimizer step as queued: the next step's
@@ -104,7 +107,7 @@ class RunState:
 
 @dataclass
 class StepResult:
-    """One optimizer step: the loss averaged over the ranks, the learning rate, the gradient
+    """One optimizer step: the mean loss over the global batch, the learning rate, the gradient
     norm before clipping (``None`` on a skipped step) and the wall time."""
 
     loss: float
@@ -233,7 +236,12 @@ class Trainer:
         self.skipped_at_start = self.state.nonfinite_skipped
         if self.rank == 0 and (plan.resume_from is not None or plan.restarted):
             drop_records_after(args.out, self.start_step)
-        self.tokens_per_step = args.batch_size * args.seq_len * self.world
+        self.split = plan.batch_split(args)
+        self.tokens_per_step = self.split.global_batch * args.seq_len
+        if self.rank == 0 and self.split.idle_ranks():
+            print(f"qsdp train: warning: {self.split.idle_ranks()} of the {self.world} ranks draw no sequence of "
+                  f"the global batch of {self.split.global_batch}: each computes on a stand-in weighted 0 "
+                  f"(pass --new-global-batch to resume with --batch-size per rank)", file=sys.stderr, flush=True)
         self.step_times: list[float] = []
         self.writer = MetricsWriter(args.out, enabled=self.rank == 0)
         self.bar = self._progress_bar()
@@ -272,12 +280,8 @@ class Trainer:
         lr = lr_at(step - 1, args)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = self.dataset.stream_batch(self.state.samples, self.rank, args.batch_size, args.seq_len)
-        self.state.samples += args.batch_size * self.world  # consumed even by a skipped step
-        inputs = inputs.to(self.device, non_blocking=True)
-        targets = targets.to(self.device, non_blocking=True)
-        _, loss = self.model(inputs, targets)
-        (loss * float("nan") if self.faults.nan(step, self.rank) else loss).backward()
+        loss = self.forward_backward(step)
+        self.state.samples += self.split.global_batch  # consumed even by a skipped step
         self.faults.kill(step, self.rank)
         logged = self.logs(step)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -307,6 +311,32 @@ class Trainer:
         seconds = time.perf_counter() - started
         self.step_times.append(seconds)
         return StepResult(check.sums[0] / self.world, lr, grad_norm, seconds)
+
+    def forward_backward(self, step: int) -> torch.Tensor:
+        """This rank's share of the step's global batch, forward and backward, micro-batch by
+        micro-batch (:attr:`split`); the gradients are those of the mean loss over the global
+        batch once FSDP2 has averaged them over the ranks. Returns the rank's weighted loss
+        (a 0-d tensor: the ranks' sum, divided by the world size, is the global batch's mean)."""
+        split, seq_len = self.split, self.args.seq_len
+        sizes = split.micro_sizes(self.rank)
+        start = self.state.samples + split.offset(self.rank)
+        losses: list[torch.Tensor] = []
+        for m, count in enumerate(sizes):
+            last = m == len(sizes) - 1
+            if len(sizes) > 1:  # reduce-scatter the accumulated gradients once, on the last
+                self.model.set_requires_gradient_sync(last)
+            # A micro-batch with nothing to draw still runs: FSDP2's gathers are collective. It
+            # computes on the next sample of the stream, weighted 0.
+            inputs, targets = self.dataset.samples(start, max(count, 1), seq_len)
+            start += count
+            _, loss = self.model(inputs.to(self.device, non_blocking=True),
+                                 targets.to(self.device, non_blocking=True))
+            weight = split.weight(count)
+            if weight != 1.0:
+                loss = loss * weight
+            losses.append(loss.detach())  # the loss logged: an injected NaN reaches the gradient alone
+            (loss * float("nan") if last and self.faults.nan(step, self.rank) else loss).backward()
+        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
     def logs(self, step: int) -> bool:
         """Whether step ``step`` writes a metrics line: every ``log_every`` steps and the last."""
@@ -434,6 +464,8 @@ class Trainer:
             "wall_time_s": time.perf_counter() - self.started,
             "median_step_time_s": statistics.median(self.step_times) if self.step_times else None,
             "tokens_per_step": self.tokens_per_step, "world_size": self.world,
+            "global_batch": self.split.global_batch, "rank_batches": list(self.split.counts),
+            "micro_batch": self.split.micro_batch, "accumulation_steps": self.split.accumulation,
             "local_world_size": per_node, "nodes": nodes, "hsdp": args.hsdp,
             "n_params": count_params(self.model), "param_dtype": self.dtype_name,
             "vocab_size": self.dataset.vocab_size, "data_id": self.plan.data_id,
