@@ -20,11 +20,12 @@ from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGa
 from .comm.base import GradReduceScatter, WeightAllGather
 from .comm.meter import METER, ByteMeter, Stats
 from .comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
-from .comm.topology import Topology, build_topologies
+from .comm.topology import Topology, build_topologies, release
 from .comm.versions import ChangeTracker, managed_parameters
 from .config import ConfigError, QuantConfig, config_diff, resolve_config
 
 _ALL_GATHERS = {"plain": PlainAllGather, "direct": QuantizedAllGather, "difference": DifferenceAllGather}
+POST_FORWARD_GROUP = "post-forward group (reshard_after_forward=<int>)"
 
 
 @dataclass
@@ -45,6 +46,7 @@ class QuantizedComms:
     replicas: int = 1
 
     _hooks: list[Any] = field(default_factory=list)
+    _topologies: list[Topology] = field(default_factory=list)
 
     def __repr__(self) -> str:
         # The dataclass repr would print every module tree and process group it holds.
@@ -77,11 +79,17 @@ class QuantizedComms:
             comm.bind_meter(self.meter)
 
     def close(self) -> None:
-        """Remove the optimizer hooks this handle registered and let :func:`quantize_comms` be
-        called on the model again (its comms stay attached until that call replaces them)."""
+        """Remove the optimizer hooks this handle registered, release the node subgroups it
+        created (those no other handle holds are destroyed) and let :func:`quantize_comms` be
+        called on the model again. Its comms stay attached until that call replaces them, but a
+        two-level comm cannot run without its subgroups: quantize the model again before it
+        trains on. Local, no collective; every rank of the group closes its handle."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for t in self._topologies:
+            release(t)
+        self._topologies.clear()
         for comm in [*self.all_gathers, *self.reduce_scatters]:
             comm.closed = True
 
@@ -245,7 +253,11 @@ def quantize_comms(
     else:
         _hsdp.prepare(module, cfg, group, replicate_group)
     post_groups = list({id(m[1]): m[1] for m in meshes if m is not None and m[1] is not None}.values())
-    topology, *post_topologies = build_topologies([group, *post_groups], cfg.local_world_size)
+    (topology,) = build_topologies([group], cfg.local_world_size)
+    # A post-forward gather is one all-gather over its group: no subgroups, and any number of
+    # ranks per node (its bytes are metered per rank's own node).
+    post_topologies = build_topologies(post_groups, cfg.local_world_size, what=POST_FORWARD_GROUP,
+                                       subgroups=False, even=False)
     post_topology = {id(g): t for g, t in zip(post_groups, post_topologies)}
     if topology.world_size == 1 and replicate_group is None:
         warnings.warn("qsdp: the FSDP group has one rank; FSDP2 calls no custom collective on it, "
@@ -253,6 +265,7 @@ def quantize_comms(
     elif replicate_group is None and topology.rank == 0 and (unused := _unused_on_one_node(cfg, topology)):
         warnings.warn(unused, stacklevel=2)
     handle = QuantizedComms(cfg, topology, replicas=1 if replicate_group is None else replicate_group.size())
+    handle._topologies = [topology, *post_topologies]
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
     for i, members in enumerate(members_of):
         m = members[0]
