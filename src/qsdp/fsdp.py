@@ -80,10 +80,9 @@ class QuantizedComms:
 
     def close(self) -> None:
         """Remove the optimizer hooks this handle registered, release the node subgroups it
-        created (those no other handle holds are destroyed) and let :func:`quantize_comms` be
-        called on the model again. Its comms stay attached until that call replaces them, but a
-        two-level comm cannot run without its subgroups: quantize the model again before it
-        trains on. Local, no collective; every rank of the group closes its handle."""
+        holds (pooled for the next handle on the same ranks, destroyed with the world by
+        ``destroy_process_group()``) and let :func:`quantize_comms` be called on the model
+        again (its comms stay attached until that call replaces them). Local, no collective."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -27,10 +27,11 @@ NCCL creates subgroups by splitting the world's communicator, which every rank m
 the ranks exchange their groups over the world and every rank creates every subgroup, as
 before.
 
-Subgroups belong to the world that created them: they are keyed by the world's process group,
-counted per user (:func:`build_topologies` adds one, :func:`release` drops one and destroys the
-subgroups no user holds), and forgotten when ``destroy_process_group()`` ends the world, so a
-process may destroy and re-initialise its world any number of times.
+Subgroups belong to the world that created them: they are keyed by the world's process group
+and counted per user (:func:`build_topologies` adds one, :func:`release` drops one and pools
+the subgroups no user holds for the next topology of the same ranks); ``destroy_process_group()``
+destroys them with the world, and the next world starts with none, so a process may destroy and
+re-initialise its world any number of times.
 """
 
 from __future__ import annotations
@@ -409,9 +410,13 @@ def build_topology(group: dist.ProcessGroup | None = None, ranks_per_node: int |
 
 
 def release(topology: Topology) -> None:
-    """Drop one user of ``topology`` (one that :func:`build_topologies` returned); once none is
-    left, destroy the subgroups it created that no other topology holds. Local, no collective;
-    nothing to do for a topology of a world already destroyed."""
+    """Drop one user of ``topology`` (one that :func:`build_topologies` returned). Once none is
+    left, its subgroups go back to this world's pool, where the next topology that needs the
+    same ranks takes them instead of creating new ones; the pool goes with the world
+    (``destroy_process_group()``). Not destroyed sooner: torch names a subgroup created by its
+    members alone after its ranks and the number of groups they hold, so a destroyed subgroup
+    made again would get the old name, and its members would meet the old one's addresses in
+    the store. Local, no collective; nothing to do for a topology of a world already gone."""
     st = _STATE
     if st is None or not dist.is_initialized() or st.world is not dist.group.WORLD or topology._key is None:
         return
@@ -423,9 +428,11 @@ def release(topology: Topology) -> None:
     del st.topologies[topology._key]
     for ranks in topology._subgroup_keys:
         sub = st.subgroups.get(ranks)
-        if sub is None:
-            continue
-        sub.users -= 1
-        if sub.users <= 0:
-            del st.subgroups[ranks]
-            dist.destroy_process_group(sub.group)
+        if sub is not None:
+            sub.users -= 1
+
+
+def pooled_subgroups() -> dict[tuple[int, ...], int]:
+    """``{global ranks: users}`` of every subgroup this rank created in the current world (0
+    users: pooled for reuse)."""
+    return {ranks: sub.users for ranks, sub in _state().subgroups.items()}
