@@ -329,6 +329,7 @@ def _post_forward_gather(cfg: QuantConfig, topology: Topology, comm_id: int, nam
         mode = "plain"
     comm = _ALL_GATHERS[mode](cfg, topology, comm_id, ChangeTracker(assume_changed=True))
     comm.name = name
+    comm.post_forward_of = name
     return comm
 
 

@@ -62,6 +62,8 @@ class CommBase:
         self.byte_meter: ByteMeter = METER
         # Set by the handle's close(): the module may then take another quantize_comms.
         self.closed = False
+        # The forward gather's name when this comm serves FSDP2's post-forward group.
+        self.post_forward_of: str | None = None
 
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         """Count this comm's bytes in ``byte_meter`` from now on."""
@@ -79,12 +81,19 @@ class CommBase:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def check_group(self, group: dist.ProcessGroup) -> None:
-        """Raise naming the fix when FSDP2 calls with a group other than the one set up."""
-        if group.size() != self.topology.world_size:
+        """Raise naming the group and the fix when FSDP2 calls with a group other than the one
+        set up."""
+        if group.size() == self.topology.world_size:
+            return
+        if self.post_forward_of is not None:
             raise RuntimeError(
-                f"FSDP {self.collective} group has {group.size()} ranks but qsdp was set up for "
-                f"{self.topology.world_size}; pass the FSDP mesh's group to quantize_comms(group=...)"
-            )
+                f"{self.post_forward_of}: FSDP2's post-forward group (reshard_after_forward=<int>) has "
+                f"{group.size()} ranks but qsdp was set up for {self.topology.world_size}; call quantize_comms "
+                "after every fully_shard call, with the reshard_after_forward the model keeps")
+        raise RuntimeError(
+            f"FSDP {self.collective} group has {group.size()} ranks but qsdp was set up for "
+            f"{self.topology.world_size}; pass the FSDP mesh's group to quantize_comms(group=...)"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Small per-rank counters a checkpoint stores (tensors go through DCP elsewhere)."""
