@@ -156,3 +156,30 @@ def test_ranks_holding_different_numbers_of_groups_are_refused_instead_of_hangin
     for message in run_world(_uneven_held_groups, 4, local_world_size=2, timeout=60):
         assert message is not None and "hold different numbers of process groups" in message
         assert "rank 0: " in message and "rank 2: " in message
+
+
+def _train_hsdp_shard_groups(rank, world, out):
+    """The groups ``qsdp train --hsdp`` shards its model over, with the launcher's layout."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from qsdp.train.args import TrainArgs
+    from qsdp.train.preflight import preflight
+    from qsdp.train.trainer import shard_and_quantize
+
+    args = TrainArgs(out=out, data="unused", model="tiny", steps=1, batch_size=2, seq_len=16, hsdp=True,
+                     progress=False, preset="sdp4bit")
+    plan = preflight(args, world)
+    model, _, comms, layout = shard_and_quantize(args, plan, 64, torch.device("cpu"))
+    mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
+    comms.close()
+    return layout, dist.get_process_group_ranks(mesh.get_group())
+
+
+@pytest.mark.slow  # builds the trainer's model: ~40 s on 2 cores
+@pytest.mark.parametrize("placement,hosts", [("cyclic", [[0, 2], [1, 3]]), ("block", [[0, 1], [2, 3]])])
+def test_qsdp_train_hsdp_shards_inside_each_host(placement, hosts, tmp_path):
+    for rank, (_, (layout, shard)) in enumerate(run_world(_placed(_train_hsdp_shard_groups, placement), 4,
+                                                          str(tmp_path / "run"))):
+        assert layout == (2, 2) and shard == next(h for h in hosts if rank in h)
