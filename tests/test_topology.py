@@ -20,15 +20,16 @@ def test_qsdp_node_names_the_node_before_the_host(monkeypatch):
     assert node_name() == "rack3-node7"
 
 
-def test_each_torchrun_agent_is_a_node_and_without_torchrun_the_host_is(monkeypatch):
+def test_the_host_is_the_node_whatever_the_torchrun_agent(monkeypatch):
     import socket
 
     monkeypatch.delenv(NODE_ENV, raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.setenv("GROUP_RANK", "1")  # a stray variable outside torchrun says nothing
-    assert node_name() == socket.gethostname()
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-    assert node_name() == f"{socket.gethostname()}/1"
+    monkeypatch.setenv("GROUP_RANK", "1")  # one agent of several on this host: the same node
+    assert node_name() == socket.gethostname()
+    monkeypatch.setenv("SLURM_NODEID", "3")  # Slurm's node id, where it is set, names the host
+    assert node_name() == "slurm-node3"
 
 
 def _as_srun_cyclic(fn):

@@ -21,11 +21,12 @@ from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGa
 from .comm.base import GradReduceScatter, WeightAllGather
 from .comm.meter import METER, ByteMeter, Stats
 from .comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
-from .comm.topology import Topology, build_topologies
+from .comm.topology import Topology, build_topologies, release
 from .comm.versions import ChangeTracker, managed_parameters
 from .config import ConfigError, QuantConfig, config_diff, resolve_config
 
 _ALL_GATHERS = {"plain": PlainAllGather, "direct": QuantizedAllGather, "difference": DifferenceAllGather}
+POST_FORWARD_GROUP = "post-forward group (reshard_after_forward=<int>)"
 
 
 @dataclass
@@ -50,6 +51,7 @@ class QuantizedComms:
     replicate_group: dist.ProcessGroup | None = None
 
     _hooks: list[Any] = field(default_factory=list)
+    _topologies: list[Topology] = field(default_factory=list)
 
     def __repr__(self) -> str:
         # The dataclass repr would print every module tree and process group it holds.
@@ -85,11 +87,16 @@ class QuantizedComms:
             comm.bind_meter(self.meter)
 
     def close(self) -> None:
-        """Remove the optimizer hooks this handle registered and let :func:`quantize_comms` be
-        called on the model again (its comms stay attached until that call replaces them)."""
+        """Remove the optimizer hooks this handle registered, release the node subgroups it
+        holds (pooled for the next handle on the same ranks, destroyed with the world by
+        ``destroy_process_group()``) and let :func:`quantize_comms` be called on the model
+        again (its comms stay attached until that call replaces them). Local, no collective."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for t in self._topologies:
+            release(t)
+        self._topologies.clear()
         for comm in [*self.all_gathers, *self.reduce_scatters]:
             comm.closed = True
 
@@ -288,7 +295,11 @@ def quantize_comms(
         _hsdp.prepare(module, cfg, group, replicate_group)
     replicas = native if native is not None else replicate_group
     post_groups = list({id(m[1]): m[1] for m in meshes if m is not None and m[1] is not None}.values())
-    topology, *post_topologies = build_topologies([group, *post_groups], cfg.local_world_size)
+    (topology,) = build_topologies([group], cfg.local_world_size)
+    # A post-forward gather is one all-gather over its group: no subgroups, and any number of
+    # ranks per node (its bytes are metered per rank's own node).
+    post_topologies = build_topologies(post_groups, cfg.local_world_size, what=POST_FORWARD_GROUP,
+                                       subgroups=False, even=False)
     post_topology = {id(g): t for g, t in zip(post_groups, post_topologies)}
     if topology.world_size == 1 and replicas is None:
         warnings.warn("qsdp: the FSDP group has one rank; FSDP2 calls no custom collective on it, "
@@ -301,6 +312,7 @@ def quantize_comms(
         _hsdp.broadcast_replicas(module, native)
     handle = QuantizedComms(cfg, topology, replicas=1 if replicas is None else replicas.size(),
                             replicate_group=replicas)
+    handle._topologies = [topology, *post_topologies]
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
     for i, members in enumerate(members_of):
         m = members[0]
@@ -379,6 +391,7 @@ def _post_forward_gather(cfg: QuantConfig, topology: Topology, comm_id: int, nam
         mode = "plain"
     comm = _ALL_GATHERS[mode](cfg, topology, comm_id, ChangeTracker(assume_changed=True))
     comm.name = name
+    comm.post_forward_of = name
     return comm
 
 

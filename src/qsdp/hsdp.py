@@ -11,9 +11,10 @@ FSDP2's native HSDP mesh (``D`` nodes x ``M`` ranks, torchrun numbering)::
     qsdp.quantize_comms(model, "sdp4bit")
 
 (with tensor parallelism: ``fully_shard(mesh=mesh3d["dp_replicate", "dp_shard"])``). qsdp's
-own recipe, 1-D FSDP2 inside the node and the replicas named::
+own recipe, 1-D FSDP2 inside the node and the replicas named (any rank placement: the groups
+follow the hosts)::
 
-    groups = qsdp.hsdp_groups(nodes=D)                  # a (replicate, shard) DeviceMesh
+    groups = qsdp.hsdp_groups()                         # a (replicate, shard) DeviceMesh
     for block in model.blocks:
         fully_shard(block, mesh=groups.shard_mesh)      # 1-D FSDP2 inside the node
     fully_shard(model, mesh=groups.shard_mesh)
@@ -42,7 +43,7 @@ from .comm.topology import Topology
 from .config import ConfigError, QuantConfig, config_diff
 
 RECIPE = (
-    "shard inside the node with 1-D FSDP2 and name the replicas: groups = qsdp.hsdp_groups(nodes=D); "
+    "shard inside the node with 1-D FSDP2 and name the replicas: groups = qsdp.hsdp_groups(); "
     "fully_shard(block, mesh=groups.shard_mesh) for every block and the root; "
     "qsdp.quantize_comms(model, preset, group=groups.shard_group, replicate_group=groups.replicate_group)"
 )
@@ -54,7 +55,8 @@ class HsdpGroups:
 
     ``shard_mesh`` (the ``M`` ranks of this node) is what ``fully_shard(mesh=...)`` takes;
     ``shard_group`` and ``replicate_group`` (the ``D`` ranks with this local rank) are what
-    :func:`qsdp.quantize_comms` takes as ``group`` and ``replicate_group``.
+    :func:`qsdp.quantize_comms` takes as ``group`` and ``replicate_group``. Row ``d`` of
+    ``mesh`` holds the global ranks of node ``d``, whatever order the launcher numbered them in.
     """
 
     mesh: Any
@@ -62,21 +64,51 @@ class HsdpGroups:
     shard_group: dist.ProcessGroup
     replicate_group: dist.ProcessGroup
 
+    @property
+    def nodes(self) -> int:
+        return self.mesh.size(0)
 
-def hsdp_groups(nodes: int, ranks_per_node: int | None = None, device_type: str | None = None) -> HsdpGroups:
-    """Build the HSDP groups of the whole world for ``nodes`` x ``ranks_per_node`` ranks
-    (default: world size / nodes), ranks numbered node-major as torchrun does. Collective: every
-    rank calls it. ``device_type``: ``cuda`` when CUDA is available, else ``cpu``."""
-    from torch.distributed.device_mesh import init_device_mesh
+    @property
+    def ranks_per_node(self) -> int:
+        return self.mesh.size(1)
+
+
+def hsdp_groups(nodes: int | None = None, ranks_per_node: int | None = None,
+                device_type: str | None = None) -> HsdpGroups:
+    """Build the HSDP groups of the whole world, one shard group per node. Collective: every
+    rank calls it.
+
+    The nodes are those :mod:`qsdp.comm.topology` finds (``QSDP_NODE``, ``SLURM_NODEID`` or the
+    host name), so a shard group never spans hosts, under any rank placement (``srun
+    --distribution=cyclic`` puts ranks 0, 2 on one host and 1, 3 on the other). ``nodes``, when
+    given, must match them, except on one machine, where it emulates ``nodes`` nodes of
+    consecutive ranks. ``ranks_per_node`` emulates nodes of that many consecutive ranks
+    (``qsdp train --local-world-size``). ``device_type``: ``cuda`` when CUDA is available, else
+    ``cpu``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .comm.topology import build_topologies, release
 
     world = dist.get_world_size()
-    if nodes < 1 or world % nodes:
+    if nodes is not None and (nodes < 1 or world % nodes):
         raise ConfigError(f"nodes={nodes} must divide the world size {world}")
-    m = ranks_per_node or world // nodes
-    if nodes * m != world:
-        raise ConfigError(f"nodes={nodes} x ranks_per_node={m} != world size {world}")
+    if ranks_per_node is not None and (ranks_per_node < 1 or world % ranks_per_node):
+        raise ConfigError(f"ranks_per_node={ranks_per_node} must divide the world size {world}")
+    if nodes is not None and ranks_per_node is not None and nodes * ranks_per_node != world:
+        raise ConfigError(f"nodes={nodes} x ranks_per_node={ranks_per_node} != world size {world}")
+    emulated = ranks_per_node or (world // nodes if nodes else None)
+    (found,) = build_topologies([None], None, what="world", subgroups=False)
+    release(found)
+    if ranks_per_node is None and found.nodes > 1:
+        if nodes is not None and nodes != found.nodes:
+            raise ConfigError(f"nodes={nodes}, but the hosts place the {world} ranks on {found.nodes} nodes of "
+                              f"{found.ranks_per_node} (QSDP_NODE, SLURM_NODEID or the host name); leave nodes out")
+        rows = [list(r) for r in found.intra_ranks]  # world ranks are group ranks here
+    else:
+        m = emulated or world
+        rows = [list(range(d * m, (d + 1) * m)) for d in range(world // m)]
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    mesh = init_device_mesh(device_type, (nodes, m), mesh_dim_names=("replicate", "shard"))
+    mesh = DeviceMesh(device_type, torch.tensor(rows, dtype=torch.int), mesh_dim_names=("replicate", "shard"))
     return HsdpGroups(mesh, mesh["shard"], mesh["shard"].get_group(), mesh["replicate"].get_group())
 
 

@@ -342,10 +342,12 @@ def train_result(run_dir: str, warmup: int, steps: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- launching
 
 
-def node_env(**extra: str) -> dict[str, str]:
-    """The environment of a node's torchrun agent: gloo on the node's interface, one thread a
-    rank, none of an enclosing job's torchrun variables."""
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=IFACE, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+def node_env(node: int, **extra: str) -> dict[str, str]:
+    """The environment of node ``node``'s torchrun agent: gloo on the node's interface, one
+    thread a rank, none of an enclosing job's torchrun variables. The namespaces share the host
+    name, so the agent names its emulated node (``QSDP_NODE``) for qsdp to place its ranks."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=IFACE, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               QSDP_NODE=f"node{node}", **extra)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"):
         env.pop(var, None)
@@ -379,14 +381,13 @@ def _launch_preset(cluster: EmulatedCluster, preset: str, job: Job, steps: int, 
     done_file = os.path.join(out_file, "summary.json") if hsdp else out_file
     args = _job_args(preset, job, steps, out_file, workdir)
     timeout = job.timeout
-    env = node_env()
     procs, logs = [], []
     try:
         for i in range(cluster.nodes):
             cmd = torchrun_command(cluster, i, job.ranks_per_node, run_id, args, join_timeout=max(30, timeout))
             log = open(os.path.join(workdir, f"{preset.replace(':', '-')}-{run_id}-node{i}.log"), "w+")
             logs.append(log)
-            procs.append(netns.popen_in_namespace(cluster.node_ns(i), cmd, env=env, stdout=log,
+            procs.append(netns.popen_in_namespace(cluster.node_ns(i), cmd, env=node_env(i), stdout=log,
                                                   stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):

@@ -190,7 +190,7 @@ class TrainingJob:
                                join_timeout=self.job.deadline_s, max_restarts=self.job.max_restarts, **elastic)
         log = open(os.path.join(self.logs_dir or self.workdir, f"{self.name}-node{node}-{len(self.logs)}.log"), "w+")
         self.logs.append(log)
-        env = node_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        env = node_env(node, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         self.agents[node] = netns.popen_in_namespace(self.cluster.node_ns(node), cmd, env=env, stdout=log,
                                                      stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -1,7 +1,7 @@
 """``qsdp bench volume``: bits per element on the wire per preset, read from the byte meter.
 
 A few training steps of the ``tiny`` GPT run in 4 local processes treated as 2 nodes x 2 ranks
-(gloo, ``LOCAL_WORLD_SIZE=2`` for the topology), once per preset. The first step is a warm-up
+(gloo, the config's ``local_world_size=2`` emulating the nodes), once per preset. The first step is a warm-up
 and is not counted: it establishes the weight-difference replicas with exact values, a cost
 paid once per run (and after each checkpoint load), not per step.
 """

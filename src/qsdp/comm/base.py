@@ -9,9 +9,10 @@ private module, imported here and nowhere else. :class:`WeightAllGather` and
 
 from __future__ import annotations
 
+import functools
 import warnings
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,8 @@ class CommBase:
         self.byte_meter: ByteMeter = METER
         # Set by the handle's close(): the module may then take another quantize_comms.
         self.closed = False
+        # The forward gather's name when this comm serves FSDP2's post-forward group.
+        self.post_forward_of: str | None = None
 
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         """Count this comm's bytes in ``byte_meter`` from now on."""
@@ -78,12 +81,19 @@ class CommBase:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def check_group(self, group: dist.ProcessGroup) -> None:
-        """Raise naming the fix when FSDP2 calls with a group other than the one set up."""
-        if group.size() != self.topology.world_size:
+        """Raise naming the group and the fix when FSDP2 calls with a group other than the one
+        set up."""
+        if group.size() == self.topology.world_size:
+            return
+        if self.post_forward_of is not None:
             raise RuntimeError(
-                f"FSDP {self.collective} group has {group.size()} ranks but qsdp was set up for "
-                f"{self.topology.world_size}; pass the FSDP mesh's group to quantize_comms(group=...)"
-            )
+                f"{self.post_forward_of}: FSDP2's post-forward group (reshard_after_forward=<int>) has "
+                f"{group.size()} ranks but qsdp was set up for {self.topology.world_size}; call quantize_comms "
+                "after every fully_shard call, with the reshard_after_forward the model keeps")
+        raise RuntimeError(
+            f"FSDP {self.collective} group has {group.size()} ranks but qsdp was set up for "
+            f"{self.topology.world_size}; pass the FSDP mesh's group to quantize_comms(group=...)"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Small per-rank counters a checkpoint stores (tensors go through DCP elsewhere)."""
@@ -96,6 +106,57 @@ class CommBase:
         """Forget any state built from past calls (the next call starts afresh)."""
 
 
+class SideStreamWork(dist.Work):
+    """What an ``async_op=True`` gather on CUDA returns: the gather was enqueued on a side
+    stream, and ``wait()`` (FSDP2 calls it before copying the parameters out) makes the
+    caller's current stream wait for it, without blocking the host."""
+
+    def __init__(self, done: "torch.cuda.Event") -> None:
+        super().__init__()
+        self.done = done
+
+    def wait(self, timeout: Any = None) -> bool:
+        torch.cuda.current_stream().wait_event(self.done)
+        return True
+
+
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stream qsdp's asynchronous gathers run on, one per CUDA device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def _asynchronous(call: Callable[..., None]) -> Callable[..., Any]:
+    """``call`` (a gather's ``__call__``) that honours ``async_op=True`` on CUDA.
+
+    FSDP2 runs an explicit ``unshard(async_op=True)`` on the compute stream and overlaps it only
+    through the work handle the comm returns. So the gather's kernels and collectives go on a
+    side stream that first waits for the compute stream (the shard was copied in there), and the
+    returned :class:`SideStreamWork` orders the copy-out after them. FSDP2 allocated the
+    buffers on the compute stream and frees them there only after that wait, so the caching
+    allocator cannot hand them out while the side stream still uses them. On CPU, or without
+    ``async_op``, the call runs as it is."""
+    @functools.wraps(call)
+    def run(self, output_tensor, input_tensor, group, async_op: bool = False):
+        if not async_op or output_tensor.device.type != "cuda":
+            return call(self, output_tensor, input_tensor, group, False)
+        side = side_stream(output_tensor.device)
+        side.wait_stream(torch.cuda.current_stream(output_tensor.device))
+        with torch.cuda.stream(side):
+            call(self, output_tensor, input_tensor, group, False)
+            done = torch.cuda.Event()
+            done.record(side)
+        return SideStreamWork(done)
+
+    run.asynchronous = True  # type: ignore[attr-defined]
+    return run
+
+
 class WeightAllGather(CommBase, AllGather):
     """FSDP2's weight all-gather: ``comm(output [world * n], input [n] (a view of output),
     group, async_op)`` fills ``output`` on every rank and returns ``None``.
@@ -105,6 +166,14 @@ class WeightAllGather(CommBase, AllGather):
     """
 
     collective = "all-gather"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every gather honours async_op the same way, whichever class implements it.
+        super().__init_subclass__(**kwargs)
+        call = cls.__dict__.get("__call__")
+        if call is not None and not getattr(call, "__isabstractmethod__", False) \
+                and not getattr(call, "asynchronous", False):
+            cls.__call__ = _asynchronous(call)
 
     def __init__(
         self, config: QuantConfig, topology: Topology, comm_id: int, tracker: ChangeTracker | None = None
@@ -119,7 +188,10 @@ class WeightAllGather(CommBase, AllGather):
 
     @abstractmethod
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, async_op: bool = False) -> None: ...
+                 group: dist.ProcessGroup, async_op: bool = False) -> SideStreamWork | None:
+        """Fill ``output_tensor`` on every rank. ``async_op=True`` on CUDA: enqueued on a side
+        stream, returning the :class:`SideStreamWork` to wait on; otherwise done when it
+        returns (``None``)."""
 
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         super().bind_meter(byte_meter)

@@ -1,47 +1,83 @@
 """Nodes and ranks: where every rank of a process group really is, and its intra-node and
 inter-node subgroups.
 
-A rank's node comes from the machine, not from its position in the group:
+A rank's node is the machine it runs on, whatever launched it:
 
 1. ``local_world_size`` (the config's, or ``ranks_per_node`` here), when given, emulates nodes
    on one machine: global rank ``r`` is on node ``r // local_world_size``;
-2. else the environment variable ``QSDP_NODE`` names this process's node (tests, emulated
-   clusters, launchers whose hosts lie);
-3. else the host name, split by torchrun's ``GROUP_RANK`` where it is set (each torchrun agent
-   is one node, so two agents on one machine emulate two nodes).
+2. else the environment variable ``QSDP_NODE`` names this process's node (one machine emulating
+   several nodes says so this way: each emulated node's agent sets its own name);
+3. else Slurm's ``SLURM_NODEID`` where it is set;
+4. else the host name.
 
-The names are exchanged once per process with one ``all_gather_object`` over the world, so this
-works under any launcher (torchrun with any ``--nnodes``, ``srun``, ``mpirun``) and any rank
-order. Within a group of ``D`` nodes holding ``M`` of its ranks each, the intra-node group of a
-rank holds the ``M`` ranks of its node, and its inter-node group the ``D`` ranks (one per node)
-with the same local index. Every subgroup of every group is created by the same calls, in the
-same order, on every rank of the world (``dist.new_group`` needs that).
+The number of torchrun agents per host does not matter (``srun --ntasks-per-node 8 torchrun
+--nproc-per-node 1`` puts 8 ranks on one node). When every node came from the hosts and the
+ranks per node found differ from what the launcher states (``LOCAL_WORLD_SIZE``,
+``SLURM_NTASKS_PER_NODE``), rank 0 warns once, naming both.
+
+Start-up: the ranks of a group exchange one fixed-size record each (:data:`RECORD_BYTES`: the
+node name and the number of process groups the rank holds) with one all-gather over that group
+alone; each rank derives the group's layout locally. Within a group of ``D`` nodes holding
+``M`` of its ranks each, the intra-node group of a rank holds the ``M`` ranks of its node, and
+its inter-node group the ``D`` ranks (one per node) with the same local index. A rank creates
+only its own two subgroups, intra-node first, with ``new_group(use_local_synchronization=True)``,
+so only their members take part (pipeline stages whose ranks hold different groups need no
+world-wide step). Where the world is bound to a device (``init_process_group(device_id=...)``),
+NCCL creates subgroups by splitting the world's communicator, which every rank must join: there
+the ranks exchange their groups over the world and every rank creates every subgroup, as
+before.
+
+Subgroups belong to the world that created them: they are keyed by the world's process group
+and counted per user (:func:`build_topologies` adds one, :func:`release` drops one and pools
+the subgroups no user holds for the next topology of the same ranks); ``destroy_process_group()``
+destroys them with the world, and the next world starts with none, so a process may destroy and
+re-initialise its world any number of times.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
+import re
 import socket
+import warnings
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from .collectives import all_gather_flat
 
 NODE_ENV = "QSDP_NODE"
+NAME_BYTES = 64  # a longer node name travels as its SHA-1 (host names are at most 64 bytes)
+RECORD_BYTES = NAME_BYTES + 8  # the name, then one int64: process groups held * 2 + explicit
+LAUNCHER_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
 def node_name() -> str:
-    """This process's node, as the ranks of the world compare it (see the module doc)."""
+    """This process's node, as the ranks of a group compare it (see the module doc)."""
     explicit = os.environ.get(NODE_ENV)
     if explicit:
         return explicit
-    host = socket.gethostname()
-    agent = os.environ.get("GROUP_RANK")
-    return f"{host}/{agent}" if agent is not None and "TORCHELASTIC_RUN_ID" in os.environ else host
+    slurm = os.environ.get("SLURM_NODEID")
+    if slurm:
+        return f"slurm-node{slurm}"
+    return socket.gethostname()
+
+
+def stated_ranks_per_node() -> list[tuple[str, int]]:
+    """What the launcher says the ranks per node are: ``(variable, value)`` for each of
+    ``LOCAL_WORLD_SIZE`` (torchrun: the ranks of this agent) and ``SLURM_NTASKS_PER_NODE``
+    that is set (Slurm's ``8(x2)`` form reads as 8)."""
+    said = []
+    for var in LAUNCHER_VARS:
+        m = re.match(r"\d+", os.environ.get(var, ""))
+        if m and int(m.group()) > 0:
+            said.append((var, int(m.group())))
+    return said
 
 
 def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
@@ -49,13 +85,16 @@ def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
     say). Subgroups must be given it explicitly: ``new_group`` and ``new_subgroups_*`` default
     to the backend's own timeout (30 minutes on gloo), not the one the default group was
     initialised with, so a stalled peer in a subgroup would hang for half an hour."""
-    device = torch.device("cuda" if "nccl" in str(dist.get_backend(group)).lower() else "cpu")
     try:
         # Private: ProcessGroup exposes set_timeout but no getter. Read here alone, tested in
         # tests/test_reliability_comm.py.
-        return group._get_backend(device).options._timeout  # type: ignore[attr-defined]
+        return group._get_backend(_device(group)).options._timeout  # type: ignore[attr-defined]
     except (AttributeError, RuntimeError):
         return None
+
+
+def _device(group: dist.ProcessGroup) -> torch.device:
+    return torch.device("cuda" if "nccl" in str(dist.get_backend(group)).lower() else "cpu")
 
 
 @dataclass
@@ -66,7 +105,7 @@ class Topology:
     ``intra_ranks[d]``: the group ranks on node ``d``, in the order of their intra-node group.
     ``inter_ranks[j]``: the group ranks with local index ``j`` (one per node), in the order of
     their inter-node group. ``intra_group``/``inter_group``: this rank's two subgroups (``None``
-    where one node or one rank per node leaves a single level).
+    where one node or one rank per node leaves a single level, or where none were asked for).
     """
 
     group: dist.ProcessGroup
@@ -78,6 +117,9 @@ class Topology:
     intra_group: dist.ProcessGroup | None = None
     inter_group: dist.ProcessGroup | None = None
     _index: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _users: int = field(default=0, repr=False)
+    _key: Any = field(default=None, repr=False)
+    _subgroup_keys: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     @property
     def nodes(self) -> int:
@@ -122,7 +164,8 @@ class Topology:
 
     def peers(self) -> tuple[int, int]:
         """How many other ranks of the group are in this node and in other nodes."""
-        return self.ranks_per_node - 1, self.world_size - self.ranks_per_node
+        here = len(self.intra_ranks[self.node])
+        return here - 1, self.world_size - here
 
     def exchange_order(self) -> list[int]:
         """The group ranks in the order the two-level exchanges lay them out: local index
@@ -139,17 +182,86 @@ class Topology:
         return self._index[key]
 
 
-_CACHE: dict[tuple, Topology] = {}
-_SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-_NODES: dict[tuple, tuple[str, ...]] = {}  # every world rank's node name
+class _Record(NamedTuple):
+    """What one rank told its group at start-up."""
+
+    name: str
+    held: int  # process groups it held
+    explicit: bool  # its node was named (QSDP_NODE), not found
 
 
-def _world_key() -> tuple:
-    return id(dist.group.WORLD), dist.get_world_size(), dist.get_rank()
+@dataclass
+class _Subgroup:
+    group: dist.ProcessGroup
+    users: int = 0
 
 
-def _group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
-    return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+class _WorldState:
+    """What this process built in one world (one ``init_process_group``)."""
+
+    def __init__(self, world: dist.ProcessGroup) -> None:
+        # Held, not just its id: a later world's group can never be taken for this one.
+        self.world = world
+        self.subgroups: dict[tuple[int, ...], _Subgroup] = {}
+        self.world_made: dict[tuple[int, ...], Any] = {}  # subgroups every rank created (bound worlds)
+        self.topologies: dict[Any, Topology] = {}
+        self.sent_bytes = 0
+        self.warned = False
+
+
+_STATE: _WorldState | None = None
+
+
+def _state() -> _WorldState:
+    """This world's state; a world other than the one it was built in starts afresh (torch has
+    no destroy callback: ``destroy_process_group()`` already destroyed every subgroup the old
+    world held, so there is nothing to release)."""
+    global _STATE
+    world = dist.group.WORLD
+    if _STATE is None or _STATE.world is not world:
+        _STATE = _WorldState(world)
+    return _STATE
+
+
+def setup_bytes_sent() -> int:
+    """The bytes this rank has sent in its start-up exchanges in the current world."""
+    return _state().sent_bytes
+
+
+def _held_groups() -> int:
+    """How many process groups this process holds. torch (2.13) names a subgroup that only its
+    members create by its ranks and this number, so the members must hold equally many."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return len(getattr(world, "pg_names", ()) or ())
+
+
+def _encode(name: str, held: int, explicit: bool) -> torch.Tensor:
+    raw = name.encode()
+    if len(raw) > NAME_BYTES:
+        raw = ("sha1:" + hashlib.sha1(raw).hexdigest()).encode()
+    record = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+    record[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    record[NAME_BYTES:] = torch.tensor([held * 2 + int(explicit)], dtype=torch.int64).view(torch.uint8)
+    return record
+
+
+def _decode(row: torch.Tensor) -> _Record:
+    name = bytes(row[:NAME_BYTES].tolist()).rstrip(b"\0").decode(errors="replace")
+    word = int(row[NAME_BYTES:].clone().view(torch.int64)[0])
+    return _Record(name, word // 2, bool(word % 2))
+
+
+def _exchange(group: dist.ProcessGroup, st: _WorldState) -> list[_Record]:
+    """Every rank's record, in group rank order: one all-gather of :data:`RECORD_BYTES` bytes
+    a rank over ``group``."""
+    device = _device(group)
+    send = _encode(node_name(), _held_groups(), bool(os.environ.get(NODE_ENV))).to(device)
+    size = dist.get_world_size(group)
+    out = torch.empty(size * RECORD_BYTES, dtype=torch.uint8, device=device)
+    all_gather_flat(out, send, group)
+    st.sent_bytes += send.numel() * send.element_size()
+    rows = out.view(size, RECORD_BYTES).cpu()
+    return [_decode(rows[p]) for p in range(size)]
 
 
 def _node_indices(names: Sequence[str]) -> tuple[int, ...]:
@@ -157,18 +269,22 @@ def _node_indices(names: Sequence[str]) -> tuple[int, ...]:
     return tuple(first.setdefault(n, len(first)) for n in names)
 
 
-def _layout(global_ranks: tuple[int, ...], world_nodes: tuple[str, ...], what: str
+def _layout(global_ranks: tuple[int, ...], names: Sequence[str], what: str, even: bool = True
             ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """``(node_of, intra_ranks, inter_ranks)`` of the group of ``global_ranks`` (group rank
-    order) given every world rank's node. Raises :class:`ConfigError` naming the nodes when they
-    hold unequal numbers of the group's ranks."""
-    node_of = _node_indices([world_nodes[g] for g in global_ranks])
+    order) given each of its ranks' node ``names``. ``even``: raise :class:`ConfigError` naming
+    the nodes when they hold unequal numbers of the group's ranks; else such a group has no
+    ``inter_ranks``."""
+    node_of = _node_indices(names)
     members: list[list[int]] = [[] for _ in range(max(node_of) + 1)]
     for p, d in enumerate(node_of):
         members[d].append(p)
     counts = [len(m) for m in members]
+    by_global = lambda ps: tuple(sorted(ps, key=lambda p: global_ranks[p]))  # noqa: E731
+    if len(set(counts)) > 1 and not even:
+        return node_of, tuple(by_global(m) for m in members), ()
     if len(set(counts)) > 1:
-        where = ", ".join(f"node {world_nodes[global_ranks[m[0]]]}: {len(m)}" for m in members)
+        where = ", ".join(f"node {names[m[0]]}: {len(m)}" for m in members)
         raise ConfigError(
             f"the {what} (global ranks {list(global_ranks)}) has unequal numbers of ranks per node ({where}); "
             "qsdp needs the same number on every node: launch the same number of ranks per node, or emulate "
@@ -176,58 +292,147 @@ def _layout(global_ranks: tuple[int, ...], world_nodes: tuple[str, ...], what: s
         )
     # new_group orders a subgroup by global rank: so do these lists, so a rank's place in a list is
     # its rank in the subgroup.
-    by_global = lambda ps: tuple(sorted(ps, key=lambda p: global_ranks[p]))  # noqa: E731
     intra = tuple(by_global(m) for m in members)
     m = counts[0]
     inter = tuple(by_global([intra[d][j] for d in range(len(intra))]) for j in range(m))
     return node_of, intra, inter
 
 
+def _warn_if_launcher_disagrees(st: _WorldState, ranks: tuple[int, ...], records: list[_Record],
+                                per_node: int, nodes: int) -> None:
+    """Rank 0, once a world: the hosts' ranks per node against what the launcher states."""
+    if st.warned or dist.get_rank() != 0 or len(ranks) != dist.get_world_size() or any(r.explicit for r in records):
+        return
+    st.warned = True
+    said = [f"{var}={value}" for var, value in stated_ranks_per_node() if value != per_node]
+    if said:
+        warnings.warn(
+            f"qsdp: the hosts hold {per_node} rank(s) on each of {nodes} node(s) (SLURM_NODEID or the host name), "
+            f"but the launcher states {' and '.join(said)}: qsdp follows the hosts; to emulate nodes on one host, "
+            "set QSDP_NODE for each emulated node or pass overrides={'local_world_size': M}", stacklevel=4)
+
+
+def _check_held(records: list[_Record], ranks: tuple[int, ...], intra, inter, what: str) -> None:
+    """Raise on every rank of the group, before any subgroup is created, if the members of one
+    of its subgroups hold different numbers of process groups (they would name it differently
+    and wait for each other until the timeout)."""
+    for sub in (*intra, *inter):
+        held = {records[p].held for p in sub}
+        if len(held) > 1:
+            detail = ", ".join(f"rank {ranks[p]}: {records[p].held}" for p in sub)
+            raise ConfigError(
+                f"the ranks of the {what} hold different numbers of process groups ({detail}): torch names a "
+                "subgroup that only its members create by its ranks and that number, so qsdp's node subgroups "
+                f"would not meet; create the same process groups on every rank of the {what} before quantize_comms")
+
+
+def _own_subgroup(st: _WorldState, ranks: tuple[int, ...], timeout: datetime.timedelta | None) -> dist.ProcessGroup:
+    """The subgroup of ``ranks`` (this rank among them), created by its members alone."""
+    sub = st.subgroups.get(ranks)
+    if sub is None:
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        sub = st.subgroups[ranks] = _Subgroup(dist.new_group(list(ranks), use_local_synchronization=True, **kwargs))
+    sub.users += 1
+    return sub.group
+
+
+def _world_subgroups(st: _WorldState, mine: tuple[tuple[int, ...], ...],
+                     timeout: datetime.timedelta | None) -> list[dist.ProcessGroup]:
+    """``mine``'s subgroups in a world bound to a device, where NCCL splits the world's
+    communicator for every new group and so every rank must create every subgroup: the ranks
+    exchange the subgroups they need over the world, and create the new ones in one order.
+    They stay until the world is destroyed."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    st.sent_bytes += 8 * sum(len(r) for r in mine)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    for ranks in sorted({r for theirs in everyone for r in theirs}):
+        if ranks not in st.world_made:
+            st.world_made[ranks] = dist.new_group(list(ranks), **kwargs)
+    return [st.world_made[r] for r in mine]
+
+
 def build_topologies(groups: Sequence[dist.ProcessGroup | None], local_world_size: int | None = None,
-                     what: str = "FSDP group") -> list[Topology]:
+                     what: str = "FSDP group", subgroups: bool | Sequence[bool] = True,
+                     even: bool | Sequence[bool] = True) -> list[Topology]:
     """The topology of each of ``groups`` (``None``: the world) on this rank.
 
-    Collective over the world: every rank calls it, each with its own groups (a rank of a dp x tp
-    mesh passes its own dp group); the ranks exchange their node names and groups once, and every
-    rank creates the subgroups of every group in one order. ``local_world_size`` emulates nodes
-    (see the module doc). Raises :class:`ConfigError` on every rank for a bad layout."""
+    Collective over each group in turn: every rank of a group calls it with that group, the
+    groups in one order (a rank of a dp x tp mesh passes its own dp group). Each group's ranks
+    exchange :data:`RECORD_BYTES` bytes each; the layout is derived locally. ``subgroups``
+    (one flag, or one per group): whether to create the intra- and inter-node subgroups of this
+    rank (only the two-level collectives use them); ``even`` (likewise): whether the group must hold
+    the same number of ranks on every node (subgroups need it). ``local_world_size`` emulates nodes (see the
+    module doc). Every returned topology counts one user until :func:`release`. Raises
+    :class:`ConfigError` on every rank of a group for a bad layout."""
     world = dist.get_world_size()
-    mine = [_group_ranks(g) for g in groups]
     lws = local_world_size
     if lws is not None and (lws < 1 or world % lws):
         raise ConfigError(f"local_world_size={lws} must divide the world size {world} (ranks per node x nodes)")
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, (None if lws else node_name(), mine))
-    key = (*_world_key(), lws)
-    if key not in _NODES:
-        _NODES[key] = tuple(str(r // lws) for r in range(world)) if lws else tuple(e[0] for e in everyone)
-    world_nodes = _NODES[key]
-    every_group = sorted({ranks for _, theirs in everyone for ranks in theirs})
-    layouts = {ranks: _layout(ranks, world_nodes, what) for ranks in every_group}
+    st = _state()
+    flags = [subgroups] * len(groups) if isinstance(subgroups, bool) else list(subgroups)
+    evens = [even] * len(groups) if isinstance(even, bool) else list(even)
     timeout = group_timeout(dist.group.WORLD)
-    for ranks in every_group:
-        _, intra, inter = layouts[ranks]
-        if len(intra) > 1 and len(inter) > 1:
-            for sub in (*intra, *inter):
-                subgroup = tuple(ranks[p] for p in sub)
-                if subgroup not in _SUBGROUPS:  # the same on every rank: all made the same calls
-                    _SUBGROUPS[subgroup] = dist.new_group(list(subgroup), timeout=timeout)
+    bound = getattr(dist.group.WORLD, "bound_device_id", None) is not None
     out = []
-    for group, ranks in zip(groups, mine):
+    for group, make, need_even in zip(groups, flags, evens):
         group = group or dist.group.WORLD
-        cache_key = (*_world_key(), id(group), ranks, world_nodes)
-        if cache_key not in _CACHE:
-            node_of, intra, inter = layouts[ranks]
-            topo = Topology(group, len(ranks), dist.get_rank(group), node_of, intra, inter)
-            if topo.nodes > 1 and topo.ranks_per_node > 1:
-                topo.intra_group = _SUBGROUPS[tuple(ranks[p] for p in intra[topo.node])]
-                topo.inter_group = _SUBGROUPS[tuple(ranks[p] for p in inter[topo.local_rank])]
-            _CACHE[cache_key] = topo
-        out.append(_CACHE[cache_key])
+        ranks = tuple(dist.get_process_group_ranks(group))
+        records = _exchange(group, st)
+        names = [str(g // lws) for g in ranks] if lws else [r.name for r in records]
+        node_of, intra, inter = _layout(ranks, names, what, need_even or make)
+        if lws is None and inter:
+            _warn_if_launcher_disagrees(st, ranks, records, len(intra[0]), len(intra))
+        key = (group, lws, tuple(names), make, need_even)
+        topo = st.topologies.get(key)
+        if topo is None:
+            topo = Topology(group, len(ranks), dist.get_rank(group), node_of, intra, inter, _key=key)
+            if make and topo.nodes > 1 and topo.ranks_per_node > 1:
+                mine = (tuple(ranks[p] for p in intra[topo.node]), tuple(ranks[p] for p in inter[topo.local_rank]))
+                if bound:
+                    topo.intra_group, topo.inter_group = _world_subgroups(st, mine, timeout)
+                else:
+                    if any(r not in st.subgroups for r in mine):
+                        _check_held(records, ranks, intra, inter, what)
+                    # Intra-node first on every member: each then holds as many groups as its peers.
+                    topo.intra_group, topo.inter_group = (_own_subgroup(st, r, timeout) for r in mine)
+                    topo._subgroup_keys = mine
+            st.topologies[key] = topo
+        topo._users += 1
+        out.append(topo)
     return out
 
 
 def build_topology(group: dist.ProcessGroup | None = None, ranks_per_node: int | None = None) -> Topology:
     """The topology of ``group`` (default: the world); ``ranks_per_node`` emulates nodes of that
-    many consecutive global ranks. Collective over the world (:func:`build_topologies`)."""
+    many consecutive global ranks. Collective over ``group`` (:func:`build_topologies`)."""
     return build_topologies([group], ranks_per_node)[0]
+
+
+def release(topology: Topology) -> None:
+    """Drop one user of ``topology`` (one that :func:`build_topologies` returned). Once none is
+    left, its subgroups go back to this world's pool, where the next topology that needs the
+    same ranks takes them instead of creating new ones; the pool goes with the world
+    (``destroy_process_group()``). Not destroyed sooner: torch names a subgroup created by its
+    members alone after its ranks and the number of groups they hold, so a destroyed subgroup
+    made again would get the old name, and its members would meet the old one's addresses in
+    the store. Local, no collective; nothing to do for a topology of a world already gone."""
+    st = _STATE
+    if st is None or not dist.is_initialized() or st.world is not dist.group.WORLD or topology._key is None:
+        return
+    if st.topologies.get(topology._key) is not topology or topology._users <= 0:
+        return
+    topology._users -= 1
+    if topology._users:
+        return
+    del st.topologies[topology._key]
+    for ranks in topology._subgroup_keys:
+        sub = st.subgroups.get(ranks)
+        if sub is not None:
+            sub.users -= 1
+
+
+def pooled_subgroups() -> dict[tuple[int, ...], int]:
+    """``{global ranks: users}`` of every subgroup this rank created in the current world (0
+    users: pooled for reuse)."""
+    return {ranks: sub.users for ranks, sub in _state().subgroups.items()}

@@ -199,13 +199,19 @@ def run_identity(args: TrainArgs, world_size: int, data_id: str | None,
 
 
 def hsdp_layout(args: TrainArgs, config: QuantConfig, world_size: int,
-                resuming: bool = False) -> tuple[int, int]:
+                resuming: bool = False) -> tuple[int, int] | None:
     """``(nodes, ranks_per_node)`` of an ``--hsdp`` run of ``world_size`` ranks: ranks per node
-    from ``--local-world-size`` (folded into ``config``), else ``LOCAL_WORLD_SIZE``, else the
-    whole world. TrainError unless they make whole nodes, at least 2 of them for a fresh run;
-    ``resuming``: one node, a single replica, continues an HSDP run that lost its other nodes."""
-    env = os.environ.get("LOCAL_WORLD_SIZE", "")
-    per_node = config.local_world_size or (int(env) if env.isdigit() and int(env) > 0 else world_size)
+    from ``--local-world-size`` (folded into ``config``), else as the launcher states them
+    (``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS_PER_NODE``); ``None`` where nothing states them before
+    the process group exists (the hosts decide then, and the trainer checks them). TrainError
+    unless they make whole nodes, at least 2 of them for a fresh run; ``resuming``: one node, a
+    single replica, continues an HSDP run that lost its other nodes."""
+    from qsdp.comm.topology import stated_ranks_per_node
+
+    stated = stated_ranks_per_node()
+    per_node = config.local_world_size or (stated[0][1] if stated else None)
+    if per_node is None:
+        return None
     if world_size % per_node:
         raise TrainError(f"--hsdp: {per_node} ranks per node (--local-world-size) must divide the "
                          f"world size {world_size}")

@@ -141,8 +141,12 @@ def shard_and_quantize(
     if not args.hsdp:
         model, dtype_name = build_model(args, vocab_size, device)
         return model, dtype_name, qsdp.quantize_comms(model, plan.config), None
-    nodes, per_node = hsdp_layout(args, plan.config, dist.get_world_size(), resuming=plan.resume_from is not None)
-    groups = qsdp.hsdp_groups(nodes=nodes, ranks_per_node=per_node, device_type=device.type)
+    # The nodes are the hosts (or QSDP_NODE), however many torchrun agents each runs;
+    # --local-world-size emulates nodes of consecutive ranks.
+    groups = qsdp.hsdp_groups(ranks_per_node=plan.config.local_world_size, device_type=device.type)
+    nodes, per_node = groups.nodes, groups.ranks_per_node
+    hsdp_layout(args, dataclasses.replace(plan.config, local_world_size=per_node), nodes * per_node,
+                resuming=plan.resume_from is not None)
     model, dtype_name = build_model(args, vocab_size, device, groups.shard_mesh)
     comms = qsdp.quantize_comms(model, plan.config, group=groups.shard_group,
                                 replicate_group=groups.replicate_group)
