@@ -32,6 +32,7 @@ from qsdp.text_table import aligned
 from .report import BENCH_PRESETS, emit, meta
 from .step_phases import PHASES
 from .workload import run_steps
+from qsdp.train.model import MODEL_SIZES
 from qsdp.usage import UsageParser, save_path
 
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="profiled steps per preset")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="tiny", choices=tuple(MODEL_SIZES))
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")

@@ -16,6 +16,7 @@ from qsdp.text_table import aligned
 
 from .report import BENCH_PRESETS, emit, meta
 from .workload import run_steps
+from qsdp.train.model import MODEL_SIZES
 from qsdp.usage import UsageParser, save_path
 
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = UsageParser(prog="qsdp bench volume", description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=list(BENCH_PRESETS))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="tiny", choices=tuple(MODEL_SIZES))
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     args = parser.parse_args(argv)
