@@ -78,18 +78,25 @@ def test_a_directory_marked_by_its_owner_is_cleared_and_no_other(tmp_path):
     (theirs / "metrics.jsonl").write_text("a training run\n")
     with pytest.raises(NotOwnedError, match="holds metrics.jsonl that qsdp demo did not write"):
         clear_owned(theirs, "qsdp demo", ["metrics.jsonl"])
-    with pytest.raises(NotOwnedError, match="that qsdp bench convergence did not write"):
-        check_clearable(mine, "qsdp bench convergence")  # another command's marker is not its own
+    with pytest.raises(NotOwnedError, match="that another command did not write"):
+        check_clearable(mine, "another command")  # another command's marker is not its own
     assert (theirs / "metrics.jsonl").read_text() == "a training run\n"
 
 
 def test_convergence_reuse_refuses_a_run_directory_it_did_not_write(tmp_path, corpus, capsys):
+    from benchmarks import convergence
+    from benchmarks._cli import run_script
+
     run = tmp_path / "seed0" / "fsdp"
     run.mkdir(parents=True)
     (run / METRICS_FILE).write_text('{"step": 1, "loss": 5.0}\n')
-    line = one_error(["bench", "convergence", "--out", str(tmp_path), "--reuse", "--variants", "fsdp",
-                      "--seeds", "1", "--steps", "1", "--data", corpus, "--no-progress"], capsys)
-    assert "that qsdp bench convergence did not write" in line
+    rc = run_script(convergence.main, convergence.PROGRAM,
+                    ["--out", str(tmp_path), "--reuse", "--variants", "fsdp", "--seeds", "1", "--steps", "1",
+                     "--data", corpus, "--no-progress"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{convergence.PROGRAM}: error: {run} holds metrics.jsonl that "
+                               f"{convergence.PROGRAM} did not write"), lines
     assert (run / METRICS_FILE).read_text() == '{"step": 1, "loss": 5.0}\n'
 
 

@@ -1,6 +1,6 @@
 """Directories a command may clear: only those it marked as its own when it wrote them.
 
-A command that replaces its earlier output (``qsdp demo``, ``qsdp bench convergence --reuse``)
+A command that replaces its earlier output (``qsdp demo``, the convergence sweep of ``benchmarks/`` with ``--reuse``)
 writes a marker file naming itself into each directory it fills, and clears a directory only
 when that marker is there. A directory that holds anything else, a training run of
 ``qsdp train`` for example, is refused with one line instead: nothing is deleted that the
