@@ -5,7 +5,7 @@ identity)."""
 import pytest
 
 import qsdp
-from qsdp.config import PRESETS, USED_FIELDS, ConfigError, resolve_config
+from qsdp.config import PRESETS, ConfigError, resolve_config
 
 
 @pytest.mark.parametrize("preset,overrides,message", [
@@ -51,7 +51,7 @@ def test_overrides_the_mode_reads_and_a_change_of_mode_are_accepted():
 
 
 def test_the_used_fields_table_names_real_fields_of_every_mode():
-    from qsdp.config import GRAD_MODES, HSDP_MODES, WEIGHT_MODES
+    from qsdp.config import GRAD_MODES, HSDP_MODES, USED_FIELDS, WEIGHT_MODES
 
     sections = {"weights": (qsdp.WeightComm, WEIGHT_MODES), "grads": (qsdp.GradComm, GRAD_MODES),
                 "hsdp": (qsdp.HsdpComm, HSDP_MODES)}
