@@ -173,7 +173,8 @@ def test_comms_state_and_gradient_check_refuse_foreign_input_by_name():
     handle = QuantizedComms.__new__(QuantizedComms)  # the key check comes before any comm is touched
     with pytest.raises(ValueError, match=r"unexpected keys 'foo'; missing keys 'all_gather', 'reduce_scatter'$"):
         handle.load_state_dict({"foo": 1})
-    with pytest.raises(TypeError, match=r"comms must be the handle qsdp.quantize_comms returned, got str 'sdp4bit'"):
+    with pytest.raises(TypeError, match=r"comms must be the handle qsdp.quantize_comms returned, or a list of them "
+                                        r"\(one per model part of this rank\); got str"):
         check_gradients("sdp4bit", None)
 
 
