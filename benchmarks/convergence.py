@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +31,9 @@ from qsdp.config import resolve_config
 from qsdp.text_table import aligned
 from qsdp.train.args import TrainArgs
 from qsdp.train.launcher import launch, plan_run
+from qsdp.train.owned import NotOwnedError, check_clearable, clear_owned, mark_owned
 from qsdp.train.plots import plot_runs
+from qsdp.usage import save_path
 
 from qsdp.results import emit, meta
 
@@ -40,6 +41,8 @@ from ._cli import run_script
 from .paired import paired_gap
 
 PROGRAM = "python -m benchmarks.convergence"
+# The marker of the run directories a sweep wrote (see qsdp.train.owned).
+OWNER = PROGRAM
 # The convergence ablation: the baseline, the SDP4Bit paper's Table 1 variants (weights alone,
 # gradients alone), the presets, QSDP's halves alone, then QSDP's aggressive 4-bit setting.
 CONVERGENCE_VARIANTS: tuple[str, ...] = (
@@ -135,11 +138,19 @@ def _train_all(spec: Spec, out: str, reuse: bool, progress: bool) -> dict[str, l
     finished = {k: summary for k, a in runs.items() if reuse and (summary := _finished_summary(a))}
     todo = {k: a for k, a in runs.items() if k not in finished}
     if reuse:
-        # A sweep owns its run directories: one left unfinished, or with other arguments, restarts.
+        # A sweep owns the run directories it marked: one left unfinished, or with other
+        # arguments, restarts; one it did not write is refused before anything is deleted.
+        try:
+            for a in todo.values():
+                check_clearable(a.out, OWNER)
+        except NotOwnedError as e:
+            raise SystemExit(str(e)) from None  # one line (run_script)
         for a in todo.values():
-            shutil.rmtree(a.out, ignore_errors=True)
+            clear_owned(a.out, OWNER)
     # Every input is checked (and the data prepared) before the first run starts.
     plans = {k: plan_run(a, spec.nproc, prepare_data=True) for k, a in todo.items()}
+    for a in todo.values():
+        mark_owned(a.out, OWNER)
     records: dict[str, list[dict[str, Any]]] = {v: [] for v in spec.variants}
     for i, ((seed, v), args) in enumerate(runs.items(), 1):
         head = f"[{i}/{len(runs)}] seed {seed} {v} -> {args.out}"
@@ -369,7 +380,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="train nothing: combine results saved (--save) by sweeps of the same "
                         "setting over disjoint seeds, e.g. one seed per machine, into one paired report")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    parser.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     return parser
 
 

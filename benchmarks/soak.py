@@ -52,6 +52,7 @@ from qsdp.train.preflight import prepare_dataset
 from qsdp.train.runtime import init_process_group, rank0_first, run_device
 from qsdp.results import emit
 from qsdp.train.trainer import build_model, clip_grads, make_optimizer
+from qsdp.usage import save_path
 
 from ._cli import run_script
 
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory counts as flat up to this RSS slope (default 10 MB/hour)")
     parser.add_argument("--device", default=None, choices=DEVICES)
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    parser.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     args = parser.parse_args(argv)
     if not (args.minutes > 0 and args.minutes == args.minutes and args.minutes != float("inf")):
         parser.error(f"--minutes must be a positive number, got {args.minutes}")

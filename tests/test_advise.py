@@ -91,7 +91,7 @@ def test_the_command_prints_a_table_naming_the_recommendation(capsys):
 @pytest.mark.parametrize("argv,words", [
     (["--params", "lots", "--nodes", "2"], "--params='lots'"),
     (["--params", "1B"], "--nodes is required"),
-    (["--params", "1B", "--nodes", "0"], "--nodes=0 must be positive"),
+    (["--params", "1B", "--nodes", "0"], "--nodes: must be an integer from 1 to"),
     (["--nodes", "2"], "one of the arguments --params --config is required"),
     (["--params", "1B", "--nodes", "2", "--link", "100"], "--link: '100' is not a link rate with its unit"),
     (["--params", "1B", "--nodes", "2", "--link", "100gbit", "--link-per-gpu", "12.5gbit"], "not allowed with"),

@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -47,11 +47,16 @@ from .perfmodel import (
     simulate_step,
 )
 from .text_table import aligned
+from qsdp.usage import UsageParser, number
 
 FLAT_PRESETS = ("fsdp", "qsdp", "zeropp", "sdp4bit")
 HSDP_PRESETS = ("fsdp", "hsdp8", "hsdp4", "sdp4bit")
 STATE_BYTES_PER_PARAM = 16  # fp32 master weights, gradients and two Adam moments
 DEFAULT_GPU = "h800"
+
+
+# The largest model advise prices: a bound on typing mistakes (1e30), not on what the model can say.
+MAX_PARAMS = 10 ** 13
 
 
 def parse_params(text: str) -> int:
@@ -63,6 +68,8 @@ def parse_params(text: str) -> int:
     n = int(float(m.group(1)) * scale)
     if n < 1e6:
         raise ValueError(f"--params={text!r}: {n} parameters is too small to be worth sharding")
+    if n > MAX_PARAMS:
+        raise ValueError(f"--params={text!r}: at most {MAX_PARAMS:.0e} parameters (10 trillion)")
     return n
 
 
@@ -286,13 +293,13 @@ def _gpu_list() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qsdp advise", description=__doc__.splitlines()[0], epilog=_gpu_list(),
+    p = UsageParser(prog="qsdp advise", description=__doc__.splitlines()[0], epilog=_gpu_list(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", help="model parameters, e.g. 1.3B, 350M, 7e9 (a GPT shape is chosen)")
     model.add_argument("--config", metavar="FILE", help="a model config JSON (nanoGPT or Hugging Face names)")
-    p.add_argument("--nodes", type=int, default=None, help="nodes (default: from the torchrun world with --measure)")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="GPUs per node (default: the GPU type's)")
+    p.add_argument("--nodes", type=number(1, 1 << 20, integer=True), default=None, help="nodes (default: from the torchrun world with --measure)")
+    p.add_argument("--ranks-per-node", type=number(1, 1024, integer=True), default=None, help="GPUs per node (default: the GPU type's)")
     p.add_argument("--gpu", choices=[*sorted(HARDWARE), "custom"], default=DEFAULT_GPU,
                    help=f"GPU type and its cluster (default {DEFAULT_GPU}; the list below)")
     link = p.add_mutually_exclusive_group()
@@ -305,15 +312,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-gbps", type=float, help=argparse.SUPPRESS)  # the old flag, to say what replaced it
     p.add_argument("--intra-link", metavar="RATE", help="a GPU's intra-node bandwidth per direction, with the "
                    "unit: 360GB/s (default: the GPU type's NVLink; PCIe 4.0 x16 nodes: about 25GB/s)")
-    p.add_argument("--tflops", type=float, help="--gpu custom: bf16 dense peak TFLOP/s per GPU")
+    p.add_argument("--tflops", type=number(0, low_open=True), help="--gpu custom: bf16 dense peak TFLOP/s per GPU")
     p.add_argument("--hbm", metavar="RATE", help="--gpu custom: memory bandwidth per GPU, e.g. 3350GB/s")
-    p.add_argument("--memory-gb", type=float, help="--gpu custom: memory per GPU, GB (default: not checked)")
-    p.add_argument("--mfu", type=float, help="--gpu custom: model FLOPs utilisation (default 0.4)")
+    p.add_argument("--memory-gb", type=number(0, low_open=True), help="--gpu custom: memory per GPU, GB (default: not checked)")
+    p.add_argument("--mfu", type=number(0, 1, low_open=True), help="--gpu custom: model FLOPs utilisation (default 0.4)")
     p.add_argument("--kernels", metavar="FILE", help="kernel speeds (qsdp bench kernels --save FILE)")
-    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step")
-    p.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides communication")
-    p.add_argument("--margin", type=float, default=0.05, help="how much faster a quantized setup must be")
+    p.add_argument("--seq-len", type=number(1, 1 << 24, integer=True), default=SEQ_LEN)
+    p.add_argument("--micro-batch", type=number(1, 1 << 20, integer=True), default=1, help="sequences per GPU per step")
+    p.add_argument("--overlap", type=number(0, 1), default=0.0, help="fraction of compute that hides communication")
+    p.add_argument("--margin", type=number(0, 10), default=0.05,
+                   help="how much faster a quantized setup must be (0.05: 5%%)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -341,18 +349,35 @@ def _hardware(p: argparse.ArgumentParser, args: argparse.Namespace, link_gbit: f
         p.error(f"--hbm: {e}" if "is not a rate" in str(e) else str(e))
 
 
+def _read(p: argparse.ArgumentParser, flag: str, value: str | None, read: Callable[[str], Any]) -> Any:
+    """``read(value)`` (None if the flag is not given); a failure is a usage error naming the
+    flag and its file."""
+    if not value:
+        return None
+    try:
+        return read(value)
+    except json.JSONDecodeError as e:
+        p.error(f"{flag} {value}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})")
+    except OSError as e:
+        p.error(f"{flag} {value}: {e.strerror or e}")
+    except ValueError as e:
+        p.error(str(e))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     if args.inter_gbps is not None:
         p.error(f"--inter-gbps was GB/s per GPU: write --link-per-gpu {args.inter_gbps:g}GB/s, or one node's "
                 "link as --link 100gbit or 8x400gbit")
-    try:
-        params = parse_params(args.params) if args.params else None
-        shape = shape_from_config(args.config) if args.config else None
-        kernels = load_kernels(args.kernels) if args.kernels else None
-    except (OSError, ValueError) as e:
-        p.error(str(e))
+    if args.measure:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() and "RANK" not in os.environ:
+            p.error(_MEASURE_OUTSIDE_TORCHRUN)
+    params = _read(p, "--params", args.params, parse_params)
+    shape = _read(p, "--config", args.config, shape_from_config)
+    kernels = _read(p, "--kernels", args.kernels, load_kernels)
     rates = {}
     for flag in ("link", "link_per_gpu", "intra_link"):
         text = getattr(args, flag)
@@ -361,12 +386,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 math.prod(parse_link(text)) if flag == "link" else parse_rate(text))
         except ValueError as e:
             p.error(f"--{flag.replace('_', '-')}: {e}")
-    for name in ("nodes", "ranks_per_node", "seq_len", "micro_batch"):
-        v = getattr(args, name)
-        if v is not None and v <= 0:
-            p.error(f"--{name.replace('_', '-')}={v} must be positive")
-    if not 0.0 <= args.overlap <= 1.0 or args.margin < 0:
-        p.error("--overlap must be in [0, 1] and --margin non-negative")
     intra_gbps = None if rates["intra_link"] is None else rates["intra_link"] / 8
     gpu = _hardware(p, args, rates["link"], intra_gbps)
     measured, speak = None, True
@@ -392,6 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+_MEASURE_OUTSIDE_TORCHRUN = ("--measure runs under torchrun, e.g. torchrun --nnodes 2 --nproc-per-node 8 ... "
+                             "-m qsdp.cli advise --measure --params 7B")
+
+
 def _measure() -> tuple[float, int, int, bool]:
     """Join (or use) the torchrun world, time the all-gather; (Gbit/s per GPU, nodes, ranks per
     node, whether this rank prints)."""
@@ -399,8 +422,7 @@ def _measure() -> tuple[float, int, int, bool]:
 
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            raise SystemExit("qsdp advise: --measure runs under torchrun, e.g. "
-                             "torchrun --nnodes 2 --nproc-per-node 8 ... -m qsdp.cli advise --measure --params 7B")
+            raise SystemExit(_MEASURE_OUTSIDE_TORCHRUN)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -18,6 +18,8 @@ import dataclasses
 import importlib
 import os
 import sys
+import tempfile
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,10 +45,13 @@ from qsdp.train.launcher import root_cause as _root_cause  # noqa: F401 - compat
 from qsdp.train.metrics import METRICS_FILE
 from qsdp.train.model import MODEL_SIZES
 from qsdp.train.plots import plot_runs
+from qsdp.usage import PROG, UsageParser, number
 
 __all__ = ["main", "run_training", "BENCHMARKS"]
 
-PROG = "qsdp"
+# Local worker processes one command may start (more nodes are torchrun's job); the launcher also
+# checks that the open-file limit allows them (qsdp.train.launcher.check_open_files).
+MAX_NPROC = 1024
 
 # `qsdp bench NAME ARGS...`: each module has `main(argv) -> int` with its own argparse.
 BENCHMARKS = {
@@ -66,17 +71,33 @@ MOVED_TO_REPOSITORY = {"convergence": "python -m benchmarks.convergence", "soak"
 _MODULES = {**BENCHMARKS, "advise": "qsdp.advise", "presets": "qsdp.preset_table", "check": "qsdp.check.cli"}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line: ``qsdp: error: ...`` (exit code 2)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        hint = f" (see '{self.prog} --help')"
-        self.exit(EXIT_USAGE, f"{PROG}: error: {message}{hint}\n")
+_Parser = UsageParser  # a usage error is one line: ``qsdp: error: ...`` (exit code 2)
 
 
 def _error(message: str) -> None:
     sys.stderr.write(f"{PROG}: error: {message}\n")
     sys.stderr.flush()
+
+
+def _traceback_file(error: BaseException) -> str | None:
+    """Write ``error``'s traceback to a new file; its path (None if nothing could be written)."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="qsdp-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"qsdp {qsdp.__version__}: {' '.join(sys.argv)}\n")
+            f.write("".join(traceback.format_exception(type(error), error, error.__traceback__)))
+        return path
+    except OSError:
+        return None
+
+
+def _unexpected(error: BaseException) -> int:
+    """A failure no check foresaw: one line with the path of the full traceback, exit code 1."""
+    path = _traceback_file(error)
+    where = f" (traceback: {path})" if path else ""
+    message = str(error).strip().splitlines()
+    _error(f"unexpected {type(error).__name__}{': ' + message[0] if message else ''}{where}")
+    return 1
 
 
 def _add_run_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> None:
@@ -137,7 +158,7 @@ def _add_logging_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> 
 
 def _add_process_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> None:
     group = parser.add_argument_group("processes")
-    group.add_argument("--nproc", type=int, default=None,
+    group.add_argument("--nproc", type=number(1, MAX_NPROC, integer=True), default=None,
                        help="local worker processes to launch (default 1; ignored under torchrun)")
     group.add_argument("--local-world-size", type=int, default=None,
                        help="ranks per node for the two-level reduce-scatter (emulates nodes on one machine)")
@@ -242,8 +263,10 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
     module = importlib.import_module(_MODULES[ns.bench])
     try:
         rc = module.main(ns.bench_args)
-    except SystemExit as e:  # its own argparse: --help, usage errors
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
+    except SystemExit as e:  # its own argparse (--help, a usage error already printed) or a message
+        if isinstance(e.code, str):
+            raise UsageError(e.code) from None
+        rc = e.code
     return int(rc or 0)
 
 
@@ -291,7 +314,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ns = _parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error already printed
-        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_USAGE
+        if isinstance(e.code, str):
+            _error(e.code)
+            return EXIT_USAGE
+        return int(e.code or 0)
     # Under torchrun every rank validates the same inputs: one line per node, not per rank.
     speak = not under_torchrun() or os.environ.get("LOCAL_RANK", "0") == "0"
     try:
@@ -312,11 +338,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
-    except Exception as e:  # the elastic launcher's SignalException (SIGTERM, SIGINT)
-        if type(e).__name__ == "SignalException":
+    except SystemExit as e:  # a message, or an exit code with its message already printed
+        if isinstance(e.code, str):
+            if speak:
+                _error(e.code)
+            return EXIT_USAGE
+        return int(e.code or 0)
+    except Exception as e:
+        if type(e).__name__ == "SignalException":  # the elastic launcher's (SIGTERM, SIGINT)
             _error(f"interrupted ({e})")
             return 130
-        raise
+        return _unexpected(e)
 
 
 if __name__ == "__main__":

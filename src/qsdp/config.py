@@ -198,6 +198,46 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# The fields each mode reads; a mode ignores every other field of its section, which must keep
+# its default (see :func:`validate`). ``mode`` itself is always read.
+_QUANTIZER = ("bits", "group_size", "symmetric", "rounding")
+USED_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "weights": {"plain": (), "direct": _QUANTIZER, "difference": (*_QUANTIZER, "replica")},
+    "grads": {
+        "plain": (),
+        "one_level": (*_QUANTIZER, "hadamard_block", "quantize"),
+        "two_level": ("bits_intra", "bits_inter", "group_size", "symmetric", "rounding", "hadamard_block",
+                      "pipeline_slices", "pipeline_min_slice", "pipeline_min_bytes", "quantize"),
+    },
+    "hsdp": {"plain": (), "quantized": (*_QUANTIZER, "hadamard_block")},
+}
+# What a refused field's user most likely meant.
+_UNUSED_HINTS = {
+    ("grads", "bits", "two_level"): "two-level gradients use grads.bits_intra and grads.bits_inter",
+    ("grads", "bits_intra", "one_level"): "one-level gradients use grads.bits",
+    ("grads", "bits_inter", "one_level"): "one-level gradients use grads.bits",
+}
+
+
+def _unused(section: str, mode: Any, name: str) -> bool:
+    """Whether ``section``'s ``mode`` ignores field ``name`` (False for an unknown mode: that
+    mode is the error to report)."""
+    used = USED_FIELDS[section].get(mode) if isinstance(mode, str) else None
+    return used is not None and name != "mode" and name not in used
+
+
+def _unused_error(section: str, mode: Any, name: str, value: Any, *, overridden: bool) -> ConfigError:
+    hint = _UNUSED_HINTS.get((section, name, mode))
+    if hint is None:
+        readers = [m for m, used in USED_FIELDS[section].items() if name in used]
+        hint = f"{section}.mode {' or '.join(map(repr, readers))} reads it"
+    if overridden:
+        return ConfigError(f"{section}.{name} is unused when {section}.mode = {mode!r} ({hint})")
+    default = getattr(type(getattr(QuantConfig(), section))(), name)
+    return ConfigError(f"{section}.{name}={value!r} is unused when {section}.mode = {mode!r} and must keep its "
+                       f"default {default!r} ({hint})")
+
+
 def preset_names() -> list[str]:
     """Every name :func:`resolve_config` accepts."""
     return [*PRESETS, *VARIANTS]
@@ -209,12 +249,19 @@ def _apply_overrides(cfg: QuantConfig, overrides: Mapping[str, Any]) -> QuantCon
         raise ConfigError(f"overrides must be a dict such as {{'weights.bits': 8}}, got {type(overrides).__name__}")
     top: dict[str, Any] = {}
     sub: dict[str, dict[str, Any]] = {"weights": {}, "grads": {}, "hsdp": {}}
+    # The fields the user named: a dotted key whatever its value, a key of a section dict when
+    # its value is not the field's default (a whole section, e.g. dataclasses.asdict(...), carries
+    # defaults for the fields its mode ignores).
+    named: dict[str, set[str]] = {name: set() for name in sub}
     for key, value in overrides.items():
         head, _, rest = key.partition(".")
         if head in sub and rest:
             sub[head][rest] = value
+            named[head].add(rest)
         elif head in sub and isinstance(value, Mapping):
             sub[head].update(value)
+            defaults = type(getattr(cfg, head))()
+            named[head].update(k for k, v in value.items() if getattr(defaults, k, object()) != v)
         elif head in sub and not isinstance(value, type(getattr(cfg, head))):
             raise ConfigError(f"{head}={value!r} must be a dict of its fields, e.g. {{'bits': 4}}, or "
                               f"given as dotted keys ({head}.bits=4)")
@@ -227,7 +274,17 @@ def _apply_overrides(cfg: QuantConfig, overrides: Mapping[str, Any]) -> QuantCon
             for k in fields:
                 if k not in known:
                     raise ConfigError(f"unknown config field {name}.{k}; allowed: {', '.join(sorted(known))}")
-            top[name] = dataclasses.replace(current, **fields)
+            updated = dataclasses.replace(current, **fields)
+            for k in sorted(named[name]):
+                if _unused(name, updated.mode, k):
+                    raise _unused_error(name, updated.mode, k, fields[k], overridden=True)
+            if updated.mode != current.mode:
+                # Another mode: the fields it ignores return to their defaults (the preset's
+                # values were for the mode it had).
+                defaults = type(current)()
+                updated = dataclasses.replace(updated, **{
+                    k: getattr(defaults, k) for k in known if k not in fields and _unused(name, updated.mode, k)})
+            top[name] = updated
     known_top = {f.name for f in dataclasses.fields(QuantConfig)}
     for k in top:
         if k not in known_top:
@@ -305,6 +362,7 @@ def validate(cfg: QuantConfig) -> None:
         if not isinstance(g.quantize, bool):
             raise ConfigError(f"grads.quantize={g.quantize!r} must be a bool")
     _validate_hsdp(cfg.hsdp)
+    _check_unused(cfg)
     for name, v in (("weights.symmetric", w.symmetric), ("grads.symmetric", g.symmetric)):
         if not isinstance(v, bool):
             raise ConfigError(f"{name}={v!r} must be a bool")
@@ -319,6 +377,18 @@ def validate(cfg: QuantConfig) -> None:
         raise ConfigError(f"seed={cfg.seed!r} must be an integer")
     if not isinstance(cfg.name, str) or not cfg.name:
         raise ConfigError(f"name={cfg.name!r} must be a non-empty string")
+
+
+def _check_unused(cfg: QuantConfig) -> None:
+    """A field its section's mode ignores holds its default: a value there would be silently
+    without effect (and yet recorded in a checkpoint's identity)."""
+    for name in ("weights", "grads", "hsdp"):
+        section = getattr(cfg, name)
+        defaults = type(section)()
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if _unused(name, section.mode, f.name) and value != getattr(defaults, f.name):
+                raise _unused_error(name, section.mode, f.name, value, overridden=False)
 
 
 def _validate_hsdp(h: HsdpComm) -> None:

@@ -8,7 +8,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch.distributed as dist
 from torch import nn
@@ -119,7 +119,16 @@ class QuantizedComms:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Call after the parameters were loaded: their counters become the reference."""
+        """Call after the parameters were loaded: their counters become the reference.
+        ``state`` is what :meth:`state_dict` returned; other keys are a ``ValueError``."""
+        expected = {"all_gather", "reduce_scatter"}
+        keys = set(state) if isinstance(state, Mapping) else None
+        if keys != expected:
+            got = "not a dict" if keys is None else "; ".join(
+                f"{what} keys {', '.join(map(repr, sorted(map(str, ks))))}"
+                for what, ks in (("unexpected", keys - expected), ("missing", expected - keys)) if ks)
+            raise ValueError(f"QuantizedComms.load_state_dict: expected QuantizedComms.state_dict()'s "
+                             f"'all_gather' and 'reduce_scatter', got {got}")
         for i, ag in enumerate(self.all_gathers):
             ag.load_state_dict(state["all_gather"].get(str(i), {}))
         for i, rs in enumerate(self.reduce_scatters):

@@ -8,7 +8,6 @@ against the byte meter of real runs) and divides by the elements they carry, as 
 
 from __future__ import annotations
 
-import argparse
 import json
 import textwrap
 from typing import Any
@@ -17,6 +16,7 @@ from .config import QuantConfig, config_diff, preset_names, resolve_config
 from .hsdp import quantizes_only_replicas
 from .perfmodel.collectives import collective_bytes, collective_elements, hsdp_collectives, step_collectives
 from .text_table import aligned
+from qsdp.usage import UsageParser
 
 # A shard of whole quantization groups, Hadamard blocks and pipeline slices for every preset,
 # so the rates shown are the codecs' own, without the padding of one particular model.
@@ -125,7 +125,7 @@ def _fields_line(name: str, fields: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qsdp presets", description=(
+    parser = UsageParser(prog="qsdp presets", description=(
         "Every preset (or the NAMEs given) with its config fields and the bits per element it puts "
         "on each link, computed from the configs and the wire format."))
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"presets to show (default all: {', '.join(preset_names())})")

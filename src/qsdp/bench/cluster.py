@@ -109,6 +109,7 @@ from qsdp.train.model import MODEL_SIZES
 
 from . import netns
 from .report import BENCH_PRESETS, bar_chart, emit, png_next_to
+from qsdp.usage import UsageParser, save_path
 
 NS_PREFIX = "qsdp-"
 IFACE = "qsdp-eth"
@@ -797,7 +798,7 @@ def run_guarded(prog: str, run: Callable[[], dict[str, Any]]) -> tuple[dict[str,
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qsdp bench cluster", description=__doc__.splitlines()[0],
+    parser = UsageParser(prog="qsdp bench cluster", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Needs root and the pyroute2 package (pip install 'qsdp[bench]').")
     parser.add_argument("--presets", nargs="+", default=list(BENCH_PRESETS),
@@ -833,7 +834,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="FSDP2 mixed precision of the parameters (default: bfloat16 on cuda, float32 on cpu)")
     parser.add_argument("--timeout", type=float, default=900.0, help="deadline in seconds of each torchrun job")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--save", metavar="FILE", help="also write the JSON result (and a PNG beside it) to FILE")
+    parser.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result (and a PNG beside it) to FILE")
     return parser
 
 

@@ -47,6 +47,7 @@ from ..train.args import PARAM_DTYPES
 from ..train.model import MODEL_SIZES, count_params, default_vocab, make_gpt
 from .one_rank import CODEC_RANGE, RankGather, RankReduceScatter
 from .report import BENCH_PRESETS, emit, meta
+from qsdp.usage import UsageParser, save_path
 
 __all__ = ["STEP_RANGE", "TRITON_KERNELS", "ShareSpec", "Span", "spans", "profile_times", "OneRankStep",
            "measure", "format_table", "main"]
@@ -281,7 +282,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     d = ShareSpec()
-    p = argparse.ArgumentParser(prog="qsdp bench codec-share", description=__doc__.splitlines()[0])
+    p = UsageParser(prog="qsdp bench codec-share", description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=list(BENCH_PRESETS), help="presets or variants")
     p.add_argument("--model", default=d.model, choices=tuple(MODEL_SIZES),
                    help=f"GPT size (default {d.model}: GPT-2's vocabulary, an untied head)")
@@ -296,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: GPU time, the Triton kernels; cpu: host time, the torch reference (auto: cuda when there)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    p.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     return p
 
 

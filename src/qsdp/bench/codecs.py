@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from .kernels import ALIGN, build, parse_size
 from .report import cpu_model, emit, meta
+from qsdp.usage import UsageParser, save_path
 
 ROUNDINGS = ("nearest", "stochastic", "shift")
 STEPS = (
@@ -155,7 +156,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qsdp bench codecs", description=__doc__.splitlines()[0])
+    p = UsageParser(prog="qsdp bench codecs", description=__doc__.splitlines()[0])
     p.add_argument("--size", default=DEFAULT_SIZE,
                    help=f"elements per step, e.g. 4M (rounded down to a multiple of {ALIGN}; default {DEFAULT_SIZE})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -164,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"which steps (default all: {', '.join(STEPS)})")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each step (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    p.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     return p
 
 

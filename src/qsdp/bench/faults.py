@@ -85,6 +85,7 @@ from . import netns
 from .cluster import (ClusterError, EmulatedCluster, Job, Link, _Emulation,
                       missing_requirements, node_env, run_guarded, torchrun_command)
 from .report import description, emit
+from qsdp.usage import UsageParser, save_path
 
 CASES = ("link-down", "node-kill", "node-lost", "node-returns", "slow-link")
 ELASTIC_CASES = ("node-lost", "node-returns")  # the job goes on with fewer nodes: an elastic node range
@@ -594,7 +595,7 @@ def _final(row: dict[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     d = FaultJob()
-    p = argparse.ArgumentParser(prog="qsdp bench faults", description=description(__doc__),
+    p = UsageParser(prog="qsdp bench faults", description=description(__doc__),
                                 epilog="Needs root and the pyroute2 package (pip install 'qsdp[bench]').")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES, help="faults to inject, one job each")
     p.add_argument("--nodes", type=int, default=d.nodes, help="emulated nodes (network namespaces)")
@@ -621,7 +622,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds after which a job is killed")
     p.add_argument("--logs", metavar="DIR", help="keep every torchrun agent's log (its workers' output) in DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    p.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     return p
 
 

@@ -13,12 +13,12 @@ without triton) nothing is measured: the command says so and exits with status 2
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
+from qsdp.usage import UsageParser
 
 KERNELS = (
     "quantize",
@@ -358,7 +358,7 @@ def unavailable_reason() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qsdp bench kernels", description=__doc__.splitlines()[0])
+    parser = UsageParser(prog="qsdp bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES),
                         help="elements per kernel, e.g. 16M 64M 256M (rounded down to whole groups)")
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS, metavar="NAME",

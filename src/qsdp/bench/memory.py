@@ -20,12 +20,12 @@ where nothing crosses a node and no replica is held).
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 from qsdp.text_table import aligned
 
 from .report import emit, meta
+from qsdp.usage import UsageParser, save_path
 
 CASES: dict[str, tuple[str, dict[str, Any], bool]] = {
     # name: (preset, overrides, reshard_after_forward)
@@ -170,14 +170,14 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qsdp bench memory", description=__doc__.splitlines()[0])
+    parser = UsageParser(prog="qsdp bench memory", description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE",
                         help=f"default all: {', '.join(CASES)}")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512, help="n_embd (a multiple of 8)")
     parser.add_argument("--cuda", action="store_true", help="one GPU per local rank (modulo the GPUs there are)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    parser.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     args = parser.parse_args(argv)
     if args.layers < 1 or args.width < 8 or args.width % 8:
         parser.error(f"--layers={args.layers} must be >= 1 and --width={args.width} a positive multiple of 8")

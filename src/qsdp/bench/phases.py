@@ -22,7 +22,6 @@ every preset; the step time without it is what ``qsdp bench cluster`` reports.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any, Sequence
 
@@ -33,6 +32,8 @@ from qsdp.text_table import aligned
 from .report import BENCH_PRESETS, emit, meta
 from .step_phases import PHASES
 from .workload import run_steps
+from qsdp.train.model import MODEL_SIZES
+from qsdp.usage import UsageParser, save_path
 
 
 def _worker(preset: str, steps: int, warmup: int, model: str, seq_len: int, batch_size: int,
@@ -79,18 +80,18 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qsdp bench phases", description=__doc__.splitlines()[0])
+    parser = UsageParser(prog="qsdp bench phases", description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=list(BENCH_PRESETS),
                         help="presets or variants; the first is the baseline of the differences")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="profiled steps per preset")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="tiny", choices=tuple(MODEL_SIZES))
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    parser.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be at least 1")

@@ -23,7 +23,6 @@ its errors against the paper are reported, not fitted.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import Any, Mapping, Sequence
 
@@ -51,6 +50,7 @@ from ..perfmodel import (
 from ..text_table import aligned
 
 from .report import BENCH_PRESETS, bar_chart, description, emit, meta, png_next_to
+from qsdp.usage import UsageParser, save_path
 
 DEFAULT_PRESETS = BENCH_PRESETS
 HSDP_PRESETS = ("fsdp", "hsdp4", "sdp4bit")
@@ -268,7 +268,7 @@ _HW_FLAGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qsdp bench simulate", description=description(__doc__))
+    parser = UsageParser(prog="qsdp bench simulate", description=description(__doc__))
     parser.add_argument("--gpu", choices=[*PAPER_GPUS, "all"], default="all",
                         help="the paper's GPU type(s) and their clusters")
     parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--" + name.replace("_", "-"), type=typ, default=None,
                             help=f"override the hardware presets' {name}")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    parser.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     args = parser.parse_args(argv)
     if not 0.0 <= args.overlap <= 1.0:
         parser.error(f"--overlap={args.overlap} must be in [0, 1]")

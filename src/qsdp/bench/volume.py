@@ -8,7 +8,6 @@ paid once per run (and after each checkpoint load), not per step.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 from qsdp.config import resolve_config
@@ -17,6 +16,8 @@ from qsdp.text_table import aligned
 
 from .report import BENCH_PRESETS, emit, meta
 from .workload import run_steps
+from qsdp.train.model import MODEL_SIZES
+from qsdp.usage import UsageParser, save_path
 
 
 def measure(presets=BENCH_PRESETS, steps: int = 3, nproc: int = 4, ranks_per_node: int = 2,
@@ -72,12 +73,12 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qsdp bench volume", description=__doc__.splitlines()[0])
+    parser = UsageParser(prog="qsdp bench volume", description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=list(BENCH_PRESETS))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="tiny", choices=tuple(MODEL_SIZES))
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    parser.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    parser.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps} must be at least 1")

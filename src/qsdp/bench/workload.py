@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import qsdp
 from qsdp.codecs.usage import implementations_run
 from qsdp.train.args import PARAM_DTYPES
-from qsdp.train.model import count_params, default_vocab, make_gpt, transformer_blocks
+from qsdp.train.model import MODEL_SIZES, count_params, default_vocab, make_gpt, transformer_blocks
 
 from .step_phases import phase_times
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", required=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="tiny", choices=tuple(MODEL_SIZES))
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--ranks-per-node", type=int, default=None)

@@ -16,18 +16,14 @@ from ..train.model import MODEL_SIZES
 from .measure import CheckSpec, measure_many
 from .models import ModelError
 from .report import format_text, result
+from ..usage import UsageParser, save_path
 
 
-class _Parser(argparse.ArgumentParser):
-    """A usage error is one line, ``qsdp check: error: ...``, exit code 2."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def _parser() -> argparse.ArgumentParser:
     d = CheckSpec()
-    p = _Parser(prog="qsdp check", description=(
+    p = UsageParser(prog="qsdp check", description=(
         "Will a preset's quantized communication hurt this model? Per FSDP group: the variance the "
         "gradient path adds next to SGD's own, the weight error next to one optimizer step, the "
         "weight-difference compressor's error, and a verdict. One process, CPU or CUDA."))
@@ -54,11 +50,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="the dtype the weights travel in")
     p.add_argument("--data", default=None, metavar="FILE.txt", help="UTF-8 text (default: the embedded corpus)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--device", default=None, type=_device, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--save", metavar="FILE", help="also write the JSON result to FILE")
+    p.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p
+
+
+def _device(text: str) -> str:
+    """``--device``: cpu, cuda or cuda:N (what torch names), checked while parsing."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

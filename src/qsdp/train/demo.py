@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 from qsdp.extras import require
@@ -20,6 +18,7 @@ from qsdp.text_table import aligned
 from qsdp.train.args import TrainArgs
 from qsdp.train.launcher import UsageError, check_writable, launch, plan_run
 from qsdp.train.metrics import METRICS_FILE, SUMMARY_FILE
+from qsdp.train.owned import NotOwnedError, check_clearable, clear_owned
 from qsdp.train.plots import plot_runs
 from qsdp.train.runtime import cpu_param_dtype
 
@@ -33,8 +32,10 @@ NPROC, RANKS_PER_NODE = 4, 2
 DEMO_DEFAULTS: dict[str, Any] = dict(
     model="tiny", steps=150, batch_size=8, seq_len=64, lr=3e-3, warmup=20, eval_every=50,
     eval_batches=8, ckpt_every=0, keep_checkpoints=1, log_every=1)
-# What the demo writes in each run directory: a new demo replaces an old one.
+# What the demo writes in each run directory: a new demo replaces an old one, and only its own
+# (the directory carries the demo's marker, see qsdp.train.owned).
 _ARTIFACTS = (METRICS_FILE, SUMMARY_FILE, "checkpoints", "error.txt")
+OWNER = "qsdp demo"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,15 +83,6 @@ def demo_table(summaries: dict[str, dict[str, Any]]) -> str:
     return "\n".join(aligned(rows, rule=True))
 
 
-def _clear(run_dir: str) -> None:
-    for name in _ARTIFACTS:
-        path = Path(run_dir) / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-
-
 def main(ns: argparse.Namespace) -> int:
     """Run the demo (arguments from :func:`add_arguments`); returns the exit code."""
     if under_torchrun():
@@ -104,10 +96,15 @@ def main(ns: argparse.Namespace) -> int:
     runs = {p: TrainArgs(preset=p, out=os.path.join(ns.out, p), local_world_size=RANKS_PER_NODE,
                          param_dtype=dtype, device="cpu", cache_dir=ns.cache_dir, **opts)
             for p in DEMO_PRESETS}
+    try:  # all three before anything is deleted
+        for args in runs.values():
+            check_clearable(args.out, OWNER, _ARTIFACTS)
+    except NotOwnedError as e:
+        raise UsageError(str(e)) from None
     check_writable(ns.out)
     plans = {}
     for preset, args in runs.items():  # validate all three before the first one starts
-        _clear(args.out)
+        clear_owned(args.out, OWNER, _ARTIFACTS)
         plans[preset] = plan_run(args, NPROC, prepare_data=True)
     print(f"qsdp demo: GPT '{opts['model']}' on the chit-chat corpus (byte tokenizer), "
           f"{opts['steps']} steps, {NPROC} workers as {NPROC // RANKS_PER_NODE} nodes x {RANKS_PER_NODE} ranks (gloo, CPU), "

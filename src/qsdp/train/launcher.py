@@ -80,10 +80,34 @@ def _world_size(args: TrainArgs, nproc: int | None, max_restarts: int) -> int:
     world = 1 if nproc is None else nproc
     if world < 1:
         raise UsageError(f"--nproc must be a positive number of processes, got {world}")
+    check_open_files(world)
     if args.process_backend() == "nccl" and world > torch.cuda.device_count():
         raise UsageError(f"--nproc {world} needs {world} GPUs with NCCL (one a worker); this machine "
                          f"has {torch.cuda.device_count()}; pass --backend gloo to share GPUs")
     return world
+
+
+# Open files the launching process holds per local worker (pipes and sentinels: 3.5 measured with
+# 2 and 8 workers) and besides them; every worker holds about one socket per peer and process group.
+_FILES_PER_WORKER, _FILES_BASE = 4, 64
+
+
+def check_open_files(nproc: int) -> None:
+    """UsageError unless the open-file limit (``ulimit -n``) allows ``nproc`` local workers
+    (instead of an OSError 'too many open files' once they start)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return
+    if soft == resource.RLIM_INFINITY:
+        return
+    most = (soft - _FILES_BASE) // _FILES_PER_WORKER
+    if nproc > most:
+        raise UsageError(f"--nproc {nproc} local workers need more open files than this shell allows "
+                         f"(ulimit -n {soft}: at most {max(most, 0)} workers); raise the limit or launch "
+                         "across machines with torchrun")
 
 
 def plan_run(args: TrainArgs, nproc: int | None, *, prepare_data: bool,
@@ -98,13 +122,42 @@ def plan_run(args: TrainArgs, nproc: int | None, *, prepare_data: bool,
     if lws is not None and world % lws:
         raise UsageError(f"--local-world-size {lws} must divide the number of processes {world} "
                          "(ranks per node x nodes)")
+    created = _missing_ancestor(args.out)
     check_writable(args.out)
-    if prepare_data:
-        _, data_id = prepare_dataset(args)
-    else:
-        load_corpus(args.data)
-        data_id = None
-    return preflight(args, world, data_id, config)
+    try:
+        if prepare_data:
+            _, data_id = prepare_dataset(args)
+        else:
+            load_corpus(args.data)
+            data_id = None
+        return preflight(args, world, data_id, config)
+    except BaseException:
+        if created is not None:  # a refused run leaves no empty --out behind
+            _remove_empty(Path(args.out), created)
+        raise
+
+
+def _missing_ancestor(path: str) -> Path | None:
+    """The outermost directory of ``path`` that does not exist yet (None: it exists)."""
+    missing = None
+    for p in (Path(path).absolute(), *Path(path).absolute().parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def _remove_empty(path: Path, top: Path) -> None:
+    """Remove ``path`` and its parents up to ``top`` while they are empty."""
+    p = path.absolute()
+    while True:
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        if p == top or p.parent == p:
+            return
+        p = p.parent
 
 
 def final_error(error_dir: str | Path) -> dict[str, Any] | None:
@@ -124,6 +177,9 @@ def _worker_entry(args: TrainArgs, plan: Plan, error_dir: str) -> dict[str, Any]
         # The elastic agent restarts on any failure; this one would fail the same way again
         # (--max-restarts is for crashes): end at once, and the launcher reports the error.
         return None
+    rank, attempt = os.environ.get("RANK", "-1"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    with contextlib.suppress(OSError):  # for the launcher's DeathWatch: how this process ends
+        atomic_write(Path(error_dir) / f"rank{rank}.attempt{attempt}.pid", lambda f: f.write(str(os.getpid()).encode()))
     try:
         summary = train_worker(args, plan)
         return summary if int(os.environ.get("RANK", "0")) == 0 else None
@@ -166,29 +222,118 @@ def quiet_elastic_logs() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def root_cause(error_dir: Path, failures: dict[int, Any], out: str) -> WorkerFailure:
-    """The failure to report: the first error record of the last attempt (a rank's own error
-    before a peer's consequence), or a worker that died without one."""
+# A peer's death as the survivors' collectives report it (gloo, NCCL): a consequence, not a cause.
+_PEER_LOST = ("closed by peer", "reset by peer", "broken pipe", "remote process exited")
+
+
+def _lost_peer(record: dict[str, Any]) -> bool:
+    return bool(record.get("secondary")) or any(p in str(record.get("message", "")).lower() for p in _PEER_LOST)
+
+
+def _how(signal_name: str | None, exitcode: int | None) -> str:
+    return f"killed by {signal_name}" if signal_name else f"exit code {exitcode}"
+
+
+class DeathWatch:
+    """How each local worker process ended and in which poll the launcher first saw it, read
+    with ``waitid(WNOWAIT)`` (the elastic agent still reaps them): a rank killed by a signal
+    leaves no error record, and its peers' records only say that the connection closed."""
+
+    def __init__(self, error_dir: Path, interval_s: float = 0.02) -> None:
+        import threading
+
+        self.error_dir, self.interval_s = error_dir, interval_s
+        self.deaths: dict[tuple[int, int], tuple[int, str | None, int | None]] = {}  # (attempt, rank) ->
+        self._polls, self._stop = 0, threading.Event()                                # (poll, signal, code)
+        self._thread = threading.Thread(target=self._run, name="qsdp-death-watch", daemon=True)
+
+    def __enter__(self) -> "DeathWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def poll(self) -> None:
+        import signal
+
+        self._polls += 1
+        for path in self.error_dir.glob("rank*.attempt*.pid"):
+            rank, attempt = (int(x) for x in path.name[4:-4].split(".attempt"))
+            if (attempt, rank) in self.deaths:
+                continue
+            try:
+                status = os.waitid(os.P_PID, int(path.read_text()), os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except (OSError, ValueError):  # reaped already, or not written yet
+                continue
+            if status is None:
+                continue
+            if status.si_code == os.CLD_EXITED:
+                self.deaths[(attempt, rank)] = (self._polls, None, status.si_status)
+            else:  # killed, or dumped core
+                try:
+                    name = signal.Signals(status.si_status).name
+                except ValueError:
+                    name = f"signal {status.si_status}"
+                self.deaths[(attempt, rank)] = (self._polls, name, None)
+
+
+def root_cause(error_dir: Path, failures: dict[int, Any], out: str,
+               deaths: dict[tuple[int, int], tuple[int, str | None, int | None]] | None = None) -> WorkerFailure:
+    """The failure to report, of the last attempt: the first rank's own error record; else the
+    rank that died first without one (killed, or an exit code of its own), as ``deaths``
+    (:class:`DeathWatch`) or the elastic agent's ``failures`` saw it, before the peers that then
+    lost their connection to it; else the first record."""
     records = []
     for path in error_dir.glob("rank*.json"):
         with contextlib.suppress(OSError, ValueError):
             records.append(json.loads(path.read_text(encoding="utf-8")))
-    if records:
-        last = max(r.get("attempt", 0) for r in records)  # with --max-restarts: the final attempt
-        records = [r for r in records if r.get("attempt", 0) == last]
-        first = min(records, key=lambda r: (r["secondary"], r["time"], not r["user"]))
-        if first["user"]:
-            return WorkerFailure(first["message"], EXIT_USAGE)
-        where = ""
-        with contextlib.suppress(OSError):
-            path = Path(out) / "error.txt"
-            path.write_text(first["traceback"], encoding="utf-8")
-            where = f" (traceback: {path})"
-        return WorkerFailure(f"rank {first['rank']}: {first['type']}: {first['message']}{where}")
+    attempts = [r.get("attempt", 0) for r in records] + [a for a, _ in (deaths or {})]
+    last = max(attempts, default=0)  # with --max-restarts: the final attempt
+    records = [r for r in records if r.get("attempt", 0) == last]
+    primary = [r for r in records if not _lost_peer(r)]
+    if primary:
+        return _record_failure(min(primary, key=lambda r: (r["time"], not r["user"])), out)
+    reported = {r["rank"] for r in records}
+    silent = {rank: death for (attempt, rank), death in (deaths or {}).items()
+              if attempt == last and rank not in reported and (death[1] or death[2])}
+    first_poll = min((poll for (attempt, _), (poll, _, _) in (deaths or {}).items() if attempt == last), default=None)
+    # A silent death seen in the launcher's first poll that saw any: ranks the agent stops once it
+    # noticed a failure die later and are not the cause.
+    dead = sorted(rank for rank, (poll, _, _) in silent.items() if poll == first_poll)
+    lost = f"; {_peers(records)} then lost the connection" if records else ""
+    if dead:
+        rank = dead[0]
+        return WorkerFailure(f"rank {rank} died first ({_how(*silent[rank][1:])}) without reporting an error{lost}")
     for rank, failure in sorted(failures.items()):
-        how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        return WorkerFailure(f"worker rank {rank} died ({how}) without reporting an error")
+        if rank not in reported:
+            how = _how(failure.signal_name() if failure.exitcode < 0 else None, failure.exitcode)
+            return WorkerFailure(f"rank {rank} died ({how}) without reporting an error{lost}")
+    if records:
+        return _record_failure(min(records, key=lambda r: r["time"]), out)
     return WorkerFailure("the workers failed without reporting an error")
+
+
+def _peers(records: list[dict[str, Any]]) -> str:
+    ranks = sorted({r["rank"] for r in records})
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _record_failure(first: dict[str, Any], out: str) -> WorkerFailure:
+    if first["user"]:
+        return WorkerFailure(first["message"], EXIT_USAGE)
+    where = ""
+    with contextlib.suppress(OSError):
+        path = Path(out) / "error.txt"
+        path.write_text(first["traceback"], encoding="utf-8")
+        where = f" (traceback: {path})"
+    return WorkerFailure(f"rank {first['rank']}: {first['type']}: {first['message']}{where}")
 
 
 def launch(args: TrainArgs, plan: Plan, max_restarts: int = 0) -> dict[str, Any]:
@@ -201,13 +346,14 @@ def launch(args: TrainArgs, plan: Plan, max_restarts: int = 0) -> dict[str, Any]
     if env_threads:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     error_dir = Path(tempfile.mkdtemp(prefix="qsdp-errors-"))
+    watch = DeathWatch(error_dir)
     try:
-        with quiet_elastic_logs():
+        with quiet_elastic_logs(), watch:
             results = launch_local(_worker_entry, nproc, args, plan, str(error_dir), max_restarts=max_restarts)
         if final_error(error_dir) is not None:  # the restart ended at once: report what it would repeat
             raise root_cause(error_dir, {}, args.out)
     except ChildFailedError as e:
-        raise root_cause(error_dir, e.failures, args.out) from None
+        raise root_cause(error_dir, e.failures, args.out, watch.deaths) from None
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
         if env_threads:

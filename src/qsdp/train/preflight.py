@@ -25,6 +25,7 @@ from typing import Any
 from qsdp.config import AUTO_PIPELINE_SLICES, QuantConfig
 from qsdp.extras import require
 from qsdp.hsdp import quantizes_only_replicas
+from qsdp.launch import under_torchrun
 from qsdp.train.args import TrainArgs, TrainError, validate_args
 from qsdp.train.checkpoint import latest_checkpoint, named_checkpoint, read_meta
 from qsdp.train.data import TokenDataset, get_tokenizer, load_corpus, require_default_corpus
@@ -208,12 +209,15 @@ def hsdp_layout(args: TrainArgs, config: QuantConfig, world_size: int,
     single replica, continues an HSDP run that lost its other nodes."""
     from qsdp.comm.topology import stated_ranks_per_node
 
-    stated = stated_ranks_per_node()
+    # What the workers will see: under torchrun its statement; the local workers qsdp starts are
+    # one node of world_size ranks (their LOCAL_WORLD_SIZE), whatever the launching shell says.
+    stated = stated_ranks_per_node() if under_torchrun() else [("LOCAL_WORLD_SIZE", world_size)]
     per_node = config.local_world_size or (stated[0][1] if stated else None)
     if per_node is None:
         return None
+    source = "--local-world-size" if config.local_world_size else "=".join(map(str, stated[0]))
     if world_size % per_node:
-        raise TrainError(f"--hsdp: {per_node} ranks per node (--local-world-size) must divide the "
+        raise TrainError(f"--hsdp: {per_node} ranks per node ({source}) must divide the "
                          f"world size {world_size}")
     nodes = world_size // per_node
     if nodes < 2 and not resuming:
