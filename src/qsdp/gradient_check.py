@@ -54,12 +54,17 @@ class GradientCheck:
     sums: tuple[float, ...]
 
 
+def _is_handle(comms: Any) -> bool:
+    """Whether ``comms`` is what :func:`qsdp.quantize_comms` returns (read by what the check uses,
+    so that this module, which the handle's own ``nonfinite_gradients`` imports, need not import
+    the handle's module back)."""
+    return all(hasattr(comms, name) for name in ("topology", "reduce_scatters", "all_gathers", "group_parameters"))
+
+
 def _handles(comms: Any) -> list[Any]:
     """``comms`` as a list of handles: one handle, or one per model part of this rank."""
-    from .fsdp import QuantizedComms
-
-    handles = [comms] if isinstance(comms, QuantizedComms) else list(comms) if isinstance(comms, (list, tuple)) else None
-    if not handles or not all(isinstance(h, QuantizedComms) for h in handles):
+    handles = [comms] if _is_handle(comms) else list(comms) if isinstance(comms, (list, tuple)) else None
+    if not handles or not all(_is_handle(h) for h in handles):
         raise TypeError(
             "check_gradients: comms must be the handle qsdp.quantize_comms returned, or a list of them "
             f"(one per model part of this rank); got {type(comms).__name__}")
