@@ -282,6 +282,50 @@ def quantize_comms(
     (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
     """
     cfg = resolve_config(config, overrides)
+    layout = _read_layout(module, group, replicate_group)
+    _agree_on_config(module, cfg, layout)
+    topology, post_topology = _node_topologies(cfg, layout)
+    _warn_about_layout(cfg, topology, layout)
+    if layout.native is not None:
+        _hsdp.broadcast_replicas(module, layout.native)
+    replicas = layout.replicas
+    handle = QuantizedComms(cfg, topology, replicas=1 if replicas is None else replicas.size(),
+                            replicate_group=replicas)
+    handle._topologies = [topology, *post_topology.values()]
+    names = {id(m): n or "<root>" for n, m in module.named_modules()}
+    for i, members in enumerate(layout.members_of):
+        _attach(handle, layout, i, members, ", ".join(names[id(x)] for x in members), post_topology)
+    handle._bind_meter()
+    if cfg.weights.mode != "plain":
+        _watch_parameter_changes(handle)
+    return handle
+
+
+@dataclass
+class _Layout:
+    """How FSDP2 sharded the model, read from its state (local, no collective): the FSDP modules,
+    grouped by ``fully_shard`` call, each group's (shard, post-forward) groups, the one shard
+    group, and the replicas of native HSDP or of qsdp's recipe (``replicate_group=``)."""
+
+    fsdp_modules: list[nn.Module]
+    members_of: list[list[nn.Module]]
+    meshes: list[tuple[Any, Any] | None]
+    group: dist.ProcessGroup
+    native: dist.ProcessGroup | None
+    replicate_group: dist.ProcessGroup | None
+
+    @property
+    def replicas(self) -> dist.ProcessGroup | None:
+        return self.native if self.native is not None else self.replicate_group
+
+    def post_forward_groups(self) -> list[dist.ProcessGroup]:
+        return list({id(m[1]): m[1] for m in self.meshes if m is not None and m[1] is not None}.values())
+
+
+def _read_layout(module: nn.Module, group: dist.ProcessGroup | None,
+                 replicate_group: dist.ProcessGroup | None) -> _Layout:
+    """The model's :class:`_Layout`; refuses, in one line, a world not initialised, a model
+    without FSDP2 modules, a misuse (:func:`_refuse_misuse`) and groups that contradict FSDP2's."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("quantize_comms needs an initialized process group (torch.distributed.init_process_group)")
     fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -294,64 +338,73 @@ def quantize_comms(
     if group is None and replicate_group is not None and all(m is None for m in meshes):
         raise ConfigError("replicate_group needs group= the shard group (the ranks FSDP2 shards over): no parameter "
                           f"of {type(module).__name__} was sharded by fully_shard; " + _hsdp.RECIPE)
-    group = _fsdp_group(meshes, group)
-    if native is not None:
-        check_same_config(cfg, _mesh_groups(module, group))
-    elif replicate_group is None:
+    return _Layout(fsdp_modules, members_of, meshes, _fsdp_group(meshes, group), native, replicate_group)
+
+
+def _agree_on_config(module: nn.Module, cfg: QuantConfig, layout: _Layout) -> None:
+    """Collective over the model part's mesh (or, for qsdp's HSDP recipe, its two groups): every
+    rank uses the same config and layout, or every rank raises naming the difference."""
+    if layout.replicate_group is not None:
+        _hsdp.prepare(module, cfg, layout.group, layout.replicate_group)
+        return
+    if layout.native is None:
         _hsdp.require_replicate_group(cfg)
-        check_same_config(cfg, _mesh_groups(module, group))
-    else:
-        _hsdp.prepare(module, cfg, group, replicate_group)
-    replicas = native if native is not None else replicate_group
-    post_groups = list({id(m[1]): m[1] for m in meshes if m is not None and m[1] is not None}.values())
-    (topology,) = build_topologies([group], cfg.local_world_size)
+    check_same_config(cfg, _mesh_groups(module, layout.group))
+
+
+def _node_topologies(cfg: QuantConfig, layout: _Layout) -> tuple[Topology, dict[int, Topology]]:
+    """The shard group's topology (with its node subgroups) and each post-forward group's, by the
+    group's id. Collective over each group."""
+    (topology,) = build_topologies([layout.group], cfg.local_world_size)
     # A post-forward gather is one all-gather over its group: no subgroups, and any number of
     # ranks per node (its bytes are metered per rank's own node).
+    post_groups = layout.post_forward_groups()
     post_topologies = build_topologies(post_groups, cfg.local_world_size, what=POST_FORWARD_GROUP,
                                        subgroups=False, even=False)
-    post_topology = {id(g): t for g, t in zip(post_groups, post_topologies)}
-    if topology.world_size == 1 and replicas is None:
+    return topology, {id(g): t for g, t in zip(post_groups, post_topologies)}
+
+
+def _warn_about_layout(cfg: QuantConfig, topology: Topology, layout: _Layout) -> None:
+    """One warning, on rank 0 of the group, where the layout leaves the config without effect:
+    a one-rank shard group, inter-node settings on one node, a native shard dimension across nodes."""
+    if topology.world_size == 1 and layout.replicas is None:
         warnings.warn("qsdp: the FSDP group has one rank; FSDP2 calls no custom collective on it, "
-                      "so nothing is quantized or metered", stacklevel=2)
-    elif replicas is None and topology.rank == 0 and (unused := _unused_on_one_node(cfg, topology)):
-        warnings.warn(unused, stacklevel=2)
-    elif native is not None and (spans := _hsdp.check_shard_inside_nodes(cfg, topology)) and dist.get_rank() == 0:
-        warnings.warn(spans, stacklevel=2)
-    if native is not None:
-        _hsdp.broadcast_replicas(module, native)
-    handle = QuantizedComms(cfg, topology, replicas=1 if replicas is None else replicas.size(),
-                            replicate_group=replicas)
-    handle._topologies = [topology, *post_topologies]
-    names = {id(m): n or "<root>" for n, m in module.named_modules()}
-    for i, members in enumerate(members_of):
-        m = members[0]
-        label = ", ".join(names[id(x)] for x in members)
-        ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i, handle.tracker)
-        params = [p for x in members for p in managed_parameters(x, fsdp_modules)]
-        ag.track(params, f"group {i} ({label})")
-        if meshes[i] is not None and meshes[i][1] is not None:
-            ag.post_forward = _post_forward_gather(cfg, post_topology[id(meshes[i][1])], i, f"{ag.name} after forward")
-        rs_cls = PlainReduceScatter if cfg.grads.mode == "plain" else QuantizedReduceScatter
-        if native is not None:
-            rs = _hsdp.native_hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, native)
-        elif replicate_group is None:
-            rs = rs_cls(cfg, topology, i)
-        else:
-            rs = _hsdp.hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, replicate_group)
-        if has_custom_divide_factor(m):
-            # FSDP2 would pass PREMUL_SUM(1/factor), whose factor a custom comm cannot read;
-            # with SUM it applies the factor itself, before and after the reduce-scatter.
-            m.set_force_sum_reduction_for_comms(True)
-        m.set_custom_all_gather(ag)
-        m.set_custom_reduce_scatter(rs)
-        handle.modules.append(m)
-        handle.all_gathers.append(ag)
-        handle.reduce_scatters.append(rs)
-        handle.group_parameters.append(params)
-    handle._bind_meter()
-    if cfg.weights.mode != "plain":
-        _watch_parameter_changes(handle)
-    return handle
+                      "so nothing is quantized or metered", stacklevel=3)
+    elif layout.replicas is None and topology.rank == 0 and (unused := _unused_on_one_node(cfg, topology)):
+        warnings.warn(unused, stacklevel=3)
+    elif (layout.native is not None and (spans := _hsdp.check_shard_inside_nodes(cfg, topology))
+          and dist.get_rank() == 0):
+        warnings.warn(spans, stacklevel=3)
+
+
+def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Module], label: str,
+            post_topology: dict[int, Topology]) -> None:
+    """Give FSDP group ``i`` (the modules of one ``fully_shard`` call) its all-gather and
+    reduce-scatter, and record them on ``handle``."""
+    cfg, topology, m = handle.config, handle.topology, members[0]
+    ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i, handle.tracker)
+    params = [p for x in members for p in managed_parameters(x, layout.fsdp_modules)]
+    ag.track(params, f"group {i} ({label})")
+    mesh = layout.meshes[i]
+    if mesh is not None and mesh[1] is not None:
+        ag.post_forward = _post_forward_gather(cfg, post_topology[id(mesh[1])], i, f"{ag.name} after forward")
+    rs_cls = PlainReduceScatter if cfg.grads.mode == "plain" else QuantizedReduceScatter
+    if layout.native is not None:
+        rs = _hsdp.native_hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, layout.native)
+    elif layout.replicate_group is None:
+        rs = rs_cls(cfg, topology, i)
+    else:
+        rs = _hsdp.hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, layout.replicate_group)
+    if has_custom_divide_factor(m):
+        # FSDP2 would pass PREMUL_SUM(1/factor), whose factor a custom comm cannot read;
+        # with SUM it applies the factor itself, before and after the reduce-scatter.
+        m.set_force_sum_reduction_for_comms(True)
+    m.set_custom_all_gather(ag)
+    m.set_custom_reduce_scatter(rs)
+    handle.modules.append(m)
+    handle.all_gathers.append(ag)
+    handle.reduce_scatters.append(rs)
+    handle.group_parameters.append(params)
 
 
 def _native_replicas(fsdp_modules: list[nn.Module], replicate_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -200,6 +200,43 @@ def _ahead_by_group(handles: list[Any], agree_ahead: bool) -> dict[tuple[int, ..
     return dict(sorted(by_group.items()))
 
 
+def _vectors(flags: list[torch.Tensor], shards: dict[int, list[torch.Tensor]], sums: Sequence[float | torch.Tensor],
+             ahead: dict[tuple[int, ...], list[bool]], device: torch.device
+             ) -> tuple[torch.Tensor, dict[tuple[int, ...], torch.Tensor]]:
+    """The float64 vectors to all-reduce: the world's (non-finite count, squared norm, ``sums``,
+    and the weight-difference flags of a group that is the whole world, keyed ``()``) and each
+    other FSDP group's flags. Host numbers reach the device in one copy."""
+    host = [float(v) for v in sums if not isinstance(v, torch.Tensor)] + [float(f) for fs in ahead.values() for f in fs]
+    host_values = to_device(host, torch.float64, device) if host else None
+    bad = torch.zeros(1, dtype=torch.float64, device=device)
+    for flag in flags:
+        bad += flag.to(device=device, dtype=torch.float64)
+    pieces = [bad, _squared_norm(shards, device)]
+    h = 0
+    for v in sums:
+        if isinstance(v, torch.Tensor):
+            pieces.append(v.detach().to(device=device, dtype=torch.float64).reshape(1))
+        else:
+            pieces.append(host_values[h:h + 1])
+            h += 1
+    by_group: dict[tuple[int, ...], torch.Tensor] = {}
+    for key, fs in ahead.items():
+        by_group[key] = host_values[h:h + len(fs)]
+        h += len(fs)
+    return torch.cat(pieces + ([by_group.pop(())] if () in by_group else [])), by_group
+
+
+def _agreed(ahead_groups: dict[tuple[int, ...], list[Any]], values: list[float]) -> None:
+    """Give each handle's tracker its share of the agreed weight-difference flags, in the order
+    :func:`_vectors` laid them out (the world's group first where it rides in the world's)."""
+    at = 0
+    for hs in ahead_groups.values():
+        for handle in hs:
+            n = len(handle.tracker.watches) * 2
+            handle.tracker.agreed_ahead(values[at:at + n])
+            at += n
+
+
 def check_gradients(
     comms: Any,
     parameters: Iterable[nn.Parameter] | None = None,
@@ -240,35 +277,12 @@ def check_gradients(
     ahead_groups = _ahead_by_group(handles, agree_ahead)
     ahead = {key: [f for h in hs for f in h.tracker.ahead_flags()] for key, hs in ahead_groups.items()}
 
-    host = [float(v) for v in sums if not isinstance(v, torch.Tensor)] + [float(f) for fs in ahead.values() for f in fs]
-    host_values = to_device(host, torch.float64, device) if host else None
-    bad = torch.zeros(1, dtype=torch.float64, device=device)
-    for flag in flags:
-        bad += flag.to(device=device, dtype=torch.float64)
-    pieces = [bad, _squared_norm(shards, device)]
-    h = 0
-    for v in sums:
-        if isinstance(v, torch.Tensor):
-            pieces.append(v.detach().to(device=device, dtype=torch.float64).reshape(1))
-        else:
-            pieces.append(host_values[h:h + 1])
-            h += 1
-    by_group: dict[tuple[int, ...], torch.Tensor] = {}
-    for key, fs in ahead.items():
-        by_group[key] = host_values[h:h + len(fs)]
-        h += len(fs)
-    world_vector = torch.cat(pieces + ([by_group.pop(())] if () in by_group else []))
+    world_vector, by_group = _vectors(flags, shards, sums, ahead, device)
     dist.all_reduce(world_vector, op=dist.ReduceOp.SUM)
     for key, vector in by_group.items():
         dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=ahead_groups[key][0].topology.group)
     values = torch.cat([world_vector, *by_group.values()]).tolist()  # the one host sync of the step
-
-    at = 2 + len(sums)
-    for key, hs in ahead_groups.items():
-        for handle in hs:
-            n = len(handle.tracker.watches) * 2
-            handle.tracker.agreed_ahead(values[at:at + n])
-            at += n
+    _agreed(ahead_groups, values[2 + len(sums):])
     squared = values[1]
     return GradientCheck(
         nonfinite=values[0] > 0 or not math.isfinite(squared),

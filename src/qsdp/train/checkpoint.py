@@ -411,6 +411,23 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
+def _verify_before_load(path: Path, device: torch.device) -> None:
+    """Collective: ``path`` is a complete checkpoint whose every file matches the digest written
+    at save, or every rank raises the same :class:`CheckpointError` naming the file and the
+    previous complete checkpoint."""
+    if not (path / META_FILE).exists() and checkpoint_root(path).is_dir():
+        raise CheckpointError(f"{path} is a run directory, not a checkpoint: pass latest_checkpoint({str(path)!r}) "
+                              f"(a directory under {checkpoint_root(path)})")
+    _require_complete(path)
+    try:
+        verify_digests(path, device)
+    except DigestMismatch as e:
+        raise CheckpointError(f"checkpoint {path} is damaged: {e}{_previous(path.parent, _step_of(path))}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path / DIGEST_FILE}: {e}"
+                              f"{_previous(path.parent, _step_of(path))}") from None
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     model: torch.nn.Module,
@@ -434,17 +451,7 @@ def load_checkpoint(
     complete checkpoint.
     """
     path = Path(path)
-    if not (path / META_FILE).exists() and checkpoint_root(path).is_dir():
-        raise CheckpointError(f"{path} is a run directory, not a checkpoint: pass latest_checkpoint({str(path)!r}) "
-                              f"(a directory under {checkpoint_root(path)})")
-    _require_complete(path)
-    try:
-        verify_digests(path, device)
-    except DigestMismatch as e:
-        raise CheckpointError(f"checkpoint {path} is damaged: {e}{_previous(path.parent, _step_of(path))}") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path / DIGEST_FILE}: {e}"
-                              f"{_previous(path.parent, _step_of(path))}") from None
+    _verify_before_load(path, device)
     meta = read_meta(path)
     comms = _read_json(path / COMMS_FILE)
     same_layout = comms.get("layout") == _layout(handle)
