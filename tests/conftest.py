@@ -15,3 +15,20 @@ def corpus(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "chat.txt"
     path.write_text(load_corpus(None)[:300_000], encoding="utf-8")
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> str:
+    """A few lines repeated: enough text for a command line to accept, nothing to learn."""
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text("hello there, how are you today?\nfine thanks.\n" * 400, encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture
+def outside_torchrun(tmp_path_factory, monkeypatch):
+    """The environment of a command typed at a shell: no torchrun variables (nor a stray
+    LOCAL_WORLD_SIZE or fault injection), and the cache of the test session."""
+    monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
+    for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "QSDP_TEST_KILL_AT"):
+        monkeypatch.delenv(var, raising=False)

@@ -18,17 +18,13 @@ from qsdp.train.metrics import METRICS_FILE
 
 
 @pytest.fixture(autouse=True)
-def _env(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
-    for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "QSDP_TEST_KILL_AT"):
-        monkeypatch.delenv(var, raising=False)
+def _shell(outside_torchrun):
+    pass
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_text("hello there, how are you today?\nfine thanks.\n" * 400, encoding="utf-8")
-    return str(path)
+@pytest.fixture
+def corpus(tiny_corpus) -> str:
+    return tiny_corpus
 
 
 def one_error(argv, capsys) -> str:

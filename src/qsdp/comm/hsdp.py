@@ -118,7 +118,39 @@ class ReplicaAllReduce:
         self.calls = int(state.get("calls", 0))
 
 
-class HsdpReduceScatter(GradReduceScatter):
+class _AcrossReplicas(GradReduceScatter):
+    """What both HSDP reduce-scatters share: ``inner``, the reduce-scatter over the shard group,
+    and ``all_reduce`` across the replicas (in FSDP2's all-reduce hook); one meter, one flag
+    (the replicated result's), one state."""
+
+    def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce) -> None:
+        super().__init__(inner.config, inner.topology, inner.comm_id)
+        self.inner = inner
+        self.all_reduce = all_reduce
+
+    def bind_meter(self, byte_meter: ByteMeter) -> None:
+        super().bind_meter(byte_meter)
+        self.inner.bind_meter(byte_meter)
+        self.all_reduce.byte_meter = byte_meter
+
+    def take_nonfinite_flag(self) -> torch.Tensor | None:
+        """The all-reduce carries a non-finite value of any replica into every replica's
+        result, so the replicated result's flag is the one that counts (the inner one is reset)."""
+        self.inner.take_nonfinite_flag()
+        return super().take_nonfinite_flag()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "all_reduce": self.all_reduce.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state.get("inner", {}))
+        self.all_reduce.load_state_dict(state.get("all_reduce", {}))
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+class HsdpReduceScatter(_AcrossReplicas):
     """FSDP2's custom reduce-scatter and all-reduce hook for HSDP: ``inner`` (a reduce-scatter
     over the shard group) sums inside the node when FSDP2 calls the reduce-scatter;
     :class:`ReplicaAllReduce` sums across the replicas when FSDP2 calls :meth:`hook` with that
@@ -135,17 +167,10 @@ class HsdpReduceScatter(GradReduceScatter):
 
     def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce,
                  divide_replicas: bool = True) -> None:
-        super().__init__(inner.config, inner.topology, inner.comm_id)
-        self.inner = inner
-        self.all_reduce = all_reduce
+        super().__init__(inner, all_reduce)
         self.replica_divisor = all_reduce.replicas if divide_replicas else 1
         # The reduce-scatter's output and the divisor its op asked for, until the hook takes them.
         self._pending: tuple[torch.Tensor, int] | None = None
-
-    def bind_meter(self, byte_meter: ByteMeter) -> None:
-        super().bind_meter(byte_meter)
-        self.inner.bind_meter(byte_meter)
-        self.all_reduce.byte_meter = byte_meter
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
@@ -192,25 +217,12 @@ class HsdpReduceScatter(GradReduceScatter):
             output.copy_(total)
         self.watch(output)
 
-    def take_nonfinite_flag(self) -> torch.Tensor | None:
-        """The all-reduce carries a non-finite value of any replica into every replica's
-        result, so the replicated result's flag is the one that counts (the inner one is reset)."""
-        self.inner.take_nonfinite_flag()
-        return super().take_nonfinite_flag()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), "all_reduce": self.all_reduce.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state.get("inner", {}))
-        self.all_reduce.load_state_dict(state.get("all_reduce", {}))
-
     def reset(self) -> None:
-        self.inner.reset()
+        super().reset()
         self._pending = None
 
 
-class NativeHsdpReduceScatter(GradReduceScatter):
+class NativeHsdpReduceScatter(_AcrossReplicas):
     """FSDP2's custom reduce-scatter and all-reduce hook on FSDP2's native HSDP mesh.
 
     ``inner`` (a reduce-scatter over the mesh's shard dimension) is called by FSDP2 with the op
@@ -230,15 +242,8 @@ class NativeHsdpReduceScatter(GradReduceScatter):
 
     def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce,
                  divide_replicas: bool = True) -> None:
-        super().__init__(inner.config, inner.topology, inner.comm_id)
-        self.inner = inner
-        self.all_reduce = all_reduce
+        super().__init__(inner, all_reduce)
         self.divide_replicas = divide_replicas
-
-    def bind_meter(self, byte_meter: ByteMeter) -> None:
-        super().bind_meter(byte_meter)
-        self.inner.bind_meter(byte_meter)
-        self.all_reduce.byte_meter = byte_meter
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
@@ -277,19 +282,3 @@ class NativeHsdpReduceScatter(GradReduceScatter):
         chunk = -(-n // d)
         # Metered as the direct algorithm the quantized path runs: a chunk to every peer, twice.
         reduce.byte_meter.record("grads", "inter", 2 * (d - 1) * chunk * output.element_size(), 2 * (d - 1) * chunk)
-
-    def take_nonfinite_flag(self) -> torch.Tensor | None:
-        """The all-reduce carries a non-finite value of any replica into every replica's
-        result, so the replicated result's flag is the one that counts (the inner one is reset)."""
-        self.inner.take_nonfinite_flag()
-        return super().take_nonfinite_flag()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"inner": self.inner.state_dict(), "all_reduce": self.all_reduce.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state.get("inner", {}))
-        self.all_reduce.load_state_dict(state.get("all_reduce", {}))
-
-    def reset(self) -> None:
-        self.inner.reset()
