@@ -331,8 +331,11 @@ def test_a_copy_without_git_names_its_folder_by_the_hash_of_what_the_stages_meas
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_make_passes_next_the_budget_and_the_stages_to_the_report():
     def args(*extra: str) -> str:
-        return subprocess.run(["make", "-n", "gpu-report", "DRY_RUN=1", *extra], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.splitlines()[-1]
+        # --no-print-directory: under `make test` a nested make would print where it enters and leaves
+        out = subprocess.run(["make", "--no-print-directory", "-n", "gpu-report", "DRY_RUN=1", *extra], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+        (line,) = [ln for ln in out.splitlines() if "-m benchmarks.gpu_report" in ln]
+        return line
     assert "--dry-run" in args() and "--next" not in args() and "--only" not in args()
     line = args("STAGES=next", "BUDGET=540")
     assert "--next" in line and "--budget 540" in line and "--only" not in line
