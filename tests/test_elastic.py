@@ -412,6 +412,7 @@ def test_load_checkpoint_in_a_loop_of_ones_own_on_4_then_2_then_4_ranks(tmp_path
 # --------------------------------------------------------------------------- HSDP
 
 
+@pytest.mark.slow  # make test keeps the 4 -> 3 -> 4 rank resume; this one adds the replica count
 @pytest.mark.timeout(300)
 def test_hsdp_resumed_from_2_replicas_to_1_and_back_keeps_the_state_exact(tmp_path, corpus):
     ref, run = tmp_path / "ref", tmp_path / "hsdp"

@@ -19,6 +19,7 @@ def convergence(argv: list[str]) -> int:
     return run_script(convergence_module.main, convergence_module.PROGRAM, argv)
 
 
+@pytest.mark.slow  # the evidence script, not the package: a whole sweep in miniature
 def test_convergence_quick_run_pairs_every_variant_with_the_baseline_per_seed(tmp_path, capsys):
     rc = convergence(["--variants", "fsdp", "qwd4", "--seeds", "2", "--steps", "2",
                       "--nproc", "2", "--local-world-size", "1", "--param-dtype", "float32",

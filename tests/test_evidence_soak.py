@@ -47,6 +47,7 @@ def test_rss_is_read_in_mb():
     assert 10 < mb < 1e6 and source in ("VmRSS", "maxrss")
 
 
+@pytest.mark.slow  # the evidence script, not the package
 @pytest.mark.timeout(150)
 def test_a_short_soak_reports_the_memory_slope(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path / "cache"))
