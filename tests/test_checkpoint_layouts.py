@@ -83,10 +83,7 @@ def test_an_own_loop_resumes_bit_identically_on_dp_x_tp(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "with quantized gradients the parameters that TP replicates (norms, embeddings, head) differ "
-    "between TP ranks: a quantization block of an FSDP group's flat buffer mixes them with the TP "
-    "shards of the same group; DCP stores one copy of a replicated parameter, so a TP rank resumes "
-    "with its peer's values"))
 def test_sdp4bit_resumes_bit_identically_on_dp_x_tp(tmp_path):
+    """With quantized gradients too: the parameters TP replicates stay the same on both TP ranks
+    (tests/test_tp_replicas.py), so the one copy DCP stores is each rank's own."""
     _resumes_bit_identically(tmp_path, "dp_tp", ("sdp4bit",))

@@ -69,3 +69,25 @@ def test_the_native_hsdp_all_reduce_can_be_left_to_the_all_reduce_hook():
     got = run_world(_native_all_reduce_routed, 4, local_world_size=2)
     assert [g[0] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(g[1:] == (True, 1, True, False) for g in got)
+
+
+def _row_spans(rank, world):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 8), nn.Linear(8, 7))
+    parallelize_module(model, mesh["tp"], {"1": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    uneven = [n for n, p in model.named_parameters() if any(p is q for q in _fsdp2.unevenly_split_params(model))]
+    return _fsdp2.shard_row_spans(model), uneven
+
+
+def test_the_flat_shard_row_is_read_parameter_by_parameter_with_its_tp_placement():
+    # LayerNorm(6) weight and bias replicated (3 each a dp rank); Linear(6, 8) column-parallel:
+    # a [4, 6] weight and [4] bias a TP rank, [2, 6] and [2] a dp rank; Linear(8, 7) row-parallel:
+    # a [7, 4] weight a TP rank, padded to [4, 4] a dp rank, and its bias [7] replicated, padded to 4.
+    spans = [(3, True), (3, True), (12, False), (2, False), (16, False), (4, True)]
+    assert run_world(_row_spans, 4, local_world_size=2) == [(spans, [])] * 4

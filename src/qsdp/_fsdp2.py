@@ -5,7 +5,8 @@ modules share one parameter group (``fully_shard([norm, output])`` makes two ``F
 objects over one group), whether a divide factor was set, or which process groups a group's
 all-gathers and reduce-scatter run over (the mesh it shards over, and the smaller one of
 ``reshard_after_forward=<int>``), nor let the all-reduce hook replace native HSDP's
-all-reduce across the replicas (one field is changed for that). They are read and changed here
+all-reduce across the replicas (one field is changed for that), nor lay out a group's flat
+shard parameter by parameter. They are read and changed here
 and nowhere else; ``tests/test_fsdp2_internals.py`` checks that these symbols still exist and
 behave so in the installed torch.
 """
@@ -58,6 +59,39 @@ def all_gather_comms(module: nn.Module) -> list[Any]:
     """The all-gather comm objects ``module``'s parameter groups call now (FSDP2's default, or
     what ``set_custom_all_gather`` set): FSDP2 sets them but offers no getter."""
     return [g._all_gather_comm for g in param_groups(module)]
+
+
+def shard_row_spans(module: nn.Module) -> list[tuple[int, bool]]:
+    """``(elements, replicated)`` of each parameter in the flat shard row FSDP2 all-gathers from
+    and reduce-scatters into for ``module``'s ``fully_shard`` call, in its order: the parameter's
+    padded shard (``padded_sharded_param_size``) and whether the parameter's values are the same
+    on every rank of the mesh's other dimensions (a plain tensor, or a DTensor whose own
+    placements, those it had before ``fully_shard``, are all ``Replicate``: a norm beside tensor
+    parallelism), as opposed to one rank's TP (or EP) shard. Empty for a module owning no
+    parameter."""
+    spans = []
+    for group in param_groups(module):
+        for fsdp_param in group.fsdp_params:
+            spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+            replicated = spec is None or all(p.is_replicate() for p in spec.placements)
+            spans.append((fsdp_param.padded_sharded_param_size.numel(), replicated))
+    return spans
+
+
+def unevenly_split_params(module: nn.Module) -> list[nn.Parameter]:
+    """The sharded parameters of ``module``'s ``fully_shard`` call that tensor or expert
+    parallelism splits unevenly: a ``Shard(d)`` placement over a mesh dimension that does not
+    divide the parameter's size along ``d``, so the TP ranks' shards differ in size."""
+    found = []
+    for group in param_groups(module):
+        for fsdp_param in group.fsdp_params:
+            spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+            if spec is None:
+                continue
+            shape = spec.tensor_meta.shape
+            if any(p.is_shard() and shape[p.dim] % spec.mesh.size(i) for i, p in enumerate(spec.placements)):
+                found.append(fsdp_param.sharded_param)
+    return found
 
 
 def native_replicate_group(module: nn.Module) -> Any:

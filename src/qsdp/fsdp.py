@@ -16,7 +16,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.distributed.fsdp import FSDPModule
 
 from . import hsdp as _hsdp
-from ._fsdp2 import all_gather_comms, fsdp_state, has_custom_divide_factor, shard_groups
+from ._fsdp2 import all_gather_comms, fsdp_state, has_custom_divide_factor, shard_groups, shard_row_spans, \
+    unevenly_split_params
 from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
 from .comm.base import GradReduceScatter, WeightAllGather
 from .comm.meter import METER, ByteMeter, Stats
@@ -286,6 +287,7 @@ def quantize_comms(
     _agree_on_config(module, cfg, layout)
     topology, post_topology = _node_topologies(cfg, layout)
     _warn_about_layout(cfg, topology, layout)
+    _warn_about_uneven_splits(module, cfg, layout)
     if layout.native is not None:
         _hsdp.broadcast_replicas(module, layout.native)
     replicas = layout.replicas
@@ -377,6 +379,21 @@ def _warn_about_layout(cfg: QuantConfig, topology: Topology, layout: _Layout) ->
         warnings.warn(spans, stacklevel=3)
 
 
+def _warn_about_uneven_splits(module: nn.Module, cfg: QuantConfig, layout: _Layout) -> None:
+    """Rank 0 warns once when TP splits a parameter unevenly under a config that quantizes: the
+    TP ranks' shard rows then differ in length, so the rounding of the parameters TP replicates
+    (laid out first, :mod:`qsdp.comm.row_layout`) is no longer the same on each of them."""
+    if dist.get_rank() != 0 or all(getattr(cfg, s).mode == "plain" for s in ("weights", "grads", "hsdp")):
+        return
+    names = {id(p): n for n, p in module.named_parameters()}
+    uneven = [names.get(id(p), "?") for members in layout.members_of for p in unevenly_split_params(members[0])]
+    if uneven:
+        warnings.warn(f"qsdp: tensor parallelism splits {', '.join(uneven)} unevenly across its ranks, so their "
+                      "shard rows differ in length and the parameters TP replicates may be rounded differently "
+                      "on each and drift apart; pad those dimensions to a multiple of the TP degree",
+                      stacklevel=3)
+
+
 def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Module], label: str,
             post_topology: dict[int, Topology]) -> None:
     """Give FSDP group ``i`` (the modules of one ``fully_shard`` call) its all-gather and
@@ -395,6 +412,10 @@ def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Mo
         rs = rs_cls(cfg, topology, i)
     else:
         rs = _hsdp.hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, layout.replicate_group)
+    # Beside TP, the group's TP-replicated parameters are quantized apart from its TP shards.
+    spans = shard_row_spans(m)
+    ag.use_row_spans(spans)
+    rs.use_row_spans(spans)
     if has_custom_divide_factor(m):
         # FSDP2 would pass PREMUL_SUM(1/factor), whose factor a custom comm cannot read;
         # with SUM it applies the factor itself, before and after the reduce-scatter.

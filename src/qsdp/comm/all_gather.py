@@ -71,9 +71,10 @@ class QuantizedAllGather(WeightAllGather):
             self._seen = token
         world, rank = self.topology.world_size, self.topology.rank
         seed = derive_seed(self.config.seed, self.comm_id, self.version, rank, 1)
-        send = self.codec.encode(input_tensor.detach().view(1, n), seed=seed)
+        layout = self.layouts.get(n, self.codec.unit, input_tensor.device)
+        send = self.codec.encode(layout.expand(input_tensor.detach().view(1, n)), seed=seed)
         gathered = self.gather_bytes(send, n, group)
-        self.codec.decode_into(gathered, n, output_tensor.view(world, n))
+        self.codec.decode_into(gathered, layout.wire_length, output_tensor.view(world, n), columns=layout.position)
         return None
 
     def state_dict(self) -> dict[str, Any]:

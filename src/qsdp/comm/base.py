@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..config import QuantConfig
 from .collectives import all_gather_flat, reduce_scatter_flat
 from .meter import METER, ByteMeter
+from .row_layout import RowLayouts, Spans
 from .topology import Topology
 from .versions import ChangeTracker
 
@@ -64,6 +65,12 @@ class CommBase:
         self.closed = False
         # The forward gather's name when this comm serves FSDP2's post-forward group.
         self.post_forward_of: str | None = None
+        self.layouts = RowLayouts()
+
+    def use_row_spans(self, spans: Spans) -> None:
+        """Lay out the group's shard rows by its parameters' ``(elements, TP-replicated)``
+        (:mod:`qsdp.comm.row_layout`)."""
+        self.layouts.spans = list(spans)
 
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         """Count this comm's bytes in ``byte_meter`` from now on."""
@@ -197,6 +204,11 @@ class WeightAllGather(CommBase, AllGather):
         super().bind_meter(byte_meter)
         if self.post_forward is not None:
             self.post_forward.bind_meter(byte_meter)
+
+    def use_row_spans(self, spans: Spans) -> None:
+        super().use_row_spans(spans)
+        if self.post_forward is not None:
+            self.post_forward.use_row_spans(spans)
 
     def handled_elsewhere(self, output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                           async_op: bool = False) -> bool:

@@ -109,12 +109,14 @@ class DifferenceAllGather(WeightAllGather):
         n = shard.shape[1]
         own = self.topology.inter_position if self.layout == "node" else self.topology.rank
         seed = derive_seed(self.config.seed, self.comm_id, self.version, self.topology.rank, 2)
+        layout = self.layouts.get(n, self.codec.unit, shard.device)
         # quantize(shard - replica[own row]) in one pass on CUDA
-        send = self.codec.encode_difference(shard, self.replica[own].view(1, n), seed=seed)
+        send = self.codec.encode_difference(layout.expand(shard), layout.expand(self.replica[own].view(1, n)),
+                                            seed=seed)
         holders, peers = self._holders(group)
         gathered = self.gather_bytes(send, n, holders, peers)
         # replica += dequantize(every holder's difference), in the replica's dtype
-        self.codec.decode_into(gathered, n, self.replica, add=True)
+        self.codec.decode_into(gathered, layout.wire_length, self.replica, add=True, columns=layout.position)
         every = self.config.verify_replicas_every
         if every and self.version % every == 0:
             self._verify(group)

@@ -33,7 +33,8 @@ from ..config import HsdpComm, QuantConfig
 from .collectives import all_gather_flat
 from .base import GradReduceScatter
 from .meter import METER, ByteMeter
-from .reduce_scatter import _divisor, real_elements
+from .reduce_scatter import _divisor
+from .row_layout import RowLayouts, Spans
 from .wire import RowCodec
 
 
@@ -65,6 +66,7 @@ class ReplicaAllReduce:
         self.comm_id = comm_id
         self.calls = 0
         self.byte_meter: ByteMeter = METER
+        self.layouts = RowLayouts()
 
     def __call__(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """``x``: float32 ``[n]``, this replica's value. Returns float32 ``[n]``: the sum over the
@@ -88,7 +90,10 @@ class ReplicaAllReduce:
         return total
 
     def _quantized(self, x: torch.Tensor, codec: RowCodec) -> torch.Tensor:
-        d, n = self.replicas, x.numel()
+        d, real = self.replicas, x.numel()
+        layout = self.layouts.get(real, codec.unit, x.device)
+        x = layout.expand(x.view(1, -1)).view(-1)
+        n = x.numel()
         length = chunk_len(n, d, codec)
         rows = torch.empty(d * length, dtype=torch.float32, device=x.device)
         rows[:n] = x
@@ -98,15 +103,15 @@ class ReplicaAllReduce:
         send = codec.encode(rows, seed=self._seed(1))
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        own = real_elements(self.rank * length, (self.rank + 1) * length, n)
-        others = sum(real_elements(k * length, (k + 1) * length, n) for k in range(d)) - own
+        own = layout.real_elements(self.rank * length, (self.rank + 1) * length)
+        others = real - own
         self.byte_meter.record("grads", "inter", (d - 1) * send.shape[1], others)
         mine = codec.decode_sum_encode(recv, length, sources=d, codec=codec, seed=self._seed(2))
         gathered = torch.empty(d, mine.shape[1], dtype=torch.uint8, device=x.device)
         all_gather_flat(gathered.view(-1), mine.view(-1), self.group)
         self.byte_meter.record("grads", "inter", (d - 1) * mine.shape[1], (d - 1) * own)
         total = codec.finish(codec.decode(gathered, length, keep_padding=True), length)
-        return total.reshape(-1)[:n]
+        return layout.contract(total.reshape(-1)[:n])
 
     def _seed(self, phase: int) -> int:
         return derive_seed(self.config.seed, self.comm_id, self.calls, self.rank, 7, phase)
@@ -132,6 +137,11 @@ class _AcrossReplicas(GradReduceScatter):
         super().bind_meter(byte_meter)
         self.inner.bind_meter(byte_meter)
         self.all_reduce.byte_meter = byte_meter
+
+    def use_row_spans(self, spans: Spans) -> None:
+        super().use_row_spans(spans)
+        self.inner.use_row_spans(spans)
+        self.all_reduce.layouts.spans = list(spans)
 
     def take_nonfinite_flag(self) -> torch.Tensor | None:
         """The all-reduce carries a non-finite value of any replica into every replica's

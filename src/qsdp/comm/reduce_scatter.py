@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..codecs.rng import derive_seed
 from ..config import GradComm
 from .base import GradReduceScatter
+from .row_layout import RowLayout
 from .wire import RowCodec, _pad_cols
 
 
@@ -103,19 +104,23 @@ class QuantizedReduceScatter(GradReduceScatter):
 
     def _one_hop(self, x: torch.Tensor, group, codec: RowCodec, inter_only: bool) -> torch.Tensor:
         world, s = x.shape
-        send = codec.encode(x, seed=self._seed(3))
+        layout = self.layouts.get(s, codec.unit, x.device)
+        # A group mixing TP-replicated and TP-sharded parameters is encoded from a copy of its
+        # gradient in the codec's order (row_layout); any other group from the gradient itself.
+        send = codec.encode(layout.expand(x), seed=self._seed(3))
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
         intra, inter = self.topology.peers()
         self.meter("grads", send.shape[1], s, (0 if inter_only else intra, inter))
-        return codec.decode_sum(recv, s, finish=True)
+        return layout.contract(codec.decode_sum(recv, layout.wire_length, finish=True))
 
     def _two_hops(self, x: torch.Tensor) -> torch.Tensor:
         topo, g = self.topology, self.config.grads
         world, s = x.shape
         hop1 = grad_codec(g, g.bits_intra, x.dtype)
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
-        lp = hop1.padded_len(s)
+        layout = self.layouts.get(s, math.lcm(hop1.unit, hop2.unit), x.device)
+        lp = hop1.padded_len(layout.wire_length)
         # The rounding slices (their bounds and seeds fix the result) and the exchanges that carry
         # them: one per slice when pipelined, else one per hop for all of them. The Hadamard
         # transform (blockwise, and every slice is whole blocks) is applied by hop1.encode slice
@@ -135,13 +140,13 @@ class QuantizedReduceScatter(GradReduceScatter):
         for step in range(n + 2):
             i = step
             if i < n:
-                stage1[i] = self._intra_exchange(x, hop1, bounds, groups[i], cols1[i])
+                stage1[i] = self._intra_exchange(x, layout, hop1, bounds, groups[i], cols1[i])
             i = step - 1
             if 0 <= i < n:
                 recv, work = stage1[i]
                 work.wait()
                 stage1[i] = None
-                stage2[i] = self._inter_exchange(recv, hop1, hop2, bounds, groups[i], cols1[i], cols2[i], s)
+                stage2[i] = self._inter_exchange(recv, hop1, hop2, bounds, groups[i], cols1[i], cols2[i], layout)
             i = step - 2
             if 0 <= i < n:
                 recv2, work2 = stage2[i]
@@ -150,28 +155,28 @@ class QuantizedReduceScatter(GradReduceScatter):
                 for k, (c0, c1) in zip(groups[i], cols2[i]):
                     a, b = bounds[k]
                     out[a:b] = hop2.decode_sum(recv2[:, c0:c1], b - a, finish=True)
-        return out[:s]
+        return layout.contract(out)
 
-    def _intra_exchange(self, x: torch.Tensor, hop1: RowCodec, bounds: list[tuple[int, int]],
+    def _intra_exchange(self, x: torch.Tensor, layout: RowLayout, hop1: RowCodec, bounds: list[tuple[int, int]],
                         slices: range, cols: list[tuple[int, int]]) -> tuple[torch.Tensor, Any]:
-        """Hop 1 of rounding slices ``slices`` (of ``bounds``): each encoded with its own seed into
-        its columns ``cols`` of one send buffer, one asynchronous all-to-all inside the node."""
+        """Hop 1 of rounding slices ``slices`` (of ``bounds``, columns of ``layout``'s rows): each
+        encoded with its own seed into its columns ``cols`` of one send buffer, one asynchronous
+        all-to-all inside the node."""
         topo = self.topology
         m, d = topo.ranks_per_node, topo.nodes
-        s = x.shape[1]
         send = torch.empty(x.shape[0], cols[-1][1], dtype=torch.uint8, device=x.device)
         order = topo.exchange_index(x.device)
         for k, (c0, c1) in zip(slices, cols):
             a, b = bounds[k]
-            hop1.encode(destination_major(x, order, a, b), seed=self._seed(4, k), out=send[:, c0:c1])
+            hop1.encode(destination_major(x, order, a, b, layout), seed=self._seed(4, k), out=send[:, c0:c1])
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
-        self.meter("grads", d * send.shape[1], d * sum(real_elements(*bounds[k], s) for k in slices), (m - 1, 0))
+        self.meter("grads", d * send.shape[1], d * sum(layout.real_elements(*bounds[k]) for k in slices), (m - 1, 0))
         return recv, work
 
     def _inter_exchange(self, recv: torch.Tensor, hop1: RowCodec, hop2: RowCodec, bounds: list[tuple[int, int]],
                         slices: range, cols1: list[tuple[int, int]], cols2: list[tuple[int, int]],
-                        s: int) -> tuple[torch.Tensor, Any]:
+                        layout: RowLayout) -> tuple[torch.Tensor, Any]:
         """Hop 2 of rounding slices ``slices``: each one's columns ``cols1`` of the intra-node
         receive buffer summed and requantized with its own seed into its columns ``cols2`` of one
         send buffer, one asynchronous all-to-all across nodes."""
@@ -184,7 +189,7 @@ class QuantizedReduceScatter(GradReduceScatter):
                                    out=send[:, e0:e1])
         recv2 = torch.empty_like(send)
         work = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
-        self.meter("grads", send.shape[1], sum(real_elements(*bounds[k], s) for k in slices), (0, d - 1))
+        self.meter("grads", send.shape[1], sum(layout.real_elements(*bounds[k]) for k in slices), (0, d - 1))
         return recv2, work
 
 
@@ -199,16 +204,17 @@ def _columns(codec: RowCodec, bounds: list[tuple[int, int]], slices: range) -> l
     return out
 
 
-def destination_major(x: torch.Tensor, order: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    """Columns ``[a, b)`` of the gradient ``x`` (``[world, s]``, group-rank order) padded to
-    ``b - a`` by repeating its last column, as fp32 ``[world, b - a]`` in destination-major order
-    for the intra-node exchange: row ``k`` holds the chunk of group rank ``order[k]``
-    (:meth:`Topology.exchange_index`: local index major, then the inter-node group's order), so
-    local peer ``l`` receives the D rows its inter-node group owns contiguously. One slice at a
-    time: no copy of the whole gradient is made."""
-    s = x.shape[1]
-    part = x[:, a:min(b, s)].index_select(0, order)
-    return _pad_cols(part.float(), b - a)
+def destination_major(x: torch.Tensor, order: torch.Tensor, a: int, b: int,
+                      layout: RowLayout | None = None) -> torch.Tensor:
+    """Columns ``[a, b)`` of the gradient ``x`` (``[world, s]``, group-rank order; columns of
+    ``layout``'s rows where given) padded to ``b - a`` by repeating its last column, as fp32
+    ``[world, b - a]`` in destination-major order for the intra-node exchange: row ``k`` holds the
+    chunk of group rank ``order[k]`` (:meth:`Topology.exchange_index`: local index major, then the
+    inter-node group's order), so local peer ``l`` receives the D rows its inter-node group owns
+    contiguously. One slice at a time: no copy of the whole gradient is made."""
+    if layout is None:
+        layout = RowLayout.of(None, x.shape[1], 1)
+    return _pad_cols(layout.columns(x, order, a, b).float(), b - a)
 
 
 def real_elements(a: int, b: int, s: int) -> int:

@@ -82,11 +82,18 @@ class RowCodec:
     def exact(self) -> bool:
         return self.bits is None
 
+    @property
+    def unit(self) -> int:
+        """Elements of the smallest row span no group or Hadamard block crosses: rows are padded
+        to whole units."""
+        if self.exact:
+            return 1
+        return math.lcm(self.group_size, self.hadamard_block) if self.hadamard_block else self.group_size
+
     def padded_len(self, length: int) -> int:
         if self.exact or length == 0:
             return length
-        unit = math.lcm(self.group_size, self.hadamard_block) if self.hadamard_block else self.group_size
-        return -(-length // unit) * unit
+        return -(-length // self.unit) * self.unit
 
     def row_nbytes(self, length: int) -> int:
         if self.exact:
@@ -169,15 +176,20 @@ class RowCodec:
         # copy=True: the difference is taken in place and must never alias the caller's x.
         return self.encode(x.to(torch.float32, copy=True).sub_(base), seed=seed)
 
-    def decode_into(self, buf: torch.Tensor, length: int, out: torch.Tensor, *, add: bool = False) -> torch.Tensor:
+    def decode_into(self, buf: torch.Tensor, length: int, out: torch.Tensor, *, add: bool = False,
+                    columns: torch.Tensor | None = None) -> torch.Tensor:
         """``out[:] = decode(buf, length)`` cast to ``out.dtype``, or with ``add``,
         ``out[:] = (out.float() + decode(buf, length)).to(out.dtype)`` (the replica update).
-        ``out``: ``[R, length]`` of float32, bfloat16 or float16."""
-        if self._fused(buf) and out.dtype in _OUT_DTYPES and out.stride(-1) == 1:
+        ``out``: ``[R, length]`` of float32, bfloat16 or float16; with ``columns`` (int64
+        ``[C]``, a :class:`~qsdp.comm.row_layout.RowLayout`'s positions), ``[R, C]`` taking
+        those columns of the decoded rows."""
+        if columns is None and self._fused(buf) and out.dtype in _OUT_DTYPES and out.stride(-1) == 1:
             self._decode_fused(buf, self.padded_len(length), out, add=add)
             return out
         for r0, r1 in _row_chunks(buf.shape[0], length, buf.device):
             values, dest = self.decode(buf[r0:r1], length), out[r0:r1]
+            if columns is not None:
+                values = values.index_select(1, columns)
             if add:  # dest + values in fp32; in place unless values may be a view of buf (exact codec)
                 values = dest.float() + values if self.exact else values.add_(dest)
             dest.copy_(values)

@@ -1,0 +1,109 @@
+"""Where the elements of an FSDP group's flat shard row sit in the row a codec quantizes.
+
+Beside tensor (or expert) parallelism, one FSDP group's flat shard holds parameters the TP ranks
+replicate (norms, a row-wise layer's bias, embeddings and head left whole) next to this rank's TP
+shards of others. TP peers hold the same values of the first and different values of the second.
+A quantization group or Hadamard block spanning both would give the peers different scales for
+the replicated values, so they would round them differently, train apart, and a checkpoint (DCP
+stores one copy of a replicated parameter) would resume one peer with the other's values.
+
+So the row the codec sees puts the replicated parameters first and the TP-sharded ones after
+them, each part padded to whole codec units by repeating its last element (which widens no
+group's range): no group or block spans both, and the replicated values sit at the same places
+on every TP rank. The rounding seeds, the exchanges and the codecs are those of an ordinary row
+of that length, so TP peers whose shards have equal sizes (even TP splits) round their
+replicated values identically. A row without such a mix (no TP, or only one kind in the group)
+keeps FSDP2's order: its layout is the identity and costs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+Spans = Sequence[tuple[int, bool]]
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """The map between a shard row of ``length`` elements (FSDP2's order) and the codec's row of
+    ``wire_length``: ``parts`` are the ``(offset, real elements, padded elements)`` of the
+    replicated and the TP-sharded part in the codec's row. The identity has one part and no
+    index tensors."""
+
+    length: int
+    wire_length: int
+    parts: tuple[tuple[int, int, int], ...]
+    source: torch.Tensor | None = None  # int64 [wire_length]: the shard column of each codec column
+    position: torch.Tensor | None = None  # int64 [length]: the codec column of each shard column
+
+    @property
+    def identity(self) -> bool:
+        return self.source is None
+
+    @classmethod
+    def of(cls, spans: Spans | None, length: int, unit: int, device: torch.device | str = "cpu") -> "RowLayout":
+        """The layout of a row of ``length`` elements whose parameters are ``spans`` (``(elements,
+        replicated)`` in row order, :func:`qsdp._fsdp2.shard_row_spans`), parts padded to
+        multiples of ``unit``; the identity when the row does not mix the two kinds or the spans
+        do not describe it (a tensor subclass's own all-gather inputs)."""
+        spans = list(spans or ())
+        kinds = {rep for n, rep in spans if n}
+        if len(kinds) < 2 or sum(n for n, _ in spans) != length:
+            return cls(length, length, ((0, length, length),))
+        starts, at = [], 0
+        for n, _ in spans:
+            starts.append(at)
+            at += n
+        source, position = [], torch.empty(length, dtype=torch.int64)
+        parts, offset = [], 0
+        for kind in (True, False):
+            cols = torch.cat([torch.arange(s, s + n) for s, (n, rep) in zip(starts, spans) if rep == kind and n])
+            padded = _round_up(cols.numel(), unit)
+            position[cols] = torch.arange(offset, offset + cols.numel())
+            source += [cols, cols[-1:].expand(padded - cols.numel())]
+            parts.append((offset, cols.numel(), padded))
+            offset += padded
+        return cls(length, offset, tuple(parts), torch.cat(source).to(device), position.to(device))
+
+    def expand(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (``[R, length]``) as the codec's rows ``[R, wire_length]`` (a new tensor; ``x``
+        itself for the identity)."""
+        return x if self.identity else x.index_select(1, self.source)
+
+    def columns(self, x: torch.Tensor, rows: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Rows ``rows`` (int64) of ``x`` (``[R, length]``) at the codec's columns ``[a, b)``
+        (clipped to ``length`` for the identity), one gather of that size."""
+        if self.identity:
+            return x[:, a:min(b, self.length)].index_select(0, rows)
+        return x[rows.unsqueeze(1), self.source[a:b].unsqueeze(0)]
+
+    def contract(self, y: torch.Tensor) -> torch.Tensor:
+        """The codec's ``y`` (``[..., wire_length]`` or wider: padding past it is ignored) back in
+        FSDP2's order, ``[..., length]``."""
+        return y[..., : self.length] if self.identity else y.index_select(-1, self.position)
+
+    def real_elements(self, a: int, b: int) -> int:
+        """Columns of the codec's ``[a, b)`` that carry shard elements (not padding)."""
+        return sum(max(0, min(b, off + real) - max(a, off)) for off, real, _ in self.parts)
+
+
+@dataclass
+class RowLayouts:
+    """One comm's layouts: the spans of its FSDP group (set once when it is attached) and the
+    layout of each (length, unit, device) it has met, built once."""
+
+    spans: Spans | None = None
+    _built: dict[tuple[int, int, str], RowLayout] = field(default_factory=dict)
+
+    def get(self, length: int, unit: int, device: torch.device) -> RowLayout:
+        key = (length, unit, str(device))
+        if key not in self._built:
+            self._built[key] = RowLayout.of(self.spans, length, unit, device)
+        return self._built[key]
