@@ -83,7 +83,7 @@ def test_an_own_loop_resumes_bit_identically_on_dp_x_tp(tmp_path):
 
 
 @pytest.mark.slow
-def test_sdp4bit_resumes_bit_identically_on_dp_x_tp(tmp_path):
+def test_quantized_gradients_resume_bit_identically_on_dp_x_tp(tmp_path):
     """With quantized gradients too: the parameters TP replicates stay the same on both TP ranks
     (tests/test_tp_replicas.py), so the one copy DCP stores is each rank's own."""
-    _resumes_bit_identically(tmp_path, "dp_tp", ("sdp4bit",))
+    _resumes_bit_identically(tmp_path, "dp_tp", ("sdp4bit", "qsdp", "zeropp"))
