@@ -174,12 +174,13 @@ def _train_hsdp_shard_groups(rank, world, out):
     model, _, comms, layout = shard_and_quantize(args, plan, 64, torch.device("cpu"))
     mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
     comms.close()
-    return layout, dist.get_process_group_ranks(mesh.get_group())
+    return layout, mesh.mesh_dim_names, dist.get_process_group_ranks(mesh.get_group("shard"))
 
 
 @pytest.mark.slow  # builds the trainer's model: ~40 s on 2 cores
 @pytest.mark.parametrize("placement,hosts", [("cyclic", [[0, 2], [1, 3]]), ("block", [[0, 1], [2, 3]])])
 def test_qsdp_train_hsdp_shards_inside_each_host(placement, hosts, tmp_path):
-    for rank, (_, (layout, shard)) in enumerate(run_world(_placed(_train_hsdp_shard_groups, placement), 4,
-                                                          str(tmp_path / "run"))):
-        assert layout == (2, 2) and shard == next(h for h in hosts if rank in h)
+    for rank, (_, (layout, dims, shard)) in enumerate(run_world(_placed(_train_hsdp_shard_groups, placement), 4,
+                                                                str(tmp_path / "run"))):
+        # FSDP2's native HSDP mesh, its shard dimension the host's ranks
+        assert layout == (2, 2) and dims == ("replicate", "shard") and shard == next(h for h in hosts if rank in h)

@@ -42,10 +42,11 @@ bytes by kind and level, timings, the environment, ``nonfinite_skipped`` and
 local shards (model parameters; optimizer state), in rank order. Two runs with the same world
 size have equal hashes exactly when their final states are bit-identical.
 
-HSDP (``--hsdp``): the model is sharded with 1-D FSDP2 on each node's ranks and
-:func:`qsdp.quantize_comms` is given the replicate group (:func:`qsdp.hsdp_groups`), so every
-node holds a full copy of the sharded state. Checkpoints need nothing more: DCP writes each
-shard once (the nodes' copies are bit-identical) and every node reads it back.
+HSDP (``--hsdp``): the model is sharded on FSDP2's native HSDP mesh (:func:`qsdp.hsdp_groups`:
+each node's ranks its shard dimension, the nodes its replicate dimension), so every node holds a
+full copy of the sharded state and :func:`qsdp.quantize_comms` replaces only FSDP2's all-reduce
+across the nodes. Checkpoints need nothing more: DCP writes each shard once (the nodes' copies
+are bit-identical) and every node reads it back.
 """
 
 from __future__ import annotations
@@ -147,10 +148,10 @@ def shard_and_quantize(
     nodes, per_node = groups.nodes, groups.ranks_per_node
     hsdp_layout(args, dataclasses.replace(plan.config, local_world_size=per_node), nodes * per_node,
                 resuming=plan.resume_from is not None)
-    model, dtype_name = build_model(args, vocab_size, device, groups.shard_mesh)
-    comms = qsdp.quantize_comms(model, plan.config, group=groups.shard_group,
-                                replicate_group=groups.replicate_group)
-    return model, dtype_name, comms, (nodes, per_node)
+    # FSDP2's native HSDP mesh: placements, state dict and checkpoints are FSDP2's own, and
+    # quantize_comms replaces only its all-reduce across the replicas.
+    model, dtype_name = build_model(args, vocab_size, device, groups.mesh)
+    return model, dtype_name, qsdp.quantize_comms(model, plan.config), (nodes, per_node)
 
 
 def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
