@@ -167,7 +167,7 @@ def _steps(pipe, opt, steps) -> list:
     return losses
 
 
-def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False):
+def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False, per_block=True):
     """``before + after`` steps uninterrupted, against ``before`` steps, a checkpoint of each
     rank's stages, a fresh process state (new model, optimizers and comms) loaded from it, and
     ``after`` more steps. ``as_list``: the checkpoint API gets lists of the rank's parts, their
@@ -184,13 +184,13 @@ def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False
         return (pipe.parts, opt, pipe.handles) if as_list else (pipe.parts[0], opt, pipe.handles[0])
 
     mesh = pl.mesh(2, 2)
-    whole = pl.build(mesh, schedule, preset)
+    whole = pl.build(mesh, schedule, preset, per_block=per_block)
     uninterrupted = _steps(whole, optimizers(whole), range(before + after))
-    first = pl.build(mesh, schedule, preset)
+    first = pl.build(mesh, schedule, preset, per_block=per_block)
     opt = optimizers(first)
     losses = _steps(first, opt, range(before))
     save_checkpoint(out, before, *args(first, opt), {})
-    second = pl.build(mesh, schedule, preset, seed=1)  # other initial weights: all of them come from the checkpoint
+    second = pl.build(mesh, schedule, preset, seed=1, per_block=per_block)  # other initial weights: all of them come from the checkpoint
     opt = optimizers(second)
     load_checkpoint(latest_checkpoint(out), *args(second, opt), torch.device("cpu"))
     losses += _steps(second, opt, range(before, before + after))
@@ -217,13 +217,15 @@ def test_a_pipeline_resumes_from_a_checkpoint_bit_for_bit(preset, tmp_path):
     _assert_resumed_bit_for_bit(run_world(_resume, 4, "1f1b", preset, str(tmp_path), local_world_size=1))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", ["fsdp", "sdp4bit"])
-def test_two_stages_a_rank_resume_from_one_checkpoint_bit_for_bit(preset, tmp_path):
-    # Interleaved: each rank saves and loads both its model parts and both handles; the parts'
-    # roots share a module path and a dp group, their replica rows keep apart.
+@pytest.mark.parametrize("preset,per_block", [pytest.param("fsdp", True, marks=pytest.mark.slow),
+                                              pytest.param("sdp4bit", True, marks=pytest.mark.slow),
+                                              ("sdp4bit", False)])
+def test_two_stages_a_rank_resume_from_one_checkpoint_bit_for_bit(preset, per_block, tmp_path):
+    # Interleaved: each rank saves and loads both its model parts, their optimizers and their
+    # handles. Without per-block groups, each part is one FSDP group at its root: a rank's two
+    # parts gather over one dp group at one module path, and their replica rows keep apart.
     _assert_resumed_bit_for_bit(run_world(_resume, 4, "interleaved", preset, str(tmp_path), as_list=True,
-                                          local_world_size=1))
+                                          per_block=per_block, local_world_size=1))
 
 
 def test_model_parts_and_handles_of_different_counts_are_refused_before_any_collective(tmp_path):
