@@ -27,6 +27,7 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _listed(x: Any) -> list[Any]:
+    """A list or tuple as it is, anything else (a module: an ``nn.ModuleList`` too) as one part."""
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
@@ -42,14 +43,13 @@ class ModelParts:
     def of(cls, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: Any, handle: Any) -> ModelParts:
         """One model, optimizer and handle, or lists of them of one length; a ValueError naming
         the mismatch otherwise (local: before any collective)."""
-        parts = [model] if isinstance(model, torch.nn.Module) else list(model)
-        optimizers, handles = _listed(optimizer), _listed(handle)
+        parts, optimizers, handles = _listed(model), _listed(optimizer), _listed(handle)
         if not parts or len(handles) != len(parts) or len(optimizers) != len(parts):
             raise ValueError(f"checkpoint: {len(parts)} model part(s), {len(optimizers)} optimizer(s) and "
                              f"{len(handles)} handle(s): pass one optimizer and one QuantizedComms a model part, "
                              "in the same order")
-        names = [n for p in parts for n, _ in p.named_parameters()]
-        if len(parts) > 1 and len(set(names)) != len(names):
+        names = [n for p in parts for n, _ in p.named_parameters()] if len(parts) > 1 else []
+        if len(set(names)) != len(names):
             twice = sorted(n for n, count in Counter(names).items() if count > 1)
             raise ValueError(f"checkpoint: model parts share parameter names ({', '.join(twice[:3])}): keep the "
                              "whole model's names in each stage, as torchtitan does")
