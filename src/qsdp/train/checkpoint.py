@@ -9,16 +9,25 @@ Layout under the run directory::
 
 A checkpoint holds, through DCP, the sharded model and optimizer state (from
 ``torch.distributed.checkpoint.state_dict.get_state_dict``, so DCP reshards it into any FSDP2
-layout of the same model), the weight-difference replicas as one tensor per row of each FSDP
+layout of the same model; the optimizer's flattened, keyed by parameter:
+:mod:`qsdp.train.parts`), the weight-difference replicas as one tensor per row of each FSDP
 group's gathered buffer, keyed by the module's path and the group (a digest of the world size
-and the group's global ranks: ``qsdp_replicas.{path}:g{digest}:row{row}``; a row held by several
-ranks of a group is written once, the rows of two groups of a dp x tp mesh are kept apart) and,
-per rank, a small blob of that rank's comm counters and RNG state (plain tensors and numbers,
-read with ``torch.load(weights_only=True)``). Beside them, written by rank 0: ``trainer.json``,
-the step and what the run was (model, config, world size, data position, cumulative bytes on
-the wire), readable without torch; ``comms.json``, the layout (world size, shard group size,
-HSDP replicas) and the comm counters' maximum over every rank, stored once; ``digests.json``,
-the SHA-256 of every other file (:mod:`qsdp.train.integrity`).
+and the group's global ranks: ``qsdp_replicas.{path}:g{digest}:row{row}``, the path of a rank's
+second model part ``part1/{path}``; a row held by several ranks of a group is written once, the
+rows of two groups of a dp x tp mesh or of two pipeline stages are kept apart) and, per rank, a
+small blob of that rank's comm counters (one state a model part) and RNG state (plain tensors
+and numbers, read with ``torch.load(weights_only=True)``). Beside them, written by rank 0:
+``trainer.json``, the step and what the run was (model, config, world size, data position,
+cumulative bytes on the wire), readable without torch; ``comms.json``, the checkpoint format
+(:data:`FORMAT`; another is refused in one line), the layout (world size, shard group size,
+HSDP replicas, model parts a rank when more than one) and the comm counters' maximum over every
+rank and part, stored once; ``digests.json``, the SHA-256 of every other file
+(:mod:`qsdp.train.integrity`).
+
+A rank holding several model parts (pipeline stages) passes lists of the parts, their
+optimizers and their handles. Every collective of a save or load has the same length on every
+rank that takes part: the replicas' agreement runs over each FSDP group's own ranks (its shard
+group, then its HSDP replicas), the rest over the world.
 
 A load first checks every file against ``digests.json`` (the ranks share the hashing), then
 loads, then checks that the model and optimizer state are finite; a damaged checkpoint is one
