@@ -1,6 +1,7 @@
 """Pipeline parallelism x FSDP2 (torchtitan's PP x FSDP): stages of different depths, one or two
 per rank, each FSDP-sharded over its dp group and quantized by its own ``quantize_comms`` call;
-the step's check over all of them (``tests/pipeline.py`` builds the layouts).
+the step's check over all of them, and their resume from one checkpoint (``tests/pipeline.py``
+builds the layouts).
 
 Four ranks are ``(pp, dp) = (2, 2)``, each rank on a node of its own, so a dp group spans two
 nodes and ``sdp4bit`` quantizes both its gathers and its reductions.
@@ -190,7 +191,8 @@ def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False
     opt = optimizers(first)
     losses = _steps(first, opt, range(before))
     save_checkpoint(out, before, *args(first, opt), {})
-    second = pl.build(mesh, schedule, preset, seed=1, per_block=per_block)  # other initial weights: all of them come from the checkpoint
+    # Other initial weights: all of them come from the checkpoint.
+    second = pl.build(mesh, schedule, preset, seed=1, per_block=per_block)
     opt = optimizers(second)
     load_checkpoint(latest_checkpoint(out), *args(second, opt), torch.device("cpu"))
     losses += _steps(second, opt, range(before, before + after))
