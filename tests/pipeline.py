@@ -98,9 +98,11 @@ def mesh(pp: int, dp: int, tp: int = 1):
     return init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
-def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0) -> Pipeline:
+def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0, per_block: bool = True) -> Pipeline:
     """This rank's stages of ``schedule``, FSDP2 over ``mesh["dp"]`` (tensor parallelism over
-    ``mesh["tp"]`` when the mesh has it), quantized with ``preset`` (``None``: native FSDP2)."""
+    ``mesh["tp"]`` when the mesh has it), quantized with ``preset`` (``None``: native FSDP2).
+    ``per_block``: each block an FSDP group of its own, as torchtitan shards; otherwise each
+    stage is one group, at its root."""
     import qsdp
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
@@ -122,7 +124,7 @@ def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0) 
 
             for b in part.blocks.values():
                 parallelize_module(b, device_mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-        for b in part.blocks.values():
+        for b in part.blocks.values() if per_block else ():
             fully_shard(b, mesh=dp_mesh)
         fully_shard(part, mesh=dp_mesh)
         if preset is not None:

@@ -192,6 +192,25 @@ def test_an_incomplete_checkpoint_names_the_previous_complete_one(good, tmp_path
                            "checkpoint is step_00000002 (qsdp train: --resume-from step_00000002)")
 
 
+def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(good, tmp_path):
+    """A checkpoint whose comms.json has no format (qsdp before the optimizer state was keyed by
+    parameter; digests rewritten to match) is refused on every rank before DCP reads a key."""
+    from qsdp.train.integrity import file_digest
+
+    out = _copy(good, tmp_path)
+    step3 = out / CHECKPOINT_DIR / step_dirname(3)
+    comms = json.loads((step3 / "comms.json").read_text())
+    del comms["format"]
+    (step3 / "comms.json").write_text(json.dumps(comms))
+    digests = read_digests(step3)
+    sha, size = file_digest(step3 / "comms.json")
+    digests["files"]["comms.json"] = {"sha256": sha, "bytes": size}
+    (step3 / DIGEST_FILE).write_text(json.dumps(digests))
+    for message in run_world(_load, 2, str(step3), timeout=90):
+        assert message == (f"checkpoint {step3} is in checkpoint format 1, this qsdp reads format 2 (optimizer "
+                           "state keyed by parameter): resume it with the qsdp that wrote it")
+
+
 def test_digests_cover_every_file_of_a_checkpoint(good):
     step3 = good / CHECKPOINT_DIR / step_dirname(3)
     listed = read_digests(step3)["files"]

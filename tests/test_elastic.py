@@ -62,7 +62,8 @@ def _checkpoint_state(path, tmp_path) -> dict[str, torch.Tensor]:
     dcp_to_torch_save(str(path), str(file))
     saved = torch.load(file, weights_only=False)
     state = {f"model.{k}": v for k, v in saved["model"].items()}
-    state.update({f"optim.{name}.{k}": v for name, kv in saved["optim"]["state"].items() for k, v in kv.items()})
+    # The optimizer state is saved flattened: "state.{parameter}.{entry}" (qsdp.train.parts).
+    state.update({f"optim.{k.removeprefix('state.')}": v for k, v in saved["optim"].items() if k.startswith("state.")})
     return state
 
 

@@ -1,6 +1,7 @@
 """Pipeline parallelism x FSDP2 (torchtitan's PP x FSDP): stages of different depths, one or two
 per rank, each FSDP-sharded over its dp group and quantized by its own ``quantize_comms`` call;
-the step's check over all of them (``tests/pipeline.py`` builds the layouts).
+the step's check over all of them, and their resume from one checkpoint (``tests/pipeline.py``
+builds the layouts).
 
 Four ranks are ``(pp, dp) = (2, 2)``, each rank on a node of its own, so a dp group spans two
 nodes and ``sdp4bit`` quantizes both its gathers and its reductions.
@@ -160,43 +161,93 @@ def _steps(pipe, opt, steps) -> list:
         mean = torch.stack(out).mean().detach() if out else torch.zeros(())
         check = qsdp.check_gradients(pipe.handles, pipe.params, sums=[mean], agree_ahead=True)
         assert not check.nonfinite
-        opt.step()
-        opt.zero_grad()
+        for o in opt if isinstance(opt, list) else [opt]:
+            o.step()
+            o.zero_grad()
         losses.append(float(mean))
     return losses
 
 
-def _resume(rank, world, preset, out):
-    """4 steps uninterrupted, against 2 steps, a checkpoint of each rank's stage, a fresh process
-    state (new model, optimizer and comms) loaded from it, and 2 more steps."""
+def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False, per_block=True):
+    """``before + after`` steps uninterrupted, against ``before`` steps, a checkpoint of each
+    rank's stages, a fresh process state (new model, optimizers and comms) loaded from it, and
+    ``after`` more steps. ``as_list``: the checkpoint API gets lists of the rank's parts, their
+    optimizers (one each, as torchtitan keeps them) and their handles; otherwise the rank's one
+    part, its optimizer and its handle."""
     from qsdp.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
+    def optimizers(pipe):
+        if as_list:
+            return [torch.optim.Adam(part.parameters(), lr=1e-2) for part in pipe.parts]
+        return torch.optim.Adam(pipe.params, lr=1e-2)
+
+    def args(pipe, opt):
+        return (pipe.parts, opt, pipe.handles) if as_list else (pipe.parts[0], opt, pipe.handles[0])
+
     mesh = pl.mesh(2, 2)
-    whole = pl.build(mesh, "1f1b", preset)
-    uninterrupted = _steps(whole, torch.optim.Adam(whole.params, lr=1e-2), range(4))
-    first = pl.build(mesh, "1f1b", preset)
-    opt = torch.optim.Adam(first.params, lr=1e-2)
-    before = _steps(first, opt, range(2))
-    save_checkpoint(out, 2, first.parts[0], opt, first.handles[0], {})
-    second = pl.build(mesh, "1f1b", preset, seed=1)  # other initial weights: all of them come from the checkpoint
-    opt = torch.optim.Adam(second.params, lr=1e-2)
-    load_checkpoint(latest_checkpoint(out), second.parts[0], opt, second.handles[0], torch.device("cpu"))
-    after = _steps(second, opt, range(2, 4))
-    return uninterrupted, before + after, _shards(whole), _shards(second)
+    whole = pl.build(mesh, schedule, preset, per_block=per_block)
+    uninterrupted = _steps(whole, optimizers(whole), range(before + after))
+    first = pl.build(mesh, schedule, preset, per_block=per_block)
+    opt = optimizers(first)
+    losses = _steps(first, opt, range(before))
+    save_checkpoint(out, before, *args(first, opt), {})
+    # Other initial weights: all of them come from the checkpoint.
+    second = pl.build(mesh, schedule, preset, seed=1, per_block=per_block)
+    opt = optimizers(second)
+    load_checkpoint(latest_checkpoint(out), *args(second, opt), torch.device("cpu"))
+    losses += _steps(second, opt, range(before, before + after))
+    return uninterrupted, losses, _shards(whole), _shards(second)
 
 
-# Not yet, in qsdp.train.checkpoint: the optimizer's param_groups are saved under one key that
-# every stage writes (with flatten_optimizer_state_dict=True the fsdp case resumes bit for bit),
-# and _load_replicas all-reduces one flag per replica-holding group over the world, a length
-# that differs between stages of different depths (sdp4bit times out).
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="qsdp.train.checkpoint: one optimizer param_groups key for every "
-                                       "stage; a world all-reduce of stage-dependent length")
-@pytest.mark.parametrize("preset", ["fsdp", "sdp4bit"])
-def test_a_pipeline_resumes_from_a_checkpoint_bit_for_bit(preset, tmp_path):
-    for uninterrupted, resumed, whole, again in run_world(_resume, 4, preset, str(tmp_path), local_world_size=1):
+def _assert_resumed_bit_for_bit(results):
+    for uninterrupted, resumed, whole, again in results:
         assert resumed == uninterrupted
         assert all(torch.equal(a, b) for a, b in zip(whole, again))
+
+
+def test_a_pipeline_stage_resumes_with_its_own_optimizer_param_groups(tmp_path):
+    # Both stages' optimizer param_groups in one checkpoint (keyed by parameter), one step on
+    # each side of the resume.
+    _assert_resumed_bit_for_bit(run_world(_resume, 4, "1f1b", "fsdp", str(tmp_path), 1, 1, local_world_size=1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["fsdp", "sdp4bit"])
+def test_a_pipeline_resumes_from_a_checkpoint_bit_for_bit(preset, tmp_path):
+    # sdp4bit: stages of 2 and 3 FSDP groups agree on their weight-difference replicas each
+    # within its own dp group.
+    _assert_resumed_bit_for_bit(run_world(_resume, 4, "1f1b", preset, str(tmp_path), local_world_size=1))
+
+
+@pytest.mark.parametrize("preset,per_block", [pytest.param("fsdp", True, marks=pytest.mark.slow),
+                                              pytest.param("sdp4bit", True, marks=pytest.mark.slow),
+                                              ("sdp4bit", False)])
+def test_two_stages_a_rank_resume_from_one_checkpoint_bit_for_bit(preset, per_block, tmp_path):
+    # Interleaved: each rank saves and loads both its model parts, their optimizers and their
+    # handles. Without per-block groups, each part is one FSDP group at its root: a rank's two
+    # parts gather over one dp group at one module path, and their replica rows keep apart.
+    _assert_resumed_bit_for_bit(run_world(_resume, 4, "interleaved", preset, str(tmp_path), as_list=True,
+                                          per_block=per_block, local_world_size=1))
+
+
+def test_model_parts_and_handles_of_different_counts_are_refused_before_any_collective(tmp_path):
+    from qsdp.train.checkpoint import load_checkpoint, save_checkpoint
+
+    # No process group here: the error comes before any collective.
+    parts = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    opts = [torch.optim.Adam(p.parameters()) for p in parts]
+    with pytest.raises(ValueError, match=r"^checkpoint: 2 model part\(s\), 2 optimizer\(s\) and 1 handle\(s\)"):
+        save_checkpoint(tmp_path, 1, parts, opts, [object()], {})
+    with pytest.raises(ValueError, match=r"^checkpoint: 2 model part\(s\), 1 optimizer\(s\) and 2 handle\(s\)"):
+        load_checkpoint(tmp_path, parts, opts[0], [object(), object()], torch.device("cpu"))
+
+
+def test_model_parts_sharing_parameter_names_are_refused_before_any_collective(tmp_path):
+    from qsdp.train.checkpoint import save_checkpoint
+
+    parts = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]  # both "weight" and "bias"
+    with pytest.raises(ValueError, match=r"^checkpoint: model parts share parameter names \(bias, weight\)"):
+        save_checkpoint(tmp_path, 1, parts, [torch.optim.Adam(p.parameters()) for p in parts], [None, None], {})
 
 
 def _reads(rank, world, schedule, preset):

@@ -9,16 +9,25 @@ Layout under the run directory::
 
 A checkpoint holds, through DCP, the sharded model and optimizer state (from
 ``torch.distributed.checkpoint.state_dict.get_state_dict``, so DCP reshards it into any FSDP2
-layout of the same model), the weight-difference replicas as one tensor per row of each FSDP
+layout of the same model; the optimizer's flattened, keyed by parameter:
+:mod:`qsdp.train.parts`), the weight-difference replicas as one tensor per row of each FSDP
 group's gathered buffer, keyed by the module's path and the group (a digest of the world size
-and the group's global ranks: ``qsdp_replicas.{path}:g{digest}:row{row}``; a row held by several
-ranks of a group is written once, the rows of two groups of a dp x tp mesh are kept apart) and,
-per rank, a small blob of that rank's comm counters and RNG state (plain tensors and numbers,
-read with ``torch.load(weights_only=True)``). Beside them, written by rank 0: ``trainer.json``,
-the step and what the run was (model, config, world size, data position, cumulative bytes on
-the wire), readable without torch; ``comms.json``, the layout (world size, shard group size,
-HSDP replicas) and the comm counters' maximum over every rank, stored once; ``digests.json``,
-the SHA-256 of every other file (:mod:`qsdp.train.integrity`).
+and the group's global ranks: ``qsdp_replicas.{path}:g{digest}:row{row}``, the path of a rank's
+second model part ``part1/{path}``; a row held by several ranks of a group is written once, the
+rows of two groups of a dp x tp mesh or of two pipeline stages are kept apart) and, per rank, a
+small blob of that rank's comm counters (one state a model part) and RNG state (plain tensors
+and numbers, read with ``torch.load(weights_only=True)``). Beside them, written by rank 0:
+``trainer.json``, the step and what the run was (model, config, world size, data position,
+cumulative bytes on the wire), readable without torch; ``comms.json``, the checkpoint format
+(:data:`FORMAT`; another is refused in one line), the layout (world size, shard group size,
+HSDP replicas, model parts a rank when more than one) and the comm counters' maximum over every
+rank and part, stored once; ``digests.json``, the SHA-256 of every other file
+(:mod:`qsdp.train.integrity`).
+
+A rank holding several model parts (pipeline stages) passes lists of the parts, their
+optimizers and their handles. Every collective of a save or load has the same length on every
+rank that takes part: the replicas' agreement runs over each FSDP group's own ranks (its shard
+group, then its HSDP replicas), the rest over the world.
 
 A load first checks every file against ``digests.json`` (the ranks share the hashing), then
 loads, then checks that the model and optimizer state are finite; a damaged checkpoint is one
@@ -49,6 +58,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +66,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .files import atomic_write, fsync_dir
 from .integrity import DIGEST_FILE, DigestMismatch, nonfinite_state, state_verified, verify_digests, write_digests
+from .parts import ModelParts, merged
 
 __all__ = [
     "CheckpointError", "CHECKPOINT_DIR", "LATEST_FILE", "META_FILE", "COMMS_FILE",
@@ -74,6 +84,9 @@ COMMS_FILE = "comms.json"
 _REQUIRED = (".metadata", META_FILE, COMMS_FILE, DIGEST_FILE)
 _NAMED = _REQUIRED[:2]  # what a run's checks read before the load checks the rest
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
+# comms.json "format": 2 keys the optimizer state (param_groups included) by parameter, so the
+# pipeline stages of a job save theirs side by side, and holds every model part's comm state.
+FORMAT = 2
 
 
 class CheckpointError(RuntimeError):
@@ -208,19 +221,33 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
-def _layout(handle: Any) -> dict[str, int]:
-    """What a rank's comm state and replica rows belong to (the same on every rank): the ranks
-    and the shard group whose rows the replicas hold. Not the nodes: a row's replica holds the
-    same values whichever ranks hold it (:mod:`qsdp.comm.difference`)."""
-    return {"world_size": dist.get_world_size(), "shard_group": handle.topology.world_size,
-            "replicas": getattr(handle, "replicas", 1)}
+def _layout(handles: list[Any]) -> dict[str, Any]:
+    """What a rank's comm state and replica rows belong to: the ranks, the shard group whose
+    rows the replicas hold, the HSDP replicas and, for several model parts a rank (pipeline
+    stages), how many. Not the nodes: a row's replica holds the same values whichever ranks hold
+    it (:mod:`qsdp.comm.difference`)."""
+    groups = [h.topology.world_size for h in handles]
+    replicas = [getattr(h, "replicas", 1) for h in handles]
+    layout: dict[str, Any] = {"world_size": dist.get_world_size(),
+                              "shard_group": groups[0] if len(set(groups)) == 1 else groups,
+                              "replicas": replicas[0] if len(set(replicas)) == 1 else replicas}
+    if len(handles) > 1:
+        layout["parts"] = len(handles)
+    return layout
 
 
-def _rank_blob(handle: Any) -> bytes:
-    """This rank's comm counters and RNG state, serialized (a few KB of plain tensors and
-    numbers: :func:`torch.load` reads it with ``weights_only=True``)."""
+def _same_everywhere(mine: bool, device: torch.device) -> bool:
+    """Collective over the world: whether ``mine`` holds on every rank (one all-reduce)."""
+    flag = torch.tensor([int(mine)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _rank_blob(handles: list[Any]) -> bytes:
+    """This rank's comm counters (one state a model part) and RNG state, serialized (a few KB
+    of plain tensors and numbers: :func:`torch.load` reads it with ``weights_only=True``)."""
     buf = io.BytesIO()
-    torch.save({"comms": handle.state_dict(), "rng": _rng_state()}, buf)
+    torch.save({"comms": [h.state_dict() for h in handles], "rng": _rng_state()}, buf)
     return buf.getvalue()
 
 
@@ -231,12 +258,14 @@ def _unpack(blob: bytes, device: torch.device) -> dict[str, Any]:
 
 
 def _continued_counters(states: list[Any]) -> Any:
-    """The comm state that continues every rank's of ``states`` on another layout: each counter
-    the largest any rank reached (the next rounding streams are new to every rank), each
-    "changed since the last gather" flag set (the next gather starts a new version)."""
+    """The comm state that continues every one of ``states`` (of ranks, of model parts) on
+    another layout: each counter the largest any of them reached (the next rounding streams are
+    new to every rank), each "changed since the last gather" flag set (the next gather starts a
+    new version); a group any of them has is kept (stages hold different numbers of groups)."""
     first = states[0]
     if isinstance(first, dict):
-        return {k: _continued_counters([s[k] for s in states if k in s]) for k in first}
+        keys = dict.fromkeys(k for s in states if isinstance(s, dict) for k in s)
+        return {k: _continued_counters([s[k] for s in states if isinstance(s, dict) and k in s]) for k in keys}
     if isinstance(first, bool):
         return True
     if isinstance(first, int):
@@ -250,11 +279,12 @@ def _leaves(tree: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...]
     return [(path, tree)]
 
 
-def _counters_everywhere(handle: Any, device: torch.device) -> Any:
-    """Collective: the comm state that continues every rank's (:func:`_continued_counters`),
-    from one all-reduce of the counters where every rank's state has the same fields (one
-    small check first), else from an all-gather of the states."""
-    state = handle.state_dict()
+def _counters_everywhere(handles: list[Any], device: torch.device) -> Any:
+    """Collective over the world: the comm state that continues every rank's and every model
+    part's (:func:`_continued_counters`), from one all-reduce of the counters where every rank's
+    state has the same fields (one small check of fixed length first), else from an all-gather
+    of the states (stages with different numbers of groups)."""
+    state = _continued_counters([h.state_dict() for h in handles])
     ints = [(p, v) for p, v in _leaves(state) if isinstance(v, int) and not isinstance(v, bool)]
     fields = int.from_bytes(hashlib.sha256(repr([p for p, _ in ints]).encode()).digest()[:7], "big")
     check = torch.tensor([len(ints), -len(ints), fields, -fields], dtype=torch.int64, device=device)
@@ -274,8 +304,6 @@ def _counters_everywhere(handle: Any, device: torch.device) -> Any:
     def continued(tree: Any, path: tuple[str, ...] = ()) -> Any:
         if isinstance(tree, dict):
             return {k: continued(v, (*path, str(k))) for k, v in tree.items()}
-        if isinstance(tree, bool):
-            return True
         return largest.get(path, tree)
 
     return continued(state)
@@ -283,7 +311,7 @@ def _counters_everywhere(handle: Any, device: torch.device) -> Any:
 
 def _group_id(handle: Any) -> str:
     """A short digest of the world size and the global ranks of the handle's shard group: the
-    rows of two groups (the dp groups of a dp x tp mesh) never share a key."""
+    rows of two groups (the dp groups of a dp x tp mesh, two pipeline stages) never share a key."""
     ranks = dist.get_process_group_ranks(handle.topology.group)
     return hashlib.sha256(f"{dist.get_world_size()}:{ranks}".encode()).hexdigest()[:12]
 
@@ -292,41 +320,67 @@ def _replica_key(path: str, group: str, row: int) -> str:
     return f"{path}:g{group}:row{row}"
 
 
-def _replica_groups(model: torch.nn.Module, handle: Any) -> list[tuple[str, Any]]:
-    """``(module path, all-gather)`` of every FSDP group whose gather keeps replica rows."""
+def _replica_groups(model: torch.nn.Module, handle: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(module path, all-gather)`` of every FSDP group whose gather keeps replica rows; the
+    path of a rank's second and later model parts starts with ``prefix`` (``part1/``...), since
+    two parts may have modules of one path (each its root)."""
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     modules = getattr(handle, "modules", [])
-    return [(names.get(id(modules[i]), f"<group {i}>") if i < len(modules) else f"<group {i}>", ag)
+    return [(prefix + (names.get(id(modules[i]), f"<group {i}>") if i < len(modules) else f"<group {i}>"), ag)
             for i, ag in enumerate(handle.all_gathers) if ag.holds_replicas()]
 
 
-def _replica_state(model: torch.nn.Module, handle: Any) -> dict[str, torch.Tensor]:
-    """Every weight-difference replica row this rank holds, keyed by module, group and row."""
-    group = _group_id(handle)
-    return {_replica_key(path, group, row): values
-            for path, ag in _replica_groups(model, handle)
+def _prefix(k: int) -> str:
+    """The key prefix of a rank's model part ``k``: none for the first, so that a rank of one
+    part keys its rows as before."""
+    return f"part{k}/" if k else ""
+
+
+def _replica_state(parts: list[torch.nn.Module], handles: list[Any]) -> dict[str, torch.Tensor]:
+    """Every weight-difference replica row this rank holds, keyed by model part, module, group
+    and row."""
+    return {_replica_key(path, _group_id(handle), row): values
+            for k, (model, handle) in enumerate(zip(parts, handles))
+            for path, ag in _replica_groups(model, handle, _prefix(k))
             for row, values in ag.replica_rows().items()}
 
 
-def _load_replicas(path: Path, stored: dict[str, Any], model: torch.nn.Module, handle: Any,
-                   device: torch.device) -> None:
-    """Load the rows this rank's replicas hold where the checkpoint has every one of them on
-    every rank (one all-reduce agrees on it); other groups re-establish theirs exactly."""
-    group = _group_id(handle)
-    groups = _replica_groups(model, handle)
-    keys = [{row: _replica_key(name, group, row) for row in ag.rows} for name, ag in groups]
+def _agreed_found(keys: list[dict[int, str]], stored: dict[str, Any], handle: Any,
+                  device: torch.device) -> list[bool]:
+    """Per replica-holding FSDP group of ``handle``, whether the checkpoint has every row of it
+    on every rank that gathers it: its shard group, and the HSDP replicas of that group, whose
+    gathers must stay identical (an all-reduce over each, of one flag a group: the same length
+    on every rank that holds the model part)."""
     found = [bool(k) and all(f"qsdp_replicas.{key}" in stored for key in k.values()) for k in keys]
     # On the process group's device: an NCCL group cannot all-reduce a CPU tensor.
-    everywhere = torch.tensor([int(f) for f in found] or [0], dtype=torch.int32, device=device)
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    flags = torch.tensor([int(f) for f in found], dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=handle.topology.group)
+    replicate = getattr(handle, "replicate_group", None)
+    if replicate is not None:
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=replicate)
+    return [bool(f) for f in flags.tolist()]
+
+
+def _load_replicas(path: Path, stored: dict[str, Any], parts: list[torch.nn.Module], handles: list[Any],
+                   device: torch.device) -> None:
+    """Load the rows this rank's replicas hold where the checkpoint has every one of them on
+    every rank of their group (:func:`_agreed_found`); other groups re-establish theirs exactly."""
+    plan = []
+    for k, (model, handle) in enumerate(zip(parts, handles)):
+        group = _group_id(handle)
+        groups = _replica_groups(model, handle, _prefix(k))
+        keys = [{row: _replica_key(name, group, row) for row in ag.rows} for name, ag in groups]
+        found = _agreed_found(keys, stored, handle, device) if groups else []
+        plan += [(ag, k_, ok) for (_, ag), k_, ok in zip(groups, keys, found)]
     wanted: dict[str, torch.Tensor] = {}
-    for k, ok in zip(keys, everywhere.tolist()):
+    for _, k, ok in plan:
         for key in k.values() if ok else ():
             md = stored[f"qsdp_replicas.{key}"]
             wanted[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
-    if wanted:
+    # DCP's load is collective over the world: every rank calls it when any rank has rows to read.
+    if not _same_everywhere(not wanted, device):
         dcp.load({"qsdp_replicas": wanted}, checkpoint_id=str(path))
-    for (_, ag), k, ok in zip(groups, keys, everywhere.tolist()):
+    for ag, k, ok in plan:
         ag.load_replica_rows({row: wanted[key] for row, key in k.items()} if ok else None)
 
 
@@ -350,8 +404,8 @@ def _rotate(root: Path, step: int, keep: int) -> None:
 def save_checkpoint(
     out: str | os.PathLike,
     step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     handle: Any,
     meta: dict[str, Any],
     keep: int = 2,
@@ -359,12 +413,17 @@ def save_checkpoint(
     """Save a checkpoint of ``step`` (collective: every rank calls it); returns its directory,
     ``out/checkpoints/step_XXXXXXXX``, which :func:`latest_checkpoint` then names.
 
-    ``out`` is the run directory; ``handle`` is the :class:`qsdp.QuantizedComms` of the model;
+    ``out`` is the run directory; ``handle`` is the :class:`qsdp.QuantizedComms` of the model.
+    A rank holding several model parts (pipeline stages) passes lists of them, of their
+    optimizers and of their handles, in one order (:class:`qsdp.train.parts.ModelParts`); the
+    stages keep the whole model's parameter names, as torchtitan's do.
     ``meta`` (JSON-able, the same on every rank: what your loop needs back, e.g. its data
     position) is written to ``trainer.json`` with ``step`` added. After the new checkpoint is
     ``latest``, all but the newest ``keep`` checkpoints are removed (``keep <= 0`` keeps all),
     except the newest one whose state was finite when saved.
     """
+    job = ModelParts.of(model, optimizer, handle)
+    parts, handles = job.parts, job.handles
     rank, device = dist.get_rank(), _pg_device()
     root = checkpoint_root(out)
     name = step_dirname(step)
@@ -375,11 +434,11 @@ def save_checkpoint(
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
-    finite = nonfinite_state(model, optimizer, device) is None
-    comms = {"layout": _layout(handle), "continued": _counters_everywhere(handle, device)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "qsdp_replicas": _replica_state(model, handle),
-             "rank_state": {str(rank): _rank_blob(handle)}}
+    finite = nonfinite_state(parts, job.optimizers, device) is None
+    comms = {"format": FORMAT, "layout": _layout(handles), "continued": _counters_everywhere(handles, device)}
+    model_sds, optim_sds = job.state_dicts()
+    state = {"model": merged(model_sds), "optim": merged(optim_sds), "qsdp_replicas": _replica_state(parts, handles),
+             "rank_state": {str(rank): _rank_blob(handles)}}
     dcp.save(state, checkpoint_id=str(tmp))
     if rank == 0:
         _write_json(tmp / META_FILE, {**meta, "step": step})
@@ -430,8 +489,8 @@ def _verify_before_load(path: Path, device: torch.device) -> None:
 
 def load_checkpoint(
     path: str | os.PathLike,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     handle: Any,
     device: torch.device,
 ) -> dict[str, Any]:
@@ -443,7 +502,9 @@ def load_checkpoint(
     ``out/checkpoints/step_XXXXXXXX``), not the run directory ``out``. ``device`` is where this
     rank's comm state and weight-difference replicas go, the device of the process group's
     tensors: ``cpu`` with gloo, this rank's ``cuda`` device with NCCL. Call it after
-    ``fully_shard`` and ``quantize_comms``, before the first forward.
+    ``fully_shard`` and ``quantize_comms``, before the first forward. Several model parts a rank
+    (pipeline stages): lists of the parts, their optimizers and their handles, as
+    :func:`save_checkpoint` took.
 
     Before anything is loaded, every file is checked against the digests written at save; after
     the load, the model and optimizer state are checked finite. Either failure, like a
@@ -451,32 +512,36 @@ def load_checkpoint(
     complete checkpoint.
     """
     path = Path(path)
+    job = ModelParts.of(model, optimizer, handle)
+    parts, handles = job.parts, job.handles
     _verify_before_load(path, device)
     meta = read_meta(path)
     comms = _read_json(path / COMMS_FILE)
-    same_layout = comms.get("layout") == _layout(handle)
+    _require_format(path, comms)
     rank = dist.get_rank()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    keys = job.state_dicts()
+    state: dict[str, Any] = {"model": merged(keys[0]), "optim": merged(keys[1])}
     try:
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        # Only this rank's own blob, and only where its counters and RNG continue as they were.
-        own = same_layout and f"rank_state.{rank}" in stored
+        # Only this rank's own blob, and only where every rank's counters and RNG continue as
+        # they were (agreed: the replicas' groups must all load, or all re-establish).
+        own = _same_everywhere(comms.get("layout") == _layout(handles) and f"rank_state.{rank}" in stored, device)
         if own:
             state["rank_state"] = {str(rank): b""}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        where = nonfinite_state(model, optimizer, device)
+        job.load_state_dicts(state["model"], state["optim"], keys)
+        where = nonfinite_state(parts, job.optimizers, device)
         if where is not None:
             raise CheckpointError(f"checkpoint {path} holds non-finite values ({where})"
                                   f"{_previous(path.parent, _step_of(path))}")
         if own:
             blob = _unpack(state["rank_state"][str(rank)], device)
-            handle.load_state_dict(blob["comms"])  # after the parameters: see its doc
+            for h, comm_state in zip(handles, blob["comms"], strict=True):
+                h.load_state_dict(comm_state)  # after the parameters: see its doc
             _set_rng_state(blob["rng"])
-            _load_replicas(path, stored, model, handle, device)
+            _load_replicas(path, stored, parts, handles, device)
         else:
-            _continue_on_another_layout(comms.get("continued"), handle)
+            _continue_on_another_layout(comms.get("continued"), handles)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
@@ -484,12 +549,23 @@ def load_checkpoint(
     return meta
 
 
-def _continue_on_another_layout(continued: Any, handle: Any) -> None:
-    """The comm state after a load into another layout: counters past every old rank's (their
-    maximum, stored once in ``comms.json``), replicas re-established exactly at the next gather."""
-    if continued:
-        handle.load_state_dict(continued)
-    handle.reset_replicas()
-    for ag in handle.all_gathers:
-        if ag.holds_replicas():
-            ag.load_replica_rows(None)
+def _require_format(path: Path, comms: dict[str, Any]) -> None:
+    """A checkpoint of another format is one :class:`CheckpointError` (every rank reads the same
+    ``comms.json``), never a load that reads its keys another way."""
+    found = comms.get("format", 1)
+    if found != FORMAT:
+        raise CheckpointError(f"checkpoint {path} is in checkpoint format {found}, this qsdp reads format {FORMAT} "
+                              "(optimizer state keyed by parameter): resume it with the qsdp that wrote it")
+
+
+def _continue_on_another_layout(continued: Any, handles: list[Any]) -> None:
+    """The comm state after a load into another layout: counters past every old rank's and
+    model part's (their maximum, stored once in ``comms.json``), replicas re-established exactly
+    at the next gather."""
+    for handle in handles:
+        if continued:
+            handle.load_state_dict(continued)
+        handle.reset_replicas()
+        for ag in handle.all_gathers:
+            if ag.holds_replicas():
+                ag.load_replica_rows(None)

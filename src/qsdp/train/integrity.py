@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,17 +154,21 @@ def _local(tensor: Any) -> torch.Tensor | None:
     return local if isinstance(local, torch.Tensor) and local.is_floating_point() else None
 
 
-def nonfinite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+def nonfinite_state(model: torch.nn.Module | Sequence[torch.nn.Module],
+                    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
                     device: torch.device) -> str | None:
-    """Collective: ``None`` when every floating-point tensor of this model's parameters and
-    optimizer state is finite on every rank, else where the first non-finite one is
+    """Collective: ``None`` when every floating-point tensor of this model's parameters (of
+    every model part, for a list of them: a rank's pipeline stages) and optimizer state (of
+    every optimizer, for a list) is finite on every rank, else where the first non-finite one is
     (``"rank R: NAME"``, the same string on every rank). One host read and one all-reduce when
     all is finite."""
     names, flags = [], []
-    for name, param in model.named_parameters():
+    parts = [model] if isinstance(model, torch.nn.Module) else list(model)
+    optimizers = [o for o in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]) if o is not None]
+    for name, param in (item for part in parts for item in part.named_parameters()):
         tensors = [(name, param)]
-        if optimizer is not None:
-            tensors += [(f"{name} (optimizer {key})", v) for key, v in optimizer.state.get(param, {}).items()]
+        for opt in optimizers:
+            tensors += [(f"{name} (optimizer {key})", v) for key, v in opt.state.get(param, {}).items()]
         for label, tensor in tensors:
             local = _local(tensor.detach() if isinstance(tensor, torch.Tensor) else tensor)
             if local is not None and local.numel():
