@@ -168,12 +168,13 @@ def _steps(pipe, opt, steps) -> list:
     return losses
 
 
-def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False, per_block=True):
+def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False, per_block=True, tp=1):
     """``before + after`` steps uninterrupted, against ``before`` steps, a checkpoint of each
     rank's stages, a fresh process state (new model, optimizers and comms) loaded from it, and
     ``after`` more steps. ``as_list``: the checkpoint API gets lists of the rank's parts, their
     optimizers (one each, as torchtitan keeps them) and their handles; otherwise the rank's one
-    part, its optimizer and its handle."""
+    part, its optimizer and its handle. ``tp``: tensor parallelism of that degree inside each
+    dp group's ranks."""
     from qsdp.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     def optimizers(pipe):
@@ -184,7 +185,7 @@ def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False
     def args(pipe, opt):
         return (pipe.parts, opt, pipe.handles) if as_list else (pipe.parts[0], opt, pipe.handles[0])
 
-    mesh = pl.mesh(2, 2)
+    mesh = pl.mesh(2, 2, tp)
     whole = pl.build(mesh, schedule, preset, per_block=per_block)
     uninterrupted = _steps(whole, optimizers(whole), range(before + after))
     first = pl.build(mesh, schedule, preset, per_block=per_block)
@@ -217,6 +218,14 @@ def test_a_pipeline_resumes_from_a_checkpoint_bit_for_bit(preset, tmp_path):
     # sdp4bit: stages of 2 and 3 FSDP groups agree on their weight-difference replicas each
     # within its own dp group.
     _assert_resumed_bit_for_bit(run_world(_resume, 4, "1f1b", preset, str(tmp_path), local_world_size=1))
+
+
+@pytest.mark.slow
+def test_pp_x_fsdp_x_tp_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
+    # (pp, dp, tp) = (2, 2, 2): each dp group's replica rows, and the parameters TP replicates,
+    # the same on both TP ranks so that DCP's one copy of them is each rank's own.
+    _assert_resumed_bit_for_bit(run_world(_resume, 8, "1f1b", "sdp4bit", str(tmp_path), tp=2, local_world_size=2,
+                                          timeout=300))
 
 
 @pytest.mark.parametrize("preset,per_block", [pytest.param("fsdp", True, marks=pytest.mark.slow),
