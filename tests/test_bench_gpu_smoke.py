@@ -99,6 +99,7 @@ def test_results_go_to_the_out_variable_by_default(monkeypatch, tmp_path):
     assert gpu_smoke.parse_args(["--device", "cpu"]).out == "benchmarks/results/gpu"
 
 
+@pytest.mark.slow  # two 2-rank training jobs (about a minute); on a GPU, make gpu-report's stage runs it
 @pytest.mark.timeout(600)
 def test_cpu_fallback_trains_with_and_without_triton_and_compares(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path / "cache"))
