@@ -188,8 +188,8 @@ def _resume(rank, world, path, preset):
     return straight == resumed, all(torch.equal(a, b) for a, b in zip(expected, layouts.full_params(built.model)))
 
 
-@pytest.mark.parametrize("preset", [pytest.param("fsdp", marks=pytest.mark.slow), "sdp4bit",
-                                    pytest.param("hsdp4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("preset", ["sdp4bit", *(pytest.param(p, marks=pytest.mark.slow)
+                                                 for p in ("fsdp", "hsdp4", "qsdp", "zeropp"))])
 def test_own_loop_checkpoint_resumes_bit_identically(preset, tmp_path):
     assert run_world(_resume, 4, str(tmp_path), preset, local_world_size=PER_NODE) == [(True, True)] * 4
 

@@ -213,7 +213,7 @@ def test_a_pipeline_stage_resumes_with_its_own_optimizer_param_groups(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["fsdp", "sdp4bit"])
+@pytest.mark.parametrize("preset", ["fsdp", "sdp4bit", "qsdp", "zeropp"])
 def test_a_pipeline_resumes_from_a_checkpoint_bit_for_bit(preset, tmp_path):
     # sdp4bit: stages of 2 and 3 FSDP groups agree on their weight-difference replicas each
     # within its own dp group.
@@ -280,3 +280,110 @@ def test_a_pipeline_step_reads_the_host_once_for_every_stage_of_the_rank():
     # still one read, the check's.
     for per_step in run_world(_reads, 4, "interleaved", "sdp4bit", local_world_size=1):
         assert per_step == [["tolist from qsdp.gradient_check"]] * 2
+
+
+# --------------------------------------------------------------------------- another layout
+
+
+def _save_pipeline(rank, world, out, preset, steps=2):
+    """``steps`` steps of 1F1B on ``(pp, dp) = (2, 2)``, then a checkpoint of each rank's stage."""
+    from qsdp.train.checkpoint import save_checkpoint
+
+    pipe = pl.build(pl.mesh(2, 2), "1f1b", preset)
+    opt = torch.optim.Adam(pipe.params, lr=1e-2)
+    _steps(pipe, opt, range(steps))
+    save_checkpoint(out, steps, pipe.parts[0], opt, pipe.handles[0], {})
+
+
+def _load_without_stages(rank, world, path, preset):
+    """The whole model (the pipeline's depth) FSDP2-sharded over the world, no stages, loaded
+    from ``path``: its gathered state at the load, what its first gathers delivered, the losses
+    of two more steps."""
+    import fsdp_models as fm
+    from test_elastic import FirstGathers, _full_state
+    from qsdp.train.checkpoint import load_checkpoint
+
+    model = fm.build(seed=1, width=pl.WIDTH, depth=pl.SCHEDULES["1f1b"][0])  # other weights: all from the checkpoint
+    handle = qsdp.quantize_comms(model, preset)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    load_checkpoint(path, model, opt, handle, torch.device("cpu"))
+    loaded = _full_state(model, opt)
+    first = FirstGathers(model)
+    losses = []
+    for step in range(2):
+        x, y = fm.batch(2 + step, rank, n=pl.BATCH)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    first.close()
+    exact = sorted(k for k, v in first.weights.items() if torch.equal(v, loaded[k]))
+    return {"loaded": loaded, "gathered": sorted(first.weights), "exact": exact, "losses": losses}
+
+
+@pytest.mark.parametrize("preset", ["sdp4bit", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_a_pipeline_checkpoint_loads_into_the_whole_model_on_fewer_ranks(preset, tmp_path):
+    # The stages keep the whole model's parameter names, so their checkpoint is the whole
+    # model's: two stages of (pp, dp) = (2, 2) load into one FSDP2 model on 2 ranks, state bit
+    # for bit, the weight-difference replicas rebuilt exactly by the first gathers.
+    from test_elastic import _checkpoint_state
+
+    run_world(_save_pipeline, 4, str(tmp_path), preset, local_world_size=1)
+    path = tmp_path / "checkpoints" / "step_00000002"
+    results = run_world(_load_without_stages, 2, str(path), preset, local_world_size=1)
+    expected = _checkpoint_state(path, tmp_path)
+    for r in results:
+        assert r["loaded"].keys() == expected.keys()
+        assert [k for k in expected if not torch.equal(r["loaded"][k], expected[k])] == []
+        assert r["gathered"] and r["exact"] == r["gathered"]
+        assert all(math.isfinite(v) for v in r["losses"])
+
+
+def _save_without_stages(rank, world, out, preset, steps=2):
+    import fsdp_models as fm
+    from qsdp.train.checkpoint import save_checkpoint
+
+    model = fm.build(width=pl.WIDTH, depth=pl.SCHEDULES["1f1b"][0])
+    handle = qsdp.quantize_comms(model, preset)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = fm.batch(step, rank, n=pl.BATCH)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(out, steps, model, opt, handle, {})
+
+
+def _load_into_stages(rank, world, path, preset):
+    """This rank's 1F1B stage of ``(pp, dp) = (2, 2)`` loaded from ``path``: its gathered state
+    at the load, what its first gathers delivered, and the losses of two more steps."""
+    from test_elastic import FirstGathers, _full_state
+    from qsdp.train.checkpoint import load_checkpoint
+
+    pipe = pl.build(pl.mesh(2, 2), "1f1b", preset, seed=1)
+    opt = torch.optim.Adam(pipe.params, lr=1e-2)
+    load_checkpoint(path, pipe.parts[0], opt, pipe.handles[0], torch.device("cpu"))
+    loaded = _full_state(pipe.parts[0], opt)
+    first = FirstGathers(pipe.parts[0])
+    losses = _steps(pipe, opt, range(2, 4))
+    first.close()
+    exact = sorted(k for k, v in first.weights.items() if torch.equal(v, loaded[k]))
+    return {"loaded": loaded, "gathered": sorted(first.weights), "exact": exact, "losses": losses}
+
+
+def test_a_checkpoint_of_the_whole_model_loads_into_pipeline_stages(tmp_path):
+    # The other way: a 1-D FSDP2 run of 2 ranks, resumed as two stages of (pp, dp) = (2, 2);
+    # each stage loads its own parameters and their optimizer state.
+    from test_elastic import _checkpoint_state
+
+    run_world(_save_without_stages, 2, str(tmp_path), "sdp4bit", local_world_size=1)
+    path = tmp_path / "checkpoints" / "step_00000002"
+    results = run_world(_load_into_stages, 4, str(path), "sdp4bit", local_world_size=1)
+    expected = _checkpoint_state(path, tmp_path)
+    # ranks 0, 1 hold stage 0 (inp, blocks.0), ranks 2, 3 stage 1 (blocks.1, blocks.2, head)
+    assert sorted([*results[0]["loaded"], *results[2]["loaded"]]) == sorted(expected)
+    for r in results:
+        assert [k for k in r["loaded"] if not torch.equal(r["loaded"][k], expected[k])] == []
+        assert r["gathered"] and r["exact"] == r["gathered"]
+    assert all(math.isfinite(v) for v in results[2]["losses"])
