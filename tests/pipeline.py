@@ -45,7 +45,8 @@ class Part(nn.Module):
             x = self.inp(x)
         for b in self.blocks.values():
             x = b(x)
-        return self.head(x) if self.head is not None else x
+        # The loss is taken in fp32 whatever the parameters' dtype (a no-op in fp32).
+        return self.head(x).float() if self.head is not None else x
 
 
 @dataclass
@@ -98,13 +99,19 @@ def mesh(pp: int, dp: int, tp: int = 1):
     return init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
-def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0, per_block: bool = True) -> Pipeline:
+def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0, per_block: bool = True, *,
+          reshard: bool | int = True, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+          checkpoint: bool = False, compile_blocks: bool = False) -> Pipeline:
     """This rank's stages of ``schedule``, FSDP2 over ``mesh["dp"]`` (tensor parallelism over
     ``mesh["tp"]`` when the mesh has it), quantized with ``preset`` (``None``: native FSDP2).
     ``per_block``: each block an FSDP group of its own, as torchtitan shards; otherwise each
-    stage is one group, at its root."""
+    stage is one group, at its root. ``reshard`` (FSDP2's ``reshard_after_forward``),
+    ``param_dtype``/``reduce_dtype`` (its ``MixedPrecisionPolicy``), ``checkpoint`` (activation
+    checkpointing of each block's first layer) and ``compile_blocks`` as in ``layouts.build``."""
     import qsdp
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from layouts import Checkpointed
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     depth, splits = SCHEDULES[schedule]
@@ -124,15 +131,24 @@ def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0, 
 
             for b in part.blocks.values():
                 parallelize_module(b, device_mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-        for b in part.blocks.values() if per_block else ():
-            fully_shard(b, mesh=dp_mesh)
-        fully_shard(part, mesh=dp_mesh)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for b in part.blocks.values():
+            if checkpoint:
+                b.fc1 = Checkpointed(b.fc1)
+            if compile_blocks:
+                b.compile()
+            if per_block:
+                fully_shard(b, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
         if preset is not None:
             handles.append(qsdp.quantize_comms(part, preset))
         parts.append(part)
         # Static shapes: no metadata inference, which would run a forward and backward of its own.
-        example_in = torch.randn(micro, 8) if first else torch.randn(micro, WIDTH, requires_grad=True)
-        example_out = torch.randn(micro, 3 if last else WIDTH, requires_grad=True)
+        # Activations between stages travel in the parameters' dtype; the last stage's output is fp32.
+        act = param_dtype or torch.float32
+        example_in = torch.randn(micro, 8) if first else torch.randn(micro, WIDTH, dtype=act, requires_grad=True)
+        example_out = torch.randn(micro, 3 if last else WIDTH, dtype=torch.float32 if last else act,
+                                  requires_grad=True)
         stages.append(PipelineStage(part, s, len(splits), torch.device("cpu"), input_args=example_in,
                                     output_args=example_out, group=device_mesh["pp"].get_group()))
     loss_fn = nn.functional.mse_loss

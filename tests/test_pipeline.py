@@ -90,6 +90,51 @@ def test_sdp4bit_trains_close_to_native_with_the_check_over_stages_of_different_
     assert len({tuple(r[1]["checks"]) for r in results}) == 1
 
 
+# The matrix's feature columns on pipeline stages (docs/layouts.md). Accumulation is the
+# schedule's own: its micro-batches reduce gradients once, on the last backward.
+FEATURES = {
+    "zero2": {"reshard": False},  # torchtitan's default beside pipeline parallelism
+    "checkpoint": {"checkpoint": True},
+    "bf16-fp32-reduce": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    "compile": {"compile_blocks": True},
+}
+FEATURE_STEPS = 6
+
+
+def _feature_cell(rank, world, schedule, feature):
+    """Native FSDP2 and each preset on the same stages, with ``feature``."""
+    out = {}
+    for preset in (None, "fsdp", "qsdp", "sdp4bit"):
+        pipe = pl.build(pl.mesh(2, 2), schedule, preset, **FEATURES[feature])
+        out[preset] = _train(pipe, FEATURE_STEPS, check=preset is not None)
+        for handle in pipe.handles:
+            handle.close()
+    return out
+
+
+def _feature_cells():
+    for schedule in ("1f1b", "interleaved"):
+        for feature in FEATURES:
+            yield pytest.param(schedule, feature, id=f"{schedule}-{feature}",
+                               marks=[pytest.mark.slow] if feature == "compile" else [])
+
+
+@pytest.mark.timeout(540)
+@pytest.mark.parametrize("schedule,feature", list(_feature_cells()))
+def test_pipeline_stages_train_with_every_preset(schedule, feature):
+    for by_preset in run_world(_feature_cell, 4, schedule, feature, local_world_size=1, timeout=480):
+        native, fsdp = by_preset[None], by_preset["fsdp"]
+        assert fsdp["losses"] == native["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(fsdp["shards"], native["shards"]))
+        for preset in ("qsdp", "sdp4bit"):
+            quantized = by_preset[preset]
+            assert [c[0] for c in quantized["checks"]] == [False] * FEATURE_STEPS, preset
+            assert any(not torch.equal(a, b) for a, b in zip(quantized["shards"], native["shards"])), preset
+            if native["losses"][0] is not None:  # the last stage
+                assert all(math.isfinite(x) for x in quantized["losses"]), preset
+                assert sum(quantized["losses"]) == pytest.approx(sum(native["losses"]), rel=0.15), preset
+
+
 def _norm(rank, world, schedule, preset, tp=1):
     pipe = pl.build(pl.mesh(2, 2, tp), schedule, preset)
     losses = pipe.step(0)
