@@ -72,7 +72,10 @@ class Pipeline:
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
+        if "dp" in self.mesh.mesh_dim_names:
+            return self.mesh["dp"].get_local_rank()
+        return self.mesh["dp_replicate"].get_local_rank() * self.mesh["dp_shard"].size() \
+            + self.mesh["dp_shard"].get_local_rank()
 
     def step(self, step: int, poison: bool = False) -> list[torch.Tensor]:
         """Forward and backward of one batch (``MICROBATCHES`` micro-batches) of dp rank's data;
@@ -91,9 +94,14 @@ class Pipeline:
         return losses
 
 
-def mesh(pp: int, dp: int, tp: int = 1):
+def mesh(pp: int, dp: int, tp: int = 1, replicate: int = 1):
+    """``(pp, dp[, tp])``; with ``replicate`` > 1, ``(pp, dp_replicate, dp_shard)`` = ``(pp,
+    replicate, dp)``: each stage FSDP2-sharded on its native HSDP mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if replicate > 1:
+        assert tp == 1
+        return init_device_mesh("cpu", (pp, replicate, dp), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
     if tp == 1:
         return init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     return init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
@@ -102,7 +110,8 @@ def mesh(pp: int, dp: int, tp: int = 1):
 def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0, per_block: bool = True, *,
           reshard: bool | int = True, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
           checkpoint: bool = False, compile_blocks: bool = False) -> Pipeline:
-    """This rank's stages of ``schedule``, FSDP2 over ``mesh["dp"]`` (tensor parallelism over
+    """This rank's stages of ``schedule``, FSDP2 over ``mesh["dp"]`` (native HSDP over
+    ``mesh["dp_replicate", "dp_shard"]`` when the mesh has those; tensor parallelism over
     ``mesh["tp"]`` when the mesh has it), quantized with ``preset`` (``None``: native FSDP2).
     ``per_block``: each block an FSDP group of its own, as torchtitan shards; otherwise each
     stage is one group, at its root. ``reshard`` (FSDP2's ``reshard_after_forward``),
@@ -120,7 +129,8 @@ def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0, 
     stage_ids = [device_mesh["pp"].get_local_rank() + k * pp for k in range(per_rank)]
     torch.manual_seed(seed)
     net = fm.TinyNet(WIDTH, depth)
-    dp_mesh = device_mesh["dp"]
+    names = device_mesh.mesh_dim_names or ()
+    dp_mesh = device_mesh["dp"] if "dp" in names else device_mesh["dp_replicate", "dp_shard"]
     parts, stages, handles = [], [], []
     micro = BATCH // MICROBATCHES
     for s in stage_ids:

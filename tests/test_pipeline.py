@@ -54,9 +54,9 @@ def _train(pipe, steps: int, check: bool, poison_at: tuple[int, int] | None = No
     return out
 
 
-def _native_and(rank, world, schedule, preset, steps=3, tp=1):
+def _native_and(rank, world, schedule, preset, steps=3, tp=1, replicate=1):
     """The same pipeline trained natively and with ``preset`` on one mesh."""
-    mesh = pl.mesh(2, 2, tp)
+    mesh = pl.mesh(2, 2, tp, replicate)
     native = _train(pl.build(mesh, schedule), steps, check=False)
     quantized = _train(pl.build(mesh, schedule, preset), steps, check=True)
     return native, quantized
@@ -115,8 +115,9 @@ def _feature_cell(rank, world, schedule, feature):
 def _feature_cells():
     for schedule in ("1f1b", "interleaved"):
         for feature in FEATURES:
+            slow = feature == "compile" or (schedule == "interleaved" and feature != "zero2")
             yield pytest.param(schedule, feature, id=f"{schedule}-{feature}",
-                               marks=[pytest.mark.slow] if feature == "compile" else [])
+                               marks=[pytest.mark.slow] if slow else [])
 
 
 @pytest.mark.timeout(540)
@@ -135,12 +136,12 @@ def test_pipeline_stages_train_with_every_preset(schedule, feature):
                 assert sum(quantized["losses"]) == pytest.approx(sum(native["losses"]), rel=0.15), preset
 
 
-def _norm(rank, world, schedule, preset, tp=1):
-    pipe = pl.build(pl.mesh(2, 2, tp), schedule, preset)
+def _norm(rank, world, schedule, preset, tp=1, replicate=1):
+    pipe = pl.build(pl.mesh(2, 2, tp, replicate), schedule, preset)
     losses = pipe.step(0)
     mean = torch.stack(losses).mean().detach() if losses else torch.zeros(())
     check = qsdp.check_gradients(pipe.handles, pipe.params, sums=[mean], agree_ahead=True)
-    return check.grad_norm, check.norm.item(), check.sums[0], pl.reference_norm(schedule, 0, 2)
+    return check.grad_norm, check.norm.item(), check.sums[0], pl.reference_norm(schedule, 0, 2 * replicate)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
@@ -199,6 +200,36 @@ def test_pp_x_fsdp_x_tp_sdp4bit_trains_close_to_native():
             assert sum(sdp4bit["losses"]) == pytest.approx(sum(native["losses"]), rel=0.15)
 
 
+# ------------------------------------------------------------------ PP x native HSDP
+# (pp, dp_replicate, dp_shard) = (2, 2, 2): each stage on FSDP2's native HSDP mesh, its shard
+# dimension inside a node of 2 ranks, its replicas across nodes (torchtitan's PP x HSDP).
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp_x_native_hsdp_equals_native_and_its_norm_is_the_unsharded_models():
+    for native, fsdp in run_world(_native_and, 8, "1f1b", "fsdp", 3, 1, 2, local_world_size=2, timeout=540):
+        assert fsdp["losses"] == native["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(fsdp["grads"], native["grads"]))
+        assert all(torch.equal(a, b) for a, b in zip(fsdp["shards"], native["shards"]))
+    for norm, _, loss_sum, (reference, reference_loss) in run_world(
+            _norm, 8, "interleaved", "fsdp", 1, 2, local_world_size=2, timeout=540):
+        assert norm == pytest.approx(reference, rel=1e-5)  # each element once across stages and replicas
+        assert loss_sum / 4 == pytest.approx(reference_loss, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("preset", ["sdp4bit", "hsdp4"])
+def test_pp_x_native_hsdp_trains_close_to_native(preset):
+    for native, quantized in run_world(_native_and, 8, "1f1b", preset, 8, 1, 2, local_world_size=2, timeout=540):
+        assert [c[0] for c in quantized["checks"]] == [False] * 8
+        assert any(not torch.equal(a, b) for a, b in zip(quantized["shards"], native["shards"]))
+        if native["losses"][0] is not None:
+            assert all(math.isfinite(x) for x in quantized["losses"])
+            assert sum(quantized["losses"]) == pytest.approx(sum(native["losses"]), rel=0.15)
+
+
 def _steps(pipe, opt, steps) -> list:
     losses = []
     for step in steps:
@@ -213,13 +244,14 @@ def _steps(pipe, opt, steps) -> list:
     return losses
 
 
-def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False, per_block=True, tp=1):
+def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False, per_block=True, tp=1,
+            replicate=1):
     """``before + after`` steps uninterrupted, against ``before`` steps, a checkpoint of each
     rank's stages, a fresh process state (new model, optimizers and comms) loaded from it, and
     ``after`` more steps. ``as_list``: the checkpoint API gets lists of the rank's parts, their
     optimizers (one each, as torchtitan keeps them) and their handles; otherwise the rank's one
     part, its optimizer and its handle. ``tp``: tensor parallelism of that degree inside each
-    dp group's ranks."""
+    dp group's ranks. ``replicate``: each stage on a native HSDP mesh of that many replicas."""
     from qsdp.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     def optimizers(pipe):
@@ -230,7 +262,7 @@ def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False
     def args(pipe, opt):
         return (pipe.parts, opt, pipe.handles) if as_list else (pipe.parts[0], opt, pipe.handles[0])
 
-    mesh = pl.mesh(2, 2, tp)
+    mesh = pl.mesh(2, 2, tp, replicate)
     whole = pl.build(mesh, schedule, preset, per_block=per_block)
     uninterrupted = _steps(whole, optimizers(whole), range(before + after))
     first = pl.build(mesh, schedule, preset, per_block=per_block)
@@ -270,6 +302,15 @@ def test_pp_x_fsdp_x_tp_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
     # (pp, dp, tp) = (2, 2, 2): each dp group's replica rows, and the parameters TP replicates,
     # the same on both TP ranks so that DCP's one copy of them is each rank's own.
     _assert_resumed_bit_for_bit(run_world(_resume, 8, "1f1b", "sdp4bit", str(tmp_path), tp=2, local_world_size=2,
+                                          timeout=300))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["sdp4bit", "hsdp4"])
+def test_pp_x_native_hsdp_resumes_from_a_checkpoint_bit_for_bit(preset, tmp_path):
+    # Each stage's replica rows agreed over its shard group and its replicas; FSDP2's own
+    # placements in the checkpoint.
+    _assert_resumed_bit_for_bit(run_world(_resume, 8, "1f1b", preset, str(tmp_path), replicate=2, local_world_size=2,
                                           timeout=300))
 
 
