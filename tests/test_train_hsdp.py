@@ -82,10 +82,12 @@ def test_quantized_hsdp_trains_close_to_the_exact_route(tmp_path, corpus, exact_
 
 
 @pytest.mark.timeout(300)
-def test_resume_under_hsdp_is_bit_identical(tmp_path, corpus):
+@pytest.mark.parametrize("preset", ["sdp4bit", *(pytest.param(p, marks=pytest.mark.slow)
+                                                 for p in ("fsdp", "hsdp4", "qsdp", "zeropp"))])
+def test_resume_under_hsdp_is_bit_identical(tmp_path, corpus, preset):
     """6 steps straight == the same run stopped at its step-3 checkpoint and resumed."""
     full, half = tmp_path / "full", tmp_path / "half"
-    common = dict(preset="sdp4bit", steps=6, ckpt_every=3, keep_checkpoints=0, eval_every=3)
+    common = dict(preset=preset, steps=6, ckpt_every=3, keep_checkpoints=0, eval_every=3)
     train(_args(full, corpus, **common))
     # The run as it stood after step 3: its step-3 checkpoint is the latest one.
     shutil.copytree(full, half)
