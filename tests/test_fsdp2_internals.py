@@ -46,14 +46,14 @@ def _native_all_reduce_routed(rank, world):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from qsdp.hsdp import self_group
+    from qsdp.comm.rank_alone import RANK_ALONE
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     model = nn.Linear(8, 8, bias=False)
     fully_shard(model, mesh=mesh)
     replicas = _fsdp2.native_replicate_group(model)
-    _fsdp2.route_replicate_all_reduce_to_hook(model, self_group())
+    _fsdp2.route_replicate_all_reduce_to_hook(model, RANK_ALONE)
     seen = []
     model.set_all_reduce_hook(lambda out: seen.append(out.clone()))
     model(torch.full((2, 8), float(rank))).sum().backward()

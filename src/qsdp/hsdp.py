@@ -39,6 +39,7 @@ from ._fsdp2 import has_custom_divide_factor, param_groups, route_replicate_all_
 from ._fsdp2 import native_replicate_group as read_replicate_group
 from .codecs.rng import derive_seed
 from .comm.hsdp import HsdpReduceScatter, NativeHsdpReduceScatter, ReplicaAllReduce
+from .comm.rank_alone import RANK_ALONE
 from .comm.topology import Topology
 from .config import ConfigError, QuantConfig, config_diff
 
@@ -235,25 +236,6 @@ def native_replicate_group(fsdp_modules: list[nn.Module]) -> dist.ProcessGroup |
     return next(iter(found.values()), None)
 
 
-_SELF_GROUPS: dict[int, dist.ProcessGroup] = {}
-
-
-def self_group() -> dist.ProcessGroup:
-    """A process group of this rank alone (created once per default group): FSDP2's native
-    all-reduce over it leaves the gradient as it is. Local: no other rank takes part."""
-    key = id(dist.group.WORLD)
-    group = _SELF_GROUPS.get(key)
-    if group is not None:
-        try:
-            dist.get_process_group_ranks(group)
-            return group
-        except (KeyError, ValueError, RuntimeError):  # the default group was destroyed and re-made
-            pass
-    group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    _SELF_GROUPS[key] = group
-    return group
-
-
 def native_hsdp_reduce_scatter(
     module: nn.Module, rs_cls: type, config: QuantConfig, topology: Topology, comm_id: int,
     replicate_group: dist.ProcessGroup,
@@ -268,7 +250,7 @@ def native_hsdp_reduce_scatter(
     rs = NativeHsdpReduceScatter(rs_cls(shard_config, topology, comm_id),
                                  ReplicaAllReduce(config, replicate_group, comm_id),
                                  divide_replicas=not has_custom_divide_factor(module))
-    route_replicate_all_reduce_to_hook(module, self_group())
+    route_replicate_all_reduce_to_hook(module, RANK_ALONE)
     module.set_all_reduce_hook(rs.hook)
     return rs
 

@@ -237,8 +237,9 @@ class NativeHsdpReduceScatter(_AcrossReplicas):
 
     ``inner`` (a reduce-scatter over the mesh's shard dimension) is called by FSDP2 with the op
     it chose (``AVG``: divide by the shard group; ``SUM`` with a custom divide factor or fp16,
-    where FSDP2 divides itself). FSDP2's own all-reduce runs over a group of this rank alone
-    (:func:`qsdp._fsdp2.route_replicate_all_reduce_to_hook`), so it keeps accumulating the
+    where FSDP2 divides itself). FSDP2's own all-reduce runs over a group of this rank alone that launches
+    nothing (:data:`qsdp.comm.rank_alone.RANK_ALONE`,
+    :func:`qsdp._fsdp2.route_replicate_all_reduce_to_hook`), so it keeps accumulating the
     reduce-scatters of ``set_requires_all_reduce(False)`` micro-batches itself and calls
     :meth:`hook` once with their sum; the hook sums across the replicas as ``config.hsdp``
     says and divides by them unless ``divide_replicas`` is ``False`` (a custom divide factor is
