@@ -2,9 +2,11 @@
 stages of different depths (``torch.distributed.pipelining``), each stage FSDP2-sharded over its
 dp group, one ``quantize_comms`` call per model part.
 
-Schedules (``SCHEDULES``): ``1f1b``, one stage per rank (``Schedule1F1B``); ``interleaved``, two
-stages per rank (``ScheduleInterleaved1F1B``, pipeline rank ``r`` holds stages ``r`` and
-``r + pp``). The mesh is ``(pp, dp)`` (optionally ``tp`` innermost, tensor parallelism on each
+Schedules (``SCHEDULES``): ``1f1b`` and ``gpipe``, one stage per rank (``Schedule1F1B``,
+``ScheduleGPipe``); ``interleaved`` and ``interleaved-zb``, two stages per rank
+(``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``: pipeline rank ``r`` holds stages
+``r`` and ``r + pp``); ``zbv`` and ``dualpipev``, two stages per rank in a V
+(``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: rank ``r`` holds ``r`` and ``2 pp - 1 - r``). The mesh is ``(pp, dp)`` (optionally ``tp`` innermost, tensor parallelism on each
 block's MLP), ranks numbered as ``init_device_mesh`` does.
 """
 
@@ -23,10 +25,20 @@ BATCH = 16
 WIDTH = 32
 
 # per schedule: the model's depth and each stage's (holds the input layer, blocks, holds the head)
-SCHEDULES = {
-    "1f1b": (3, [(True, [0], False), (False, [1, 2], True)]),
-    "interleaved": (5, [(True, [0], False), (False, [1], False), (False, [2, 3], False), (False, [4], True)]),
-}
+_TWO_STAGES = (3, [(True, [0], False), (False, [1, 2], True)])
+_FOUR_STAGES = (5, [(True, [0], False), (False, [1], False), (False, [2, 3], False), (False, [4], True)])
+SCHEDULES = {"1f1b": _TWO_STAGES, "gpipe": _TWO_STAGES, "interleaved": _FOUR_STAGES,
+             "interleaved-zb": _FOUR_STAGES, "zbv": _FOUR_STAGES, "dualpipev": _FOUR_STAGES}
+# the schedules that place a rank's two stages in a V: pipeline rank r holds r and 2 pp - 1 - r
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def _schedule_class(schedule: str):
+    from torch.distributed import pipelining as pp
+
+    return {"1f1b": pp.Schedule1F1B, "gpipe": pp.ScheduleGPipe, "interleaved": pp.ScheduleInterleaved1F1B,
+            "interleaved-zb": pp.ScheduleInterleavedZeroBubble, "zbv": pp.ScheduleZBVZeroBubble,
+            "dualpipev": pp.ScheduleDualPipeV}[schedule]
 
 
 class Part(nn.Module):
@@ -121,12 +133,13 @@ def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0, 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from layouts import Checkpointed
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import PipelineStage
 
     depth, splits = SCHEDULES[schedule]
-    pp = device_mesh["pp"].size()
+    pp, pp_rank = device_mesh["pp"].size(), device_mesh["pp"].get_local_rank()
     per_rank = len(splits) // pp
-    stage_ids = [device_mesh["pp"].get_local_rank() + k * pp for k in range(per_rank)]
+    stage_ids = ([pp_rank, 2 * pp - 1 - pp_rank] if schedule in V_SHAPED
+                 else [pp_rank + k * pp for k in range(per_rank)])
     torch.manual_seed(seed)
     net = fm.TinyNet(WIDTH, depth)
     names = device_mesh.mesh_dim_names or ()
@@ -162,8 +175,8 @@ def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0, 
         stages.append(PipelineStage(part, s, len(splits), torch.device("cpu"), input_args=example_in,
                                     output_args=example_out, group=device_mesh["pp"].get_group()))
     loss_fn = nn.functional.mse_loss
-    sched = (Schedule1F1B(stages[0], n_microbatches=MICROBATCHES, loss_fn=loss_fn) if per_rank == 1
-             else ScheduleInterleaved1F1B(stages, n_microbatches=MICROBATCHES, loss_fn=loss_fn))
+    sched = _schedule_class(schedule)(stages[0] if per_rank == 1 else stages, n_microbatches=MICROBATCHES,
+                                      loss_fn=loss_fn)
     return Pipeline(device_mesh, stage_ids, parts, sched, handles, len(splits))
 
 

@@ -118,6 +118,11 @@ def _feature_cells():
             slow = feature == "compile" or (schedule == "interleaved" and feature != "zero2")
             yield pytest.param(schedule, feature, id=f"{schedule}-{feature}",
                                marks=[pytest.mark.slow] if slow else [])
+    # The other schedules of torch.distributed.pipelining, with ZeRO-2: under ZeRO-3 the
+    # zero-bubble ones leave the last stage without gradients in native FSDP2 itself.
+    for schedule in ("gpipe", "zbv", "interleaved-zb", "dualpipev"):
+        yield pytest.param(schedule, "zero2", id=f"{schedule}-zero2",
+                           marks=[] if schedule == "zbv" else [pytest.mark.slow])
 
 
 @pytest.mark.timeout(540)
@@ -245,13 +250,14 @@ def _steps(pipe, opt, steps) -> list:
 
 
 def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False, per_block=True, tp=1,
-            replicate=1):
+            replicate=1, reshard=True):
     """``before + after`` steps uninterrupted, against ``before`` steps, a checkpoint of each
     rank's stages, a fresh process state (new model, optimizers and comms) loaded from it, and
     ``after`` more steps. ``as_list``: the checkpoint API gets lists of the rank's parts, their
     optimizers (one each, as torchtitan keeps them) and their handles; otherwise the rank's one
     part, its optimizer and its handle. ``tp``: tensor parallelism of that degree inside each
-    dp group's ranks. ``replicate``: each stage on a native HSDP mesh of that many replicas."""
+    dp group's ranks. ``replicate``: each stage on a native HSDP mesh of that many replicas.
+    ``reshard``: FSDP2's ``reshard_after_forward``."""
     from qsdp.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     def optimizers(pipe):
@@ -263,14 +269,14 @@ def _resume(rank, world, schedule, preset, out, before=2, after=2, as_list=False
         return (pipe.parts, opt, pipe.handles) if as_list else (pipe.parts[0], opt, pipe.handles[0])
 
     mesh = pl.mesh(2, 2, tp, replicate)
-    whole = pl.build(mesh, schedule, preset, per_block=per_block)
+    whole = pl.build(mesh, schedule, preset, per_block=per_block, reshard=reshard)
     uninterrupted = _steps(whole, optimizers(whole), range(before + after))
-    first = pl.build(mesh, schedule, preset, per_block=per_block)
+    first = pl.build(mesh, schedule, preset, per_block=per_block, reshard=reshard)
     opt = optimizers(first)
     losses = _steps(first, opt, range(before))
     save_checkpoint(out, before, *args(first, opt), {})
     # Other initial weights: all of them come from the checkpoint.
-    second = pl.build(mesh, schedule, preset, seed=1, per_block=per_block)
+    second = pl.build(mesh, schedule, preset, seed=1, per_block=per_block, reshard=reshard)
     opt = optimizers(second)
     load_checkpoint(latest_checkpoint(out), *args(second, opt), torch.device("cpu"))
     losses += _steps(second, opt, range(before, before + after))
@@ -323,6 +329,13 @@ def test_two_stages_a_rank_resume_from_one_checkpoint_bit_for_bit(preset, per_bl
     # parts gather over one dp group at one module path, and their replica rows keep apart.
     _assert_resumed_bit_for_bit(run_world(_resume, 4, "interleaved", preset, str(tmp_path), as_list=True,
                                           per_block=per_block, local_world_size=1))
+
+
+@pytest.mark.slow
+def test_zero_bubble_v_stages_resume_from_one_checkpoint_bit_for_bit(tmp_path):
+    # ScheduleZBVZeroBubble with ZeRO-2: rank 0 holds the first and the last stage.
+    _assert_resumed_bit_for_bit(run_world(_resume, 4, "zbv", "sdp4bit", str(tmp_path), as_list=True, reshard=False,
+                                          local_world_size=1))
 
 
 def test_model_parts_and_handles_of_different_counts_are_refused_before_any_collective(tmp_path):
