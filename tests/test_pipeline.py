@@ -101,11 +101,11 @@ FEATURES = {
 FEATURE_STEPS = 6
 
 
-def _feature_cell(rank, world, schedule, feature):
+def _feature_cell(rank, world, schedule, feature, tp=1):
     """Native FSDP2 and each preset on the same stages, with ``feature``."""
     out = {}
     for preset in (None, "fsdp", "qsdp", "sdp4bit"):
-        pipe = pl.build(pl.mesh(2, 2), schedule, preset, **FEATURES[feature])
+        pipe = pl.build(pl.mesh(2, 2, tp), schedule, preset, **FEATURES[feature])
         out[preset] = _train(pipe, FEATURE_STEPS, check=preset is not None)
         for handle in pipe.handles:
             handle.close()
@@ -125,10 +125,17 @@ def _feature_cells():
                            marks=[] if schedule == "zbv" else [pytest.mark.slow])
 
 
+def _feature_cells_with_tp():
+    for feature in FEATURES:
+        yield pytest.param("1f1b", feature, 2, id=f"1f1b-{feature}-tp2", marks=[pytest.mark.slow])
+
+
 @pytest.mark.timeout(540)
-@pytest.mark.parametrize("schedule,feature", list(_feature_cells()))
-def test_pipeline_stages_train_with_every_preset(schedule, feature):
-    for by_preset in run_world(_feature_cell, 4, schedule, feature, local_world_size=1, timeout=480):
+@pytest.mark.parametrize("schedule,feature,tp", [*(pytest.param(*c.values, 1, id=c.id, marks=c.marks)
+                                                   for c in _feature_cells()), *_feature_cells_with_tp()])
+def test_pipeline_stages_train_with_every_preset(schedule, feature, tp):
+    # tp = 2: (pp, dp, tp) = (2, 2, 2), 8 ranks, tensor parallelism on each block's MLP.
+    for by_preset in run_world(_feature_cell, 4 * tp, schedule, feature, tp, local_world_size=tp, timeout=480):
         native, fsdp = by_preset[None], by_preset["fsdp"]
         assert fsdp["losses"] == native["losses"]
         assert all(torch.equal(a, b) for a, b in zip(fsdp["shards"], native["shards"]))
