@@ -186,6 +186,21 @@ def test_root_cause_is_the_rank_that_died_first_not_the_peer_that_saw_it(tmp_pat
     assert failure.code == 1
 
 
+def test_the_agents_failures_name_the_first_death_when_the_launchers_watch_missed_it(tmp_path):
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    peer = {"rank": 0, "time": 5.0, "type": "DistBackendError", "attempt": 0, "user": False, "secondary": False,
+            "message": "Connection closed by peer [127.0.0.1]:4242", "traceback": "tb0"}
+    (tmp_path / "rank0.json").write_text(json.dumps(peer))
+    # The agent reaped rank 1 before the launcher's watch polled: no death of the watch's.
+    failures = {1: ProcessFailure(local_rank=1, pid=4242, exitcode=-signal.SIGKILL,
+                                  error_file=str(tmp_path / "none.json"))}
+    failure = root_cause(tmp_path, failures, str(tmp_path), {})
+    assert str(failure) == "rank 1 died first (killed by SIGKILL) without reporting an error; rank 0 then lost the connection"
+
+
 @pytest.mark.timeout(240)
 def test_a_killed_worker_is_named_as_the_root_cause_from_the_real_cli(tmp_path, corpus, capsys, monkeypatch):
     monkeypatch.setenv("QSDP_TEST_KILL_AT", "2:1")  # rank 1 SIGKILLs itself in step 2

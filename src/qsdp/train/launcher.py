@@ -311,10 +311,12 @@ def root_cause(error_dir: Path, failures: dict[int, Any], out: str,
     if dead:
         rank = dead[0]
         return WorkerFailure(f"rank {rank} died first ({_how(*silent[rank][1:])}) without reporting an error{lost}")
+    # The launcher's watch missed it (the agent reaped the process first, under load): the agent's
+    # failures are the exits of its first poll that saw any, the same "first" as the watch's.
     for rank, failure in sorted(failures.items()):
         if rank not in reported:
             how = _how(failure.signal_name() if failure.exitcode < 0 else None, failure.exitcode)
-            return WorkerFailure(f"rank {rank} died ({how}) without reporting an error{lost}")
+            return WorkerFailure(f"rank {rank} died first ({how}) without reporting an error{lost}")
     if records:
         return _record_failure(min(records, key=lambda r: r["time"]), out)
     return WorkerFailure("the workers failed without reporting an error")
