@@ -28,7 +28,9 @@ WIDTH = 32
 _TWO_STAGES = (3, [(True, [0], False), (False, [1, 2], True)])
 _FOUR_STAGES = (5, [(True, [0], False), (False, [1], False), (False, [2, 3], False), (False, [4], True)])
 SCHEDULES = {"1f1b": _TWO_STAGES, "gpipe": _TWO_STAGES, "interleaved": _FOUR_STAGES,
-             "interleaved-zb": _FOUR_STAGES, "zbv": _FOUR_STAGES, "dualpipev": _FOUR_STAGES}
+             "interleaved-zb": _FOUR_STAGES, "zbv": _FOUR_STAGES, "dualpipev": _FOUR_STAGES,
+             # the interleaved schedule's model in two stages: another pipeline layout of it
+             "1f1b-deep": (5, [(True, [0, 1], False), (False, [2, 3, 4], True)])}
 # the schedules that place a rank's two stages in a V: pipeline rank r holds r and 2 pp - 1 - r
 V_SHAPED = ("zbv", "dualpipev")
 
@@ -36,7 +38,7 @@ V_SHAPED = ("zbv", "dualpipev")
 def _schedule_class(schedule: str):
     from torch.distributed import pipelining as pp
 
-    return {"1f1b": pp.Schedule1F1B, "gpipe": pp.ScheduleGPipe, "interleaved": pp.ScheduleInterleaved1F1B,
+    return {"1f1b": pp.Schedule1F1B, "1f1b-deep": pp.Schedule1F1B, "gpipe": pp.ScheduleGPipe, "interleaved": pp.ScheduleInterleaved1F1B,
             "interleaved-zb": pp.ScheduleInterleavedZeroBubble, "zbv": pp.ScheduleZBVZeroBubble,
             "dualpipev": pp.ScheduleDualPipeV}[schedule]
 

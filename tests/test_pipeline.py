@@ -391,14 +391,15 @@ def test_a_pipeline_step_reads_the_host_once_for_every_stage_of_the_rank():
 # --------------------------------------------------------------------------- another layout
 
 
-def _save_pipeline(rank, world, out, preset, steps=2):
-    """``steps`` steps of 1F1B on ``(pp, dp) = (2, 2)``, then a checkpoint of each rank's stage."""
+def _save_pipeline(rank, world, out, preset, schedule="1f1b", steps=2):
+    """``steps`` steps of ``schedule`` on ``(pp, dp) = (2, 2)``, then a checkpoint of each rank's
+    stages (one optimizer a stage)."""
     from qsdp.train.checkpoint import save_checkpoint
 
-    pipe = pl.build(pl.mesh(2, 2), "1f1b", preset)
-    opt = torch.optim.Adam(pipe.params, lr=1e-2)
-    _steps(pipe, opt, range(steps))
-    save_checkpoint(out, steps, pipe.parts[0], opt, pipe.handles[0], {})
+    pipe = pl.build(pl.mesh(2, 2), schedule, preset)
+    opts = [torch.optim.Adam(part.parameters(), lr=1e-2) for part in pipe.parts]
+    _steps(pipe, opts, range(steps))
+    save_checkpoint(out, steps, pipe.parts, opts, pipe.handles, {})
 
 
 def _load_without_stages(rank, world, path, preset):
@@ -461,13 +462,14 @@ def _save_without_stages(rank, world, out, preset, steps=2):
     save_checkpoint(out, steps, model, opt, handle, {})
 
 
-def _load_into_stages(rank, world, path, preset):
-    """This rank's 1F1B stage of ``(pp, dp) = (2, 2)`` loaded from ``path``: its gathered state
-    at the load, what its first gathers delivered, and the losses of two more steps."""
+def _load_into_stages(rank, world, path, preset, schedule="1f1b"):
+    """This rank's stage of ``schedule`` (one a rank) on ``(pp, dp) = (2, 2)`` loaded from
+    ``path``: its gathered state at the load, what its first gathers delivered, and the losses
+    of two more steps."""
     from test_elastic import FirstGathers, _full_state
     from qsdp.train.checkpoint import load_checkpoint
 
-    pipe = pl.build(pl.mesh(2, 2), "1f1b", preset, seed=1)
+    pipe = pl.build(pl.mesh(2, 2), schedule, preset, seed=1)
     opt = torch.optim.Adam(pipe.params, lr=1e-2)
     load_checkpoint(path, pipe.parts[0], opt, pipe.handles[0], torch.device("cpu"))
     loaded = _full_state(pipe.parts[0], opt)
@@ -488,6 +490,22 @@ def test_a_checkpoint_of_the_whole_model_loads_into_pipeline_stages(tmp_path):
     results = run_world(_load_into_stages, 4, str(path), "sdp4bit", local_world_size=1)
     expected = _checkpoint_state(path, tmp_path)
     # ranks 0, 1 hold stage 0 (inp, blocks.0), ranks 2, 3 stage 1 (blocks.1, blocks.2, head)
+    assert sorted([*results[0]["loaded"], *results[2]["loaded"]]) == sorted(expected)
+    for r in results:
+        assert [k for k in r["loaded"] if not torch.equal(r["loaded"][k], expected[k])] == []
+        assert r["gathered"] and r["exact"] == r["gathered"]
+    assert all(math.isfinite(v) for v in results[2]["losses"])
+
+
+def test_a_pipeline_checkpoint_loads_into_another_pipeline_layout(tmp_path):
+    # Four stages, two a rank (interleaved), into two stages of other depths (1F1B): each new
+    # stage takes its parameters from the old stages that held them.
+    from test_elastic import _checkpoint_state
+
+    run_world(_save_pipeline, 4, str(tmp_path), "sdp4bit", "interleaved", local_world_size=1)
+    path = tmp_path / "checkpoints" / "step_00000002"
+    results = run_world(_load_into_stages, 4, str(path), "sdp4bit", "1f1b-deep", local_world_size=1)
+    expected = _checkpoint_state(path, tmp_path)
     assert sorted([*results[0]["loaded"], *results[2]["loaded"]]) == sorted(expected)
     for r in results:
         assert [k for k in r["loaded"] if not torch.equal(r["loaded"][k], expected[k])] == []
