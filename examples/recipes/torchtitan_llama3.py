@@ -17,7 +17,9 @@ registered model::
 ``QSDP_PRESET`` (default ``sdp4bit``) picks the preset. HSDP
 (``--parallelism.data_parallel_replicate_degree`` > 1, the replicas across nodes and
 ``data_parallel_shard_degree`` the ranks of a node) takes the same module: the all-reduce across
-the replicas is quantized as the preset's ``hsdp`` says.
+the replicas is quantized as the preset's ``hsdp`` says. So does pipeline parallelism
+(``--parallelism.pipeline_parallel_degree`` > 1): torchtitan's ``pipeline_llm`` calls the
+``parallelize_fn`` once per model part, and each stage gets its own ``quantize_comms``.
 """
 
 from __future__ import annotations
