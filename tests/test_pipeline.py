@@ -480,35 +480,32 @@ def _load_into_stages(rank, world, path, preset, schedule="1f1b"):
     return {"loaded": loaded, "gathered": sorted(first.weights), "exact": exact, "losses": losses}
 
 
-@pytest.mark.slow  # make test keeps the other direction and another pipeline layout
-def test_a_checkpoint_of_the_whole_model_loads_into_pipeline_stages(tmp_path):
-    # The other way: a 1-D FSDP2 run of 2 ranks, resumed as two stages of (pp, dp) = (2, 2);
-    # each stage loads its own parameters and their optimizer state.
+def _assert_loaded_into_stages(tmp_path, save, save_world, save_args, schedule):
+    """``save`` on ``save_world`` ranks writes a step-2 checkpoint; ``(pp, dp) = (2, 2)`` stages of
+    ``schedule`` (one a rank) load it: each rank's state the checkpoint's bit for bit, every
+    parameter held by one stage, the first gathers exact, training going on."""
     from test_elastic import _checkpoint_state
 
-    run_world(_save_without_stages, 2, str(tmp_path), "sdp4bit", local_world_size=1)
+    run_world(save, save_world, str(tmp_path), *save_args, local_world_size=1)
     path = tmp_path / "checkpoints" / "step_00000002"
-    results = run_world(_load_into_stages, 4, str(path), "sdp4bit", local_world_size=1)
+    results = run_world(_load_into_stages, 4, str(path), "sdp4bit", schedule, local_world_size=1)
     expected = _checkpoint_state(path, tmp_path)
-    # ranks 0, 1 hold stage 0 (inp, blocks.0), ranks 2, 3 stage 1 (blocks.1, blocks.2, head)
+    # ranks 0, 1 hold stage 0, ranks 2, 3 stage 1
     assert sorted([*results[0]["loaded"], *results[2]["loaded"]]) == sorted(expected)
     for r in results:
         assert [k for k in r["loaded"] if not torch.equal(r["loaded"][k], expected[k])] == []
         assert r["gathered"] and r["exact"] == r["gathered"]
     assert all(math.isfinite(v) for v in results[2]["losses"])
+
+
+@pytest.mark.slow  # make test keeps the other direction and another pipeline layout
+def test_a_checkpoint_of_the_whole_model_loads_into_pipeline_stages(tmp_path):
+    # The other way: a 1-D FSDP2 run of 2 ranks, resumed as two stages of (pp, dp) = (2, 2);
+    # each stage loads its own parameters and their optimizer state.
+    _assert_loaded_into_stages(tmp_path, _save_without_stages, 2, ("sdp4bit",), "1f1b")
 
 
 def test_a_pipeline_checkpoint_loads_into_another_pipeline_layout(tmp_path):
     # Four stages, two a rank (interleaved), into two stages of other depths (1F1B): each new
     # stage takes its parameters from the old stages that held them.
-    from test_elastic import _checkpoint_state
-
-    run_world(_save_pipeline, 4, str(tmp_path), "sdp4bit", "interleaved", local_world_size=1)
-    path = tmp_path / "checkpoints" / "step_00000002"
-    results = run_world(_load_into_stages, 4, str(path), "sdp4bit", "1f1b-deep", local_world_size=1)
-    expected = _checkpoint_state(path, tmp_path)
-    assert sorted([*results[0]["loaded"], *results[2]["loaded"]]) == sorted(expected)
-    for r in results:
-        assert [k for k in r["loaded"] if not torch.equal(r["loaded"][k], expected[k])] == []
-        assert r["gathered"] and r["exact"] == r["gathered"]
-    assert all(math.isfinite(v) for v in results[2]["losses"])
+    _assert_loaded_into_stages(tmp_path, _save_pipeline, 4, ("sdp4bit", "interleaved"), "1f1b-deep")

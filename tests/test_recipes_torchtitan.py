@@ -158,12 +158,18 @@ def test_hsdp_through_the_spec_quantizes_the_all_reduce_across_the_replicas():
         assert 4.0 < inter["bits_per_element"] < 5.0  # sdp4bit's 4-bit all-reduce between the nodes
 
 
-@pytest.mark.slow
-def test_hsdp_with_the_fsdp_preset_is_torchtitans_native_hsdp_bit_for_bit():
-    native = run_world(_hsdp_llama, 4, None, local_world_size=2)
-    for (l0, p0, _), (l1, p1, _) in zip(native, run_world(_hsdp_llama, 4, "fsdp", local_world_size=2)):
+def _assert_fsdp_preset_is_native_bit_for_bit(worker, local_world_size: int) -> None:
+    """``worker(rank, world, preset)`` -> (losses, full parameters, ...): the ``fsdp`` preset's
+    losses and weights equal native torchtitan's (``preset=None``) bit for bit."""
+    native = run_world(worker, 4, None, local_world_size=local_world_size)
+    for (l0, p0, _), (l1, p1, _) in zip(native, run_world(worker, 4, "fsdp", local_world_size=local_world_size)):
         assert l0 == l1
         assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+@pytest.mark.slow
+def test_hsdp_with_the_fsdp_preset_is_torchtitans_native_hsdp_bit_for_bit():
+    _assert_fsdp_preset_is_native_bit_for_bit(_hsdp_llama, 2)
 
 
 def test_the_registered_spec_is_llama3_with_the_qsdp_parallelize_fn():
@@ -308,7 +314,4 @@ def test_pipeline_stages_through_the_spec_train_with_quantized_comms():
 
 @pytest.mark.slow
 def test_pipeline_stages_with_the_fsdp_preset_are_torchtitans_own_bit_for_bit():
-    native = run_world(_pp_llama, 4, None, local_world_size=1)
-    for (l0, p0, _), (l1, p1, _) in zip(native, run_world(_pp_llama, 4, "fsdp", local_world_size=1)):
-        assert l0 == l1
-        assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    _assert_fsdp_preset_is_native_bit_for_bit(_pp_llama, 1)
