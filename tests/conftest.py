@@ -2,9 +2,16 @@ import os
 import sys
 
 import pytest
+import torch
 
 # Make tests/distributed.py importable as a plain module from every test file.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# The test process forks its ranks (tests/distributed.py), and each rank sets one intra-op
+# thread. A fork taken after this process had started an OpenMP pool hands the child the pool's
+# state without its threads, which torch does not survive in every case (pytorch/pytorch#54752):
+# one intra-op thread here too, so that no pool ever exists to be forked.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
