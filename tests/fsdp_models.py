@@ -52,6 +52,20 @@ def batch(step: int, rank: int, n: int = 16, dtype=torch.float32):
     return x.to(dtype), y.to(dtype)
 
 
+def optimizer_steps(model, opt, first: int, count: int, rank: int) -> list[float]:
+    """``count`` steps of the caller's ``opt`` from step ``first`` on this rank's batches of the
+    regression task (a loop that saves and resumes keeps its optimizer); returns the losses."""
+    losses = []
+    for step in range(first, first + count):
+        x, y = batch(step, rank)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def train(model, steps: int, rank: int, lr: float = 1e-2, dtype=torch.float32, accumulate: int = 1,
           device="cpu") -> list[float]:
     """Adam on a fixed regression task, ``accumulate`` micro-batches a step (gradient sync only

@@ -6,8 +6,9 @@ Schedules (``SCHEDULES``): ``1f1b`` and ``gpipe``, one stage per rank (``Schedul
 ``ScheduleGPipe``); ``interleaved`` and ``interleaved-zb``, two stages per rank
 (``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``: pipeline rank ``r`` holds stages
 ``r`` and ``r + pp``); ``zbv`` and ``dualpipev``, two stages per rank in a V
-(``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: rank ``r`` holds ``r`` and ``2 pp - 1 - r``). The mesh is ``(pp, dp)`` (optionally ``tp`` innermost, tensor parallelism on each
-block's MLP), ranks numbered as ``init_device_mesh`` does.
+(``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: rank ``r`` holds ``r`` and ``2 pp - 1 - r``).
+The mesh is ``(pp, dp)`` (optionally ``tp`` innermost, tensor parallelism on each block's MLP),
+ranks numbered as ``init_device_mesh`` does.
 """
 
 from __future__ import annotations
@@ -24,23 +25,23 @@ MICROBATCHES = 4
 BATCH = 16
 WIDTH = 32
 
-# per schedule: the model's depth and each stage's (holds the input layer, blocks, holds the head)
+# a model's depth and each stage's (holds the input layer, blocks, holds the head)
 _TWO_STAGES = (3, [(True, [0], False), (False, [1, 2], True)])
 _FOUR_STAGES = (5, [(True, [0], False), (False, [1], False), (False, [2, 3], False), (False, [4], True)])
-SCHEDULES = {"1f1b": _TWO_STAGES, "gpipe": _TWO_STAGES, "interleaved": _FOUR_STAGES,
-             "interleaved-zb": _FOUR_STAGES, "zbv": _FOUR_STAGES, "dualpipev": _FOUR_STAGES,
+# per schedule: its torch.distributed.pipelining class and the stages it runs
+SCHEDULES = {"1f1b": ("Schedule1F1B", _TWO_STAGES), "gpipe": ("ScheduleGPipe", _TWO_STAGES),
+             "interleaved": ("ScheduleInterleaved1F1B", _FOUR_STAGES),
+             "interleaved-zb": ("ScheduleInterleavedZeroBubble", _FOUR_STAGES),
+             "zbv": ("ScheduleZBVZeroBubble", _FOUR_STAGES), "dualpipev": ("ScheduleDualPipeV", _FOUR_STAGES),
              # the interleaved schedule's model in two stages: another pipeline layout of it
-             "1f1b-deep": (5, [(True, [0, 1], False), (False, [2, 3, 4], True)])}
+             "1f1b-deep": ("Schedule1F1B", (5, [(True, [0, 1], False), (False, [2, 3, 4], True)]))}
 # the schedules that place a rank's two stages in a V: pipeline rank r holds r and 2 pp - 1 - r
 V_SHAPED = ("zbv", "dualpipev")
 
 
-def _schedule_class(schedule: str):
-    from torch.distributed import pipelining as pp
-
-    return {"1f1b": pp.Schedule1F1B, "1f1b-deep": pp.Schedule1F1B, "gpipe": pp.ScheduleGPipe, "interleaved": pp.ScheduleInterleaved1F1B,
-            "interleaved-zb": pp.ScheduleInterleavedZeroBubble, "zbv": pp.ScheduleZBVZeroBubble,
-            "dualpipev": pp.ScheduleDualPipeV}[schedule]
+def depth(schedule: str) -> int:
+    """How many blocks the model ``schedule`` runs has."""
+    return SCHEDULES[schedule][1][0]
 
 
 class Part(nn.Module):
@@ -135,19 +136,20 @@ def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0, 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from layouts import Checkpointed
-    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed import pipelining
 
-    depth, splits = SCHEDULES[schedule]
+    class_name, (blocks, splits) = SCHEDULES[schedule]
     pp, pp_rank = device_mesh["pp"].size(), device_mesh["pp"].get_local_rank()
     per_rank = len(splits) // pp
     stage_ids = ([pp_rank, 2 * pp - 1 - pp_rank] if schedule in V_SHAPED
                  else [pp_rank + k * pp for k in range(per_rank)])
     torch.manual_seed(seed)
-    net = fm.TinyNet(WIDTH, depth)
+    net = fm.TinyNet(WIDTH, blocks)
     names = device_mesh.mesh_dim_names or ()
     dp_mesh = device_mesh["dp"] if "dp" in names else device_mesh["dp_replicate", "dp_shard"]
     parts, stages, handles = [], [], []
     micro = BATCH // MICROBATCHES
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for s in stage_ids:
         first, blocks, last = splits[s]
         part = Part(net, first, blocks, last)
@@ -156,7 +158,6 @@ def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0, 
 
             for b in part.blocks.values():
                 parallelize_module(b, device_mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for b in part.blocks.values():
             if checkpoint:
                 b.fc1 = Checkpointed(b.fc1)
@@ -174,11 +175,11 @@ def build(device_mesh, schedule: str, preset: str | None = None, seed: int = 0, 
         example_in = torch.randn(micro, 8) if first else torch.randn(micro, WIDTH, dtype=act, requires_grad=True)
         example_out = torch.randn(micro, 3 if last else WIDTH, dtype=torch.float32 if last else act,
                                   requires_grad=True)
-        stages.append(PipelineStage(part, s, len(splits), torch.device("cpu"), input_args=example_in,
+        stages.append(pipelining.PipelineStage(part, s, len(splits), torch.device("cpu"), input_args=example_in,
                                     output_args=example_out, group=device_mesh["pp"].get_group()))
     loss_fn = nn.functional.mse_loss
-    sched = _schedule_class(schedule)(stages[0] if per_rank == 1 else stages, n_microbatches=MICROBATCHES,
-                                      loss_fn=loss_fn)
+    sched = getattr(pipelining, class_name)(stages[0] if per_rank == 1 else stages, n_microbatches=MICROBATCHES,
+                                            loss_fn=loss_fn)
     return Pipeline(device_mesh, stage_ids, parts, sched, handles, len(splits))
 
 
@@ -186,9 +187,8 @@ def reference_norm(schedule: str, step: int, dp: int, seed: int = 0) -> tuple[fl
     """The unsharded model on one process: the gradient norm and the mean loss of step ``step``
     over the ``dp`` ranks' batches (what FSDP2's average over dp and the schedule's average over
     micro-batches give), before any optimizer step."""
-    depth, _ = SCHEDULES[schedule]
     torch.manual_seed(seed)
-    net = fm.TinyNet(WIDTH, depth)
+    net = fm.TinyNet(WIDTH, depth(schedule))
     losses = []
     for d in range(dp):
         x, y = fm.batch(step, d, n=BATCH)

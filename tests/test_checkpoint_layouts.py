@@ -22,18 +22,6 @@ PRESETS = ("fsdp", "qwd4", "sdp4bit")
 SAVED_AT, MORE = 3, 3
 
 
-def _steps(built, opt, first: int, count: int) -> list[float]:
-    losses = []
-    for step in range(first, first + count):
-        x, y = fm.batch(step, built.data_rank)
-        loss = torch.nn.functional.mse_loss(built.model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _save_and_go_on(rank, world, layout, out, presets):
     """Per preset: SAVED_AT steps, a checkpoint, MORE steps; the losses after the checkpoint."""
     losses = {}
@@ -41,9 +29,9 @@ def _save_and_go_on(rank, world, layout, out, presets):
         built = layouts.build(layout)
         handle = qsdp.quantize_comms(built.model, preset)
         opt = torch.optim.Adam(built.model.parameters(), lr=1e-2)
-        _steps(built, opt, 0, SAVED_AT)
+        fm.optimizer_steps(built.model, opt, 0, SAVED_AT, built.data_rank)
         save_checkpoint(f"{out}/{preset}", SAVED_AT, built.model, opt, handle, meta={})
-        losses[preset] = _steps(built, opt, SAVED_AT, MORE)
+        losses[preset] = fm.optimizer_steps(built.model, opt, SAVED_AT, MORE, built.data_rank)
         handle.close()
     return losses
 
@@ -56,7 +44,7 @@ def _resume(rank, world, layout, out, presets):
         opt = torch.optim.Adam(built.model.parameters(), lr=1e-2)
         load_checkpoint(f"{out}/{preset}/checkpoints/{step_dirname(SAVED_AT)}", built.model, opt, handle,
                         torch.device("cpu"))
-        losses[preset] = _steps(built, opt, SAVED_AT, MORE)
+        losses[preset] = fm.optimizer_steps(built.model, opt, SAVED_AT, MORE, built.data_rank)
         handle.close()
     return losses
 

@@ -18,25 +18,13 @@ pytestmark = pytest.mark.timeout(240)
 PRESET = "qwd4"
 
 
-def _steps(model, opt, first: int, count: int, rank: int) -> list[float]:
-    losses = []
-    for step in range(first, first + count):
-        x, y = fm.batch(step, rank)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _train_and_save(rank, world, path):
     model = fm.build()
     handle = qsdp.quantize_comms(model, PRESET)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    _steps(model, opt, 0, 3, rank)
+    fm.optimizer_steps(model, opt, 0, 3, rank)
     save_checkpoint(path, 3, model, opt, handle, meta={})
-    return _steps(model, opt, 3, 3, rank)
+    return fm.optimizer_steps(model, opt, 3, 3, rank)
 
 
 def _gathered_weights_are_exact(model) -> list[bool]:
@@ -58,7 +46,7 @@ def _resume(rank, world, path, check_exact):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     load_checkpoint(path + "/checkpoints/step_00000003", model, opt, handle, torch.device("cpu"))
     seen, hooks = _gathered_weights_are_exact(model) if check_exact else ([], [])
-    losses = _steps(model, opt, 3, 3, rank)
+    losses = fm.optimizer_steps(model, opt, 3, 3, rank)
     for h in hooks:
         h.remove()
     return losses, seen[:4], [tuple(ag.replica.shape) for ag in handle.all_gathers]

@@ -402,31 +402,38 @@ def _save_pipeline(rank, world, out, preset, schedule="1f1b", steps=2):
     save_checkpoint(out, steps, pipe.parts, opts, pipe.handles, {})
 
 
-def _load_without_stages(rank, world, path, preset):
-    """The whole model (the pipeline's depth) FSDP2-sharded over the world, no stages, loaded
-    from ``path``: its gathered state at the load, what its first gathers delivered, the losses
-    of two more steps."""
-    import fsdp_models as fm
+def _observed_load(path, module, opt, handle, train) -> dict:
+    """``path`` loaded into ``module`` and ``opt``: the gathered state at the load, what the
+    first gathers delivered, and the losses of ``train()``."""
     from test_elastic import FirstGathers, _full_state
     from qsdp.train.checkpoint import load_checkpoint
 
-    model = fm.build(seed=1, width=pl.WIDTH, depth=pl.SCHEDULES["1f1b"][0])  # other weights: all from the checkpoint
-    handle = qsdp.quantize_comms(model, preset)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    load_checkpoint(path, model, opt, handle, torch.device("cpu"))
-    loaded = _full_state(model, opt)
-    first = FirstGathers(model)
-    losses = []
-    for step in range(2):
-        x, y = fm.batch(2 + step, rank, n=pl.BATCH)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    load_checkpoint(path, module, opt, handle, torch.device("cpu"))
+    loaded = _full_state(module, opt)
+    first = FirstGathers(module)
+    losses = train()
     first.close()
     exact = sorted(k for k, v in first.weights.items() if torch.equal(v, loaded[k]))
     return {"loaded": loaded, "gathered": sorted(first.weights), "exact": exact, "losses": losses}
+
+
+def _assert_loaded_exactly(results, expected) -> None:
+    """Each rank's state at the load is the checkpoint's, bit for bit, and its first gathers
+    delivered exactly those weights."""
+    for r in results:
+        assert [k for k in r["loaded"] if not torch.equal(r["loaded"][k], expected[k])] == []
+        assert r["gathered"] and r["exact"] == r["gathered"]
+
+
+def _load_without_stages(rank, world, path, preset):
+    """The whole model (the pipeline's depth) FSDP2-sharded over the world, no stages, loaded
+    from ``path`` (:func:`_observed_load`, two more steps)."""
+    import fsdp_models as fm
+
+    model = fm.build(seed=1, width=pl.WIDTH, depth=pl.depth("1f1b"))  # other weights: all from the checkpoint
+    handle = qsdp.quantize_comms(model, preset)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return _observed_load(path, model, opt, handle, lambda: fm.optimizer_steps(model, opt, 2, 2, rank))
 
 
 @pytest.mark.parametrize("preset", ["sdp4bit", pytest.param("fsdp", marks=pytest.mark.slow)])
@@ -440,44 +447,28 @@ def test_a_pipeline_checkpoint_loads_into_the_whole_model_on_fewer_ranks(preset,
     path = tmp_path / "checkpoints" / "step_00000002"
     results = run_world(_load_without_stages, 2, str(path), preset, local_world_size=1)
     expected = _checkpoint_state(path, tmp_path)
-    for r in results:
-        assert r["loaded"].keys() == expected.keys()
-        assert [k for k in expected if not torch.equal(r["loaded"][k], expected[k])] == []
-        assert r["gathered"] and r["exact"] == r["gathered"]
-        assert all(math.isfinite(v) for v in r["losses"])
+    assert all(r["loaded"].keys() == expected.keys() for r in results)
+    _assert_loaded_exactly(results, expected)
+    assert all(math.isfinite(v) for r in results for v in r["losses"])
 
 
 def _save_without_stages(rank, world, out, preset, steps=2):
     import fsdp_models as fm
     from qsdp.train.checkpoint import save_checkpoint
 
-    model = fm.build(width=pl.WIDTH, depth=pl.SCHEDULES["1f1b"][0])
+    model = fm.build(width=pl.WIDTH, depth=pl.depth("1f1b"))
     handle = qsdp.quantize_comms(model, preset)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        x, y = fm.batch(step, rank, n=pl.BATCH)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    fm.optimizer_steps(model, opt, 0, steps, rank)
     save_checkpoint(out, steps, model, opt, handle, {})
 
 
 def _load_into_stages(rank, world, path, preset, schedule="1f1b"):
     """This rank's stage of ``schedule`` (one a rank) on ``(pp, dp) = (2, 2)`` loaded from
-    ``path``: its gathered state at the load, what its first gathers delivered, and the losses
-    of two more steps."""
-    from test_elastic import FirstGathers, _full_state
-    from qsdp.train.checkpoint import load_checkpoint
-
+    ``path`` (:func:`_observed_load`, two more steps)."""
     pipe = pl.build(pl.mesh(2, 2), schedule, preset, seed=1)
     opt = torch.optim.Adam(pipe.params, lr=1e-2)
-    load_checkpoint(path, pipe.parts[0], opt, pipe.handles[0], torch.device("cpu"))
-    loaded = _full_state(pipe.parts[0], opt)
-    first = FirstGathers(pipe.parts[0])
-    losses = _steps(pipe, opt, range(2, 4))
-    first.close()
-    exact = sorted(k for k, v in first.weights.items() if torch.equal(v, loaded[k]))
-    return {"loaded": loaded, "gathered": sorted(first.weights), "exact": exact, "losses": losses}
+    return _observed_load(path, pipe.parts[0], opt, pipe.handles[0], lambda: _steps(pipe, opt, range(2, 4)))
 
 
 def _assert_loaded_into_stages(tmp_path, save, save_world, save_args, schedule):
@@ -492,9 +483,7 @@ def _assert_loaded_into_stages(tmp_path, save, save_world, save_args, schedule):
     expected = _checkpoint_state(path, tmp_path)
     # ranks 0, 1 hold stage 0, ranks 2, 3 stage 1
     assert sorted([*results[0]["loaded"], *results[2]["loaded"]]) == sorted(expected)
-    for r in results:
-        assert [k for k in r["loaded"] if not torch.equal(r["loaded"][k], expected[k])] == []
-        assert r["gathered"] and r["exact"] == r["gathered"]
+    _assert_loaded_exactly(results, expected)
     assert all(math.isfinite(v) for v in results[2]["losses"])
 
 

@@ -105,22 +105,38 @@ def test_the_spec_parallelize_fn_attaches_qsdp_on_the_meta_device_and_the_model_
     assert run_world(_through_the_spec_parallelize_fn, 2) == [(True, True)] * 2
 
 
+def _force_sum(model) -> None:
+    """What native torchtitan needs on gloo, which has no PREMUL_SUM (the op FSDP2 derives from
+    torchtitan's divide factor 1): FSDP2 passes SUM and applies the factor itself."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def _job():
+    """torchtitan's job config for these tests: sequences of 16 tokens, fp32 parameters."""
+    from torchtitan.config import JobConfig
+
+    job = JobConfig()
+    job.training.seq_len = 16
+    job.training.mixed_precision_param = "float32"
+    return job
+
+
 def _hsdp_llama(rank, world, preset):
     """torchtitan's llama3 on HSDP (data_parallel_replicate_degree 2 x shard 2) as its trainer
     builds it: ``preset == "spec"`` through the registered parallelize_fn (its default preset),
     ``None`` native torchtitan, else torchtitan's parallelize_llama and the recipe's attach_qsdp."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.config import JobConfig
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
     from torchtitan.protocols.train_spec import get_train_spec
 
     parallel_dims_module.device_type = "cpu"
     dims = _parallel_dims(world, replicate=2)
     dims.build_mesh()
-    job = JobConfig()
-    job.training.seq_len = 16
-    job.training.mixed_precision_param = "float32"
+    job = _job()
     with torch.device("meta"):
         model = Transformer(TransformerModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=VOCAB, max_seq_len=16))
     if preset == "spec":
@@ -129,10 +145,8 @@ def _hsdp_llama(rank, world, preset):
         model = parallelize_llama(model, dims, job)
         if preset is not None:
             recipe.attach_qsdp(model, dims.get_mesh("fsdp").get_group(), preset)
-        else:  # gloo has no PREMUL_SUM, the op FSDP2 derives from torchtitan's divide factor 1
-            for m in model.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_force_sum_reduction_for_comms(True)
+        else:
+            _force_sum(model)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -243,8 +257,6 @@ def _pp_llama(rank, world, preset, steps=4):
     torchtitan, else ``parallelize_llama`` and the recipe's ``attach_qsdp``. Trained as its
     trainer does: ``to_empty`` and ``init_weights`` per part, ``schedule.step`` a batch."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
@@ -253,19 +265,15 @@ def _pp_llama(rank, world, preset, steps=4):
     parallel_dims_module.device_type = "cpu"
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=2, ep=1, etp=1, world_size=world)
     dims.build_mesh()
-    job = JobConfig()
-    job.training.seq_len = 16
+    job = _job()
     job.training.local_batch_size = 4
-    job.training.mixed_precision_param = "float32"
     job.parallelism.pipeline_parallel_degree = 2
     job.parallelism.pipeline_parallel_schedule = "1F1B"
     job.parallelism.pipeline_parallel_microbatch_size = 1
 
     def native(part, dims, job):
         part = parallelize_llama(part, dims, job)
-        for m in part.modules():  # gloo has no PREMUL_SUM, the op of torchtitan's divide factor 1
-            if isinstance(m, FSDPModule):
-                m.set_force_sum_reduction_for_comms(True)
+        _force_sum(part)
         return part
 
     def attached(part, dims, job):
