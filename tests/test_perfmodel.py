@@ -239,14 +239,14 @@ def test_fsdps_collectives_launch_nothing_beyond_fsdp2s_own():
 
 
 def test_the_h200_launch_cost_is_sdp4bits_wait_for_the_host_beyond_fsdps_over_the_launches_it_adds():
-    from qsdp.perfmodel import launches as ln
+    from qsdp.perfmodel import host_cost, launches as ln
 
     gpu, wall = ln.H200_CODEC_SHARE["sdp4bit"]
     base_gpu, base_wall = ln.H200_CODEC_SHARE["fsdp"]
     shards = [ln.CODEC_SHARE_SHARD] * len(ln.CODEC_SHARE_GROUPS)
-    added = ln.step_launches("sdp4bit", shards, 2, 4, ln.CODEC_SHARE_GROUPS)
-    assert ln.launch_cost_us() == pytest.approx(((wall - gpu) - (base_wall - base_gpu)) * 1e3 / added)
-    assert round(ln.launch_cost_us(), 1) == ln.H200_LAUNCH_US == pm.HARDWARE["h200"].launch_us
+    added = host_cost.step_launches("sdp4bit", shards, 2, 4, ln.CODEC_SHARE_GROUPS)
+    assert host_cost.launch_cost_us() == pytest.approx(((wall - gpu) - (base_wall - base_gpu)) * 1e3 / added)
+    assert round(host_cost.launch_cost_us(), 1) == ln.H200_LAUNCH_US == pm.HARDWARE["h200"].launch_us
 
 
 def _step(launch_us: float, host_staged: bool = False) -> dict:

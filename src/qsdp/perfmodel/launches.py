@@ -8,16 +8,11 @@ launch (``Hardware.launch_us``), added to the step (:func:`qsdp.perfmodel.simula
 
 The counts are data, here alone (:data:`LAUNCHES`, :data:`TWO_LEVEL_PER_SLICE`), to be replaced
 by a census of the launches when one is measured. The cost per launch of the H200 host
-(:data:`H200_LAUNCH_US`) is what :func:`launch_cost_us` finds in one measurement of ``qsdp bench
-codec-share`` on one H200 (:data:`H200_CODEC_SHARE`): each preset's step waits for the host by
-its wall time less its GPU time; ``sdp4bit``'s wait beyond ``fsdp``'s, divided by the launches
-its collectives add to a step (:func:`step_launches`), is the cost of one launch with the Python
-around it.
+(:data:`H200_LAUNCH_US`) is what :func:`qsdp.perfmodel.host_cost.launch_cost_us` finds in one
+measurement of ``qsdp bench codec-share`` on one H200 (:data:`H200_CODEC_SHARE`).
 """
 
 from __future__ import annotations
-
-from typing import Mapping, Sequence
 
 # Kernel launches per call of each comm step (qsdp.perfmodel.CALLS) on the GPU path, beyond
 # FSDP2's own collective, counted by reading the CUDA path of qsdp.comm at commit c14eb26. A
@@ -59,33 +54,3 @@ def two_level_launches(slices: int, first: bool) -> int:
     """Launches of one exchange of a two-level reduce-scatter carrying ``slices`` rounding
     slices; ``first``: the group's first exchange, which also carries the group's own."""
     return TWO_LEVEL_PER_SLICE * slices + (LAUNCHES["two_level_slice"] if first else 0)
-
-
-def step_launches(preset: str, shards: Sequence[int], nodes: int, ranks_per_node: int,
-                  gathers: Sequence[int]) -> int:
-    """Kernel launches the collectives of one step of ``preset`` add (the sum of
-    ``Collective.launches``), for groups of ``shards`` gathered ``gathers`` times."""
-    from .collectives import step_collectives
-
-    return sum(c.launches for c in step_collectives(preset, shards, nodes, ranks_per_node, gathers=list(gathers)))
-
-
-def launch_cost_us(measured: Mapping[str, tuple[float, float]] = H200_CODEC_SHARE, preset: str = "sdp4bit",
-                   baseline: str = "fsdp") -> float:
-    """Microseconds of host per launch: ``preset``'s wait for the host (wall less GPU time)
-    beyond ``baseline``'s, over the launches its collectives add beyond ``baseline``'s, in a step
-    of the codec-share measurement (:data:`H200_CODEC_SHARE`)."""
-    d, m = CODEC_SHARE_WORLD
-    shards = [CODEC_SHARE_SHARD] * len(CODEC_SHARE_GROUPS)
-
-    def wait_ms(p: str) -> float:
-        gpu, wall = measured[p]
-        return wall - gpu
-
-    def launches(p: str) -> int:
-        return step_launches(p, shards, d, m, CODEC_SHARE_GROUPS)
-
-    extra = launches(preset) - launches(baseline)
-    if extra <= 0:
-        raise ValueError(f"{preset} adds no launches to {baseline}'s step: nothing to divide its host time over")
-    return (wait_ms(preset) - wait_ms(baseline)) * 1e3 / extra
