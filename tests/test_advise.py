@@ -237,3 +237,48 @@ def _measure_one_node(rank, world):
 
 def test_measure_on_one_node_says_it_needs_two():
     assert all("at least 2 nodes" in m for m in run_world(_measure_one_node, 2, local_world_size=2))
+
+
+# ----------------------------------------------------------------------------- the host's launches
+
+
+def _rows(r: dict) -> dict:
+    return {(row["layout"], row["preset"]): row for row in r["rows"]}
+
+
+def test_at_400_gbit_with_the_h200_hosts_launch_cost_sdp4bit_costs_more_than_it_saves():
+    r = adv.advise(int(7e9), 4, gpu="h200", link_gbit_per_gpu=400)
+    rows = _rows(r)
+    sdp, fsdp = rows["fsdp", "sdp4bit"], rows["fsdp", "fsdp"]
+    assert r["launch_us"] == pm.HARDWARE["h200"].launch_us > 0
+    assert sdp["step_ms"] > fsdp["step_ms"] and sdp["limit"] == "host"
+    assert "quantization costs more than it saves" in sdp["why"]
+    assert (r["recommendation"]["layout"], r["recommendation"]["preset"]) != ("fsdp", "sdp4bit")
+
+
+def test_at_10_gbit_quantizing_still_pays_with_the_host_priced():
+    r = adv.advise(int(1.3e9), 4, gpu="h200", link_gbit=10)
+    rows = _rows(r)
+    assert rows["fsdp", "sdp4bit"]["host_ms"] > 0
+    assert rows["fsdp", "sdp4bit"]["step_ms"] < rows["fsdp", "fsdp"]["step_ms"]
+    assert r["recommendation"]["preset"] != "fsdp" and r["recommendation"]["speedup_over_unquantized"] > 1.5
+
+
+def test_with_no_host_cost_the_old_answers_hold():
+    r = adv.advise(int(7e9), 4, gpu="h200", link_gbit_per_gpu=400, launch_us=0)
+    assert all(row["host_ms"] == 0 for row in r["rows"])
+    assert all(row["step_ms"] == pytest.approx(row["compute_ms"] + row["comm_ms"]) for row in r["rows"])
+    rows = _rows(r)
+    assert rows["fsdp", "sdp4bit"]["step_ms"] < rows["fsdp", "fsdp"]["step_ms"]
+    assert "costs more than it saves" not in rows["fsdp", "sdp4bit"]["why"]
+    assert r["recommendation"]["preset"] != "fsdp"
+
+
+def test_the_command_takes_the_host_cost_per_launch(capsys):
+    assert cli_main(["advise", "--params", "1.3B", "--nodes", "4", "--gpu", "h200", "--link", "400gbit",
+                     "--launch-us", "0", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["launch_us"] == 0 and r["launch_source"] == "given"
+    assert all(row["host_ms"] == 0 for row in r["rows"])
+    assert cli_main(["advise", "--params", "1.3B", "--nodes", "4", "--gpu", "h200", "--link", "400gbit"]) == 0
+    assert "us per kernel launch of the collectives (measured on the h200's host)" in capsys.readouterr().out

@@ -4,9 +4,11 @@ profile arithmetic, and the measurement of a tiny GPT."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qsdp.bench import codec_share
 from qsdp.bench.codec_share import STEP_RANGE, ShareSpec, Span, profile_times
@@ -141,6 +143,39 @@ def test_sdp4bits_codec_steps_take_a_share_of_a_cpu_step():
     assert set(row["by_step_ms"]) == {"hadamard_quantize", "dequantize_requantize", "dequantize_accumulate",
                                       "weight_difference_quantize", "replica_update", "replica_fill"}
     assert row["codec_kernels"] == "torch"
+
+
+class _Dispatched(TorchDispatchMode):
+    """The aten ops dispatched while it is on, by name (real tensors, real kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# A tensor made from host data (torch.tensor of a list): on a GPU a blocking host-to-device copy.
+HOST_COPY = "aten.lift_fresh.default"
+
+
+def test_a_steady_step_makes_no_host_copy_the_real_path_does_not():
+    # The comm objects build their exchange index once; one rank's step must not build one per call.
+    state = codec_share.OneRankStep(TINY, "sdp4bit")
+    state.step()
+    with _Dispatched() as seen:
+        state.step()
+    assert seen.ops[HOST_COPY] == 0
+
+
+def test_the_wall_time_over_the_profiled_step_is_reported_per_preset():
+    row = codec_share.measure(TINY, "zeropp")
+    assert row["wall_over_step"] == pytest.approx(row["wall_step_ms"] / row["step_ms"])
+    table = codec_share.format_table({**dataclasses.asdict(TINY), "n_params": row["n_params"], "time": "host time",
+                                      "presets": {"zeropp": row}})
+    assert "wall/step" in table and f"{row['wall_over_step']:.2f}x" in table
 
 
 def test_a_preset_that_quantizes_nothing_has_no_share():

@@ -185,6 +185,16 @@ def test_overlap_hides_communication():
     assert b["step_ms"]["fsdp"] >= b["breakdown_ms"]["fsdp"]["compute_s"]
 
 
+def test_a_host_cost_per_launch_adds_the_collectives_launches_to_each_step(capsys):
+    none = sim.run(["h800"], models=["1.3B"], scale_gpus=[])["cases"][0]
+    assert all(b["host_s"] == 0 for b in none["breakdown_ms"].values())  # the paper's GPU types: not priced
+    assert sim.main(["--gpu", "h800", "--models", "1.3B", "--scale-gpus", "16", "--launch-us", "100", "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out)["cases"][0]
+    assert priced["breakdown_ms"]["fsdp"]["host_s"] == 0  # FSDP2's own collectives launch nothing more
+    host = priced["breakdown_ms"]["sdp4bit"]["host_s"]
+    assert host > 0 and priced["step_ms"]["sdp4bit"] == pytest.approx(none["step_ms"]["sdp4bit"] + host)
+
+
 def test_kernel_benchmark_file_sets_quantization_speed(tmp_path, capsys):
     fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
     fast.write_text(json.dumps({"kernels": {"quantize": {"gbps": 5000}, "dequantize": {"gbps": 5000}}}))

@@ -217,3 +217,50 @@ def test_the_advisor_prices_each_exchange_the_rule_leaves_with_its_latency():
     assert auto["weights_s"] == eight["weights_s"]
     rows = {(r["layout"], r["preset"]): r for r in advise(None, 2, 8, shape=small)["rows"]}
     assert rows[("fsdp", "sdp4bit")]["comm_ms"] == pytest.approx(1e3 * auto["comm_s"])
+
+
+# ----------------------------------------------------------------------------- the host on a GPU
+
+
+def _group_launches(preset: str, host_staged: bool) -> int:
+    colls = pm.step_collectives(preset, [1 << 22], 2, 4, gathers=0, host_staged=host_staged)
+    return sum(c.launches for c in colls if c.kind == "grads")
+
+
+def test_a_two_level_reduce_scatter_launches_per_group_and_per_slice_however_its_exchanges_travel():
+    assert _group_launches("zeropp", host_staged=False) == 6 + 9  # one rounding slice
+    # eight slices: in several exchanges on GPUs, one on gloo; the same launches
+    assert _group_launches("sdp4bit", host_staged=False) == _group_launches("sdp4bit", host_staged=True) == 6 + 9 * 8
+
+
+def test_fsdps_collectives_launch_nothing_beyond_fsdp2s_own():
+    colls = pm.step_collectives("fsdp", [4096] * 3, 2, 4)
+    assert colls and all(c.launches == 0 for c in colls)
+
+
+def test_the_h200_launch_cost_is_sdp4bits_wait_for_the_host_beyond_fsdps_over_the_launches_it_adds():
+    from qsdp.perfmodel import host_cost, launches as ln
+
+    gpu, wall = ln.H200_CODEC_SHARE["sdp4bit"]
+    base_gpu, base_wall = ln.H200_CODEC_SHARE["fsdp"]
+    shards = [ln.CODEC_SHARE_SHARD] * len(ln.CODEC_SHARE_GROUPS)
+    added = host_cost.step_launches("sdp4bit", shards, 2, 4, ln.CODEC_SHARE_GROUPS)
+    assert host_cost.launch_cost_us() == pytest.approx(((wall - gpu) - (base_wall - base_gpu)) * 1e3 / added)
+    assert round(host_cost.launch_cost_us(), 1) == ln.H200_LAUNCH_US == pm.HARDWARE["h200"].launch_us
+
+
+def _step(launch_us: float, host_staged: bool = False) -> dict:
+    hw = dataclasses.replace(pm.HARDWARE["h200"], launch_us=launch_us, host_staged=host_staged)
+    setup = pm.fsdp2_setup("h200", 2, 8, pm.gpt_shape(int(1.3e9)))
+    return pm.simulate_step(setup, "sdp4bit", hw)
+
+
+def test_a_gpu_step_adds_its_collectives_launches_times_the_host_cost_of_one():
+    r, free = _step(100.0), _step(0.0)
+    assert r["launches"] > 0 and r["host_s"] == pytest.approx(r["launches"] * 100e-6)
+    assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_comm_s"] + r["host_s"])
+    assert free["host_s"] == 0 and r["step_s"] - free["step_s"] == pytest.approx(r["host_s"])
+
+
+def test_a_host_staged_step_prices_no_launches_its_measured_host_time_holds_them():
+    assert _step(100.0, host_staged=True)["host_s"] == 0

@@ -99,7 +99,8 @@ def advise(params: int | None, nodes: int, ranks_per_node: int | None = None, gp
            shape: Mapping[str, int] | None = None, link_gbit: float | None = None,
            link_gbit_per_gpu: float | None = None, intra_gbps: float | None = None,
            kernels: Mapping[str, float] | None = None, seq_len: int = SEQ_LEN, micro_batch: int = 1,
-           overlap: float = 0.0, margin: float = 0.05, measured: bool = False) -> dict[str, Any]:
+           overlap: float = 0.0, margin: float = 0.05, measured: bool = False,
+           launch_us: float | None = None) -> dict[str, Any]:
     """The predictions and the recommendation as a JSON-ready dict (times in ms, bytes in GB per
     GPU per step), for a model of ``params`` parameters (a GPT shape is chosen) or of the given
     ``shape``, on ``nodes`` x ``ranks_per_node`` GPUs (default: the type's per node).
@@ -109,9 +110,11 @@ def advise(params: int | None, nodes: int, ranks_per_node: int | None = None, gp
     link, in Gbit/s as the collectives achieve it, as :func:`qsdp.perfmodel.predict_step` takes
     it: ``link_gbit`` one node's, or ``link_gbit_per_gpu`` one GPU's share (``measured``: that
     share was measured); default: the GPU type's NICs. ``intra_gbps``: a GPU's intra-node GB/s
-    (default: the type's NVLink). Every row names what limits it (``limit``, ``why``)."""
+    (default: the type's NVLink). ``launch_us``: the host's time per kernel launch of a comm step
+    (default: the GPU type's, measured on its host where known, else 0: not priced). Every row
+    names what limits it (``limit``, ``why``)."""
     hw = cluster_hardware(gpu, ranks_per_node, link_gbit=link_gbit, link_gbit_per_gpu=link_gbit_per_gpu,
-                          intra_gbps=intra_gbps)
+                          intra_gbps=intra_gbps, launch_us=launch_us)
     m = hw.gpus_per_node
     shape = dict(shape) if shape is not None else gpt_shape(int(params or 0))
     setup = fsdp2_setup(hw.name, nodes, m, shape, seq_len=seq_len, micro_batch=micro_batch)
@@ -125,7 +128,7 @@ def advise(params: int | None, nodes: int, ranks_per_node: int | None = None, gp
             r = simulate_hsdp_step(setup, p, hw, overlap=overlap, kernels=kernels)
             rows.append(_row("hsdp", p, r, params / m, hw))
     for row in rows:
-        row["why"] = _why(row, rows, hw)
+        row["why"] = _why(row, rows, hw) + _host_verdict(row, rows)
         del row["parts"]
     source = ("measured" if measured else "given per GPU" if link_gbit_per_gpu
               else "given per node" if link_gbit else "default")
@@ -134,7 +137,8 @@ def advise(params: int | None, nodes: int, ranks_per_node: int | None = None, gp
         link.update(nics=hw.nics, nic_gbit=hw.nic_gbit, efficiency=hw.link_efficiency)
     return {"params": params, "shape": shape, "nodes": nodes, "ranks_per_node": m, "gpu": hw.name,
             "memory_gb": hw.memory_gb, "link": link, "intra_gbps_per_gpu": hw.intra_gbps,
-            "intra_source": "given" if intra_gbps else "default", "seq_len": seq_len,
+            "intra_source": "given" if intra_gbps else "default", "launch_us": hw.launch_us,
+            "launch_source": "given" if launch_us is not None else "default", "seq_len": seq_len,
             "micro_batch": micro_batch, "overlap": overlap, "rows": rows, "recommendation": _recommend(rows, margin)}
 
 
@@ -146,9 +150,10 @@ def _row(layout: str, preset: str, r: Mapping[str, Any], params_per_gpu: float, 
     parts = r["parts"]
     return {"layout": layout, "preset": preset, "quantized": preset != "fsdp",
             "step_ms": 1e3 * r["step_s"], "compute_ms": 1e3 * r["compute_s"], "comm_ms": 1e3 * r["comm_s"],
+            "host_ms": 1e3 * r["host_s"], "launches": r["launches"],
             "nic_gb_per_gpu": parts["nic_bytes"] / 1e9, "intra_gb_per_gpu": parts["intra_bytes"] / 1e9,
             "state_gb_per_gpu": state_gb, "replica_gb_per_gpu": replica / 1e9, "fits": fits,
-            "limit": limit(parts, r["compute_s"], r["comm_s"], fits), "parts": parts}
+            "limit": limit(parts, r["compute_s"], r["comm_s"] + r["host_s"], fits), "parts": parts}
 
 
 def _why(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], hw: Hardware) -> str:
@@ -176,9 +181,23 @@ def _why(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], hw: Hardware
         replicas = f"; {fill:.2f} GB of them the node replicas' exact weights" if fill else ""
         return (f"intra-node bytes: {row['intra_gb_per_gpu']:.2f} GB over the intra-node link ({ms('intra_s')} "
                 f"at {hw.intra_gbps:g} GB/s){replicas}")
+    if kind == "host":
+        return (f"host: its collectives launch {row['launches']} kernels a step, {hw.launch_us:g} us of host "
+                f"each ({ms('host_s')}), while the GPU waits")
     if kind == "codec":
         return f"codec time: {ms('codec_s')} quantizing and dequantizing"
     return f"latency: {ms('latency_s')} of per-message latency (small messages, many peers)"
+
+
+def _host_verdict(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
+    """For a quantized row that would be faster than its layout's unquantized one but for the
+    host's time launching its kernels: say so."""
+    base = next(r for r in rows if r["layout"] == row["layout"] and r["preset"] == "fsdp")
+    saved = base["step_ms"] - (row["step_ms"] - row["host_ms"])
+    if not row["quantized"] or saved <= 0 or row["step_ms"] <= base["step_ms"]:
+        return ""
+    return (f"; quantization costs more than it saves here: {row['host_ms']:.0f} ms of host time for "
+            f"{saved:.0f} ms saved over {_name(base)}")
 
 
 def _recommend(rows: Sequence[Mapping[str, Any]], margin: float) -> dict[str, Any]:
@@ -260,10 +279,11 @@ def format_text(result: Mapping[str, Any]) -> str:
              f"{result['nodes']} nodes x {result['ranks_per_node']} {result['gpu']}{memory}, "
              f"sequence {result['seq_len']} x {result['micro_batch']} per GPU",
              f"{_link_text(result)}; intra-node: {result['intra_gbps_per_gpu']:g} GB/s per GPU ({intra})",
-             ""]
-    rows = [("setup", "step ms", "comm ms", "NIC GB", "intra GB", "state GB", "limited by")]
+             f"host: {_host_text(result)}", ""]
+    rows = [("setup", "step ms", "comm ms", "host ms", "NIC GB", "intra GB", "state GB", "limited by")]
     for r in result["rows"]:
-        rows.append((_name(r), f"{r['step_ms']:.1f}", f"{r['comm_ms']:.1f}", f"{r['nic_gb_per_gpu']:.2f}",
+        rows.append((_name(r), f"{r['step_ms']:.1f}", f"{r['comm_ms']:.1f}", f"{r['host_ms']:.1f}",
+                     f"{r['nic_gb_per_gpu']:.2f}",
                      f"{r['intra_gb_per_gpu']:.2f}", f"{r['state_gb_per_gpu']:.2f}", r["limit"]))
     lines += aligned(rows)
     rec = result["recommendation"]
@@ -276,6 +296,16 @@ def format_text(result: Mapping[str, Any]) -> str:
               "NIC GB, intra GB: bytes per GPU per step on each link (a ring passes every chunk over the intra-node "
               "link); state: fp32 weights, gradients and Adam moments, sharded, plus weight-difference replicas"]
     return "\n".join(lines)
+
+
+def _host_text(result: Mapping[str, Any]) -> str:
+    us = result["launch_us"]
+    if not us and result["launch_source"] == "given":
+        return "not priced (--launch-us 0)"
+    if not us:
+        return "not priced (no host cost per kernel launch measured for this GPU type; --launch-us sets one)"
+    source = "given" if result["launch_source"] == "given" else f"measured on the {result['gpu']}'s host"
+    return f"{us:g} us per kernel launch of the collectives ({source})"
 
 
 def _gpu_list() -> str:
@@ -317,6 +347,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=number(0, low_open=True), help="--gpu custom: memory per GPU, GB (default: not checked)")
     p.add_argument("--mfu", type=number(0, 1, low_open=True), help="--gpu custom: model FLOPs utilisation (default 0.4)")
     p.add_argument("--kernels", metavar="FILE", help="kernel speeds (qsdp bench kernels --save FILE)")
+    p.add_argument("--launch-us", type=number(0), default=None,
+                   help="the host's time per kernel launch of a collective, us, the Python around it included "
+                        "(default: the GPU type's: measured for h200, else 0, not priced)")
     p.add_argument("--seq-len", type=number(1, 1 << 24, integer=True), default=SEQ_LEN)
     p.add_argument("--micro-batch", type=number(1, 1 << 20, integer=True), default=1, help="sequences per GPU per step")
     p.add_argument("--overlap", type=number(0, 1), default=0.0, help="fraction of compute that hides communication")
@@ -398,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = advise(params, args.nodes, args.ranks_per_node, gpu, shape=shape, link_gbit=rates["link"],
                     link_gbit_per_gpu=per_gpu, intra_gbps=intra_gbps, kernels=kernels, seq_len=args.seq_len,
                     micro_batch=args.micro_batch, overlap=args.overlap, margin=args.margin,
-                    measured=measured is not None)
+                    measured=measured is not None, launch_us=args.launch_us)
     result["meta"] = {"command": "qsdp advise " + " ".join(argv if argv is not None else sys.argv[1:]),
                       "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                       "device": "analytic model" + (" + measured all-gather" if measured else "")}

@@ -62,6 +62,7 @@ BENCHMARKS = {
     "kernels": "qsdp.bench.kernels",
     "codecs": "qsdp.bench.codecs",
     "codec-share": "qsdp.bench.codec_share",
+    "host-time": "qsdp.bench.host_time",
     "memory": "qsdp.bench.memory",
     "phases": "qsdp.bench.phases",
 }

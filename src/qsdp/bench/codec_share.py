@@ -18,7 +18,9 @@ under ``torch.profiler``:
 * on CPU (the torch reference codecs, on one thread), the host time of the ``qsdp.codec.*``
   ranges over that of the steps.
 
-``share`` = qsdp's time / the step's, also per codec step (the ranges are named after the
+``wall_over_step`` = the wall time of a step (timed apart, unprofiled) / the step's profiled
+time: on CUDA, above 1 by the time the GPU waits for the host. ``share`` = qsdp's time / the
+step's, also per codec step (the ranges are named after the
 workloads of ``qsdp bench kernels`` where one matches). The step measured here has no collective
 (device copies of the rank's own rows stand in for what each delivers, far shorter than a
 transfer) and none of FSDP2's copies into and out of the gathered buffers, so a real rank's step
@@ -243,6 +245,8 @@ def _measure(spec: ShareSpec, preset: str) -> dict[str, Any]:
         "by_step_ms": {k: v * per for k, v in sorted(t["by_step"].items())},
         "by_step_share": {k: v / t["step_us"] for k, v in sorted(t["by_step"].items())} if t["step_us"] else {},
         "wall_step_ms": wall * 1e3, "loss": float(loss), "codec_kernels": implementations_run(reset=True),
+        # Above 1 by what the step waits for beyond its profiled time: on a GPU, the host.
+        "wall_over_step": wall * 1e3 / (t["step_us"] * per) if t["step_us"] else None,
     }
     if gpu:
         row.update(triton_ms=t["triton_us"] * per, triton_share=t["triton_us"] / t["step_us"] if t["step_us"] else None,
@@ -268,11 +272,12 @@ def measure_many(spec: ShareSpec, presets: Sequence[str], log=None) -> dict[str,
 
 def format_table(result: dict[str, Any]) -> str:
     steps = sorted({k for r in result["presets"].values() for k in r["by_step_ms"]})
-    head = ("preset", "step ms", "qsdp ms", "share", *steps)
+    head = ("preset", "step ms", "wall ms", "wall/step", "qsdp ms", "share", *steps)
     lines: list[Sequence[str]] = [head]
     for p, r in result["presets"].items():
         share = "n/a" if r["share"] is None else f"{r['share']:.2%}"
-        lines.append((p, f"{r['step_ms']:.2f}", f"{r['qsdp_ms']:.2f}", share,
+        ratio = "n/a" if r["wall_over_step"] is None else f"{r['wall_over_step']:.2f}x"
+        lines.append((p, f"{r['step_ms']:.2f}", f"{r['wall_step_ms']:.2f}", ratio, f"{r['qsdp_ms']:.2f}", share,
                       *(f"{r['by_step_share'].get(k, 0.0):.2%}" for k in steps)))
     title = (f"one rank (rank {result['rank']} of {result['nodes']} x {result['ranks_per_node']}) of GPT "
              f"'{result['model']}' ({result['n_params'] / 1e6:.0f}M), {result['batch_size']} x {result['seq_len']} "

@@ -136,6 +136,10 @@ class RankReduceScatter:
         self.world = nodes * ranks_per_node
         self.node, self.local = divmod(rank, ranks_per_node)
         self.calls = 0
+        # Built once, as the comm objects hold theirs: its exchange index is made on the device
+        # at the first call and reused (a new one per call would add a host-to-device copy,
+        # blocking on a GPU, that the real path does not make).
+        self.topology = Topology.contiguous(nodes, ranks_per_node, rank)
 
     def _seed(self, *parts: int) -> int:
         return derive_seed(self.cfg.seed, self.comm_id, self.calls, self.rank, *parts)
@@ -165,7 +169,7 @@ class RankReduceScatter:
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
         out = torch.empty(lp, dtype=torch.float32, device=grads.device)
-        order = Topology.contiguous(d, m).exchange_index(grads.device)
+        order = self.topology.exchange_index(grads.device)
         for k, (a, b) in enumerate(pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)):
             with _codec(_encode_step(hop1)):
                 send = hop1.encode(destination_major(grads, order, a, b), seed=self._seed(4, k))

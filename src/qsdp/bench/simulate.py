@@ -100,7 +100,8 @@ def _case(setup: Setup, hw: Hardware, presets: Sequence[str], overlap: float, ke
         "dp_nodes": nodes, "dp_ranks_per_node": m,
         "params": model_params(setup.gpt()),
         "step_ms": {p: 1e3 * r["step_s"] for p, r in steps.items()},
-        "breakdown_ms": {p: {k: 1e3 * r[k] for k in ("compute_s", "weights_s", "grads_s", "kernels_s", "exposed_comm_s")}
+        "breakdown_ms": {p: {k: 1e3 * r[k] for k in ("compute_s", "weights_s", "grads_s", "kernels_s", "exposed_comm_s",
+                                                              "host_s")}
                          for p, r in steps.items()},
         "bytes_per_step": {p: r["bytes"] for p, r in steps.items()},
         "speedup": {p: base / r["step_s"] for p, r in steps.items()},
@@ -264,6 +265,8 @@ def _format_hsdp(result: dict[str, Any]) -> list[str]:
 _HW_FLAGS = {
     "gpus_per_node": int, "tflops": float, "mfu": float, "hbm_gbps": float, "intra_gbps": float,
     "inter_gbps": float, "intra_latency_us": float, "inter_latency_us": float, "quant_hbm_fraction": float,
+    # the host's time per kernel launch of a collective (0 on the paper's GPU types: not priced)
+    "launch_us": float,
 }
 
 

@@ -22,6 +22,7 @@ from ..comm.reduce_scatter import (exchange_groups, exchange_min_bytes, grad_cod
                                     real_elements, slice_bytes)
 from ..comm.weight_codec import weight_codec
 from ..config import QuantConfig, resolve_config
+from .launches import HSDP_ALL_REDUCE, LAUNCHES, two_level_launches
 
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
@@ -50,6 +51,8 @@ class Collective:
     ``call``: the step of a comm object this collective starts (one of :data:`CALLS`), whose fixed
     host cost a measured ``Hardware.call_us`` prices; ``None`` for one that continues the step
     before it (the second hop of a two-level exchange) or has no such step (HSDP's all-reduce).
+    ``launches``: the kernels its comm step launches on a GPU beyond FSDP2's own collective
+    (:mod:`qsdp.perfmodel.launches`), whose host time ``Hardware.launch_us`` prices.
     """
 
     kind: str
@@ -65,6 +68,7 @@ class Collective:
     pipeline: int | None = None
     hop: int = 0
     call: str | None = None
+    launches: int = 0
 
 
 def _gathers_per_group(gathers: int | Sequence[int] | None, n_groups: int, zero3: bool) -> list[int]:
@@ -124,7 +128,8 @@ def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: i
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
         lp = hop1.padded_len(s)
         bounds = pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)
-        for group in exchange_groups(slice_bytes(hop1, hop2, bounds, world, d), exchange_min_bytes(g, host_staged)):
+        exchanges = exchange_groups(slice_bytes(hop1, hop2, bounds, world, d), exchange_min_bytes(g, host_staged))
+        for j, group in enumerate(exchanges):
             slices = [bounds[k] for k in group]  # one exchange per hop carries them side by side
             width = sum(b - a for a, b in slices)
             real = sum(real_elements(a, b, s) for a, b in slices)
@@ -132,7 +137,7 @@ def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: i
                 "grads", "a2a_intra", d * sum(hop1.row_nbytes(b - a) for a, b in slices), d * real, m - 1, 0,
                 quantize=world * width, dequantize=world * width, hp_bytes=grad_bytes,
                 hadamard=bool(hop1.hadamard_block and not hop1.exact), pipeline=gi, hop=1,
-                call="two_level_slice",
+                call="two_level_slice", launches=two_level_launches(len(group), first=j == 0),
             ))
             out.append(Collective(
                 "grads", "a2a_inter", sum(hop2.row_nbytes(b - a) for a, b in slices), real, 0, d - 1,
@@ -199,7 +204,14 @@ def step_collectives(
         out.append(Collective("control", "allreduce", 8 * len(shard_sizes), 0, intra, inter, call="agreement"))
 
     out += _grad_collectives(cfg, shard_sizes, d, m, grad_bytes, host_staged)
-    return out
+    return [_launching(c) for c in out]
+
+
+def _launching(c: Collective) -> Collective:
+    """``c`` with the launches of its comm step (a two-level exchange's are set where it is built)."""
+    if c.call is None or c.call == "two_level_slice":
+        return c
+    return dataclasses.replace(c, launches=LAUNCHES[c.call])
 
 
 def _per_link(collectives: Sequence[Collective], amount: Callable[[Collective], int]) -> dict[str, dict[str, int]]:
@@ -287,8 +299,9 @@ def hsdp_collectives(
         codec = hsdp_codec(cfg.hsdp)
         length = chunk_len(s, d, codec)
         row = codec.row_nbytes(length)
+        first, second = HSDP_ALL_REDUCE
         out.append(Collective("grads", "a2a_inter", row, length, 0, d - 1, quantize=d * length,
-                              dequantize=d * length, hadamard=bool(codec.hadamard_block)))
+                              dequantize=d * length, hadamard=bool(codec.hadamard_block), launches=first))
         out.append(Collective("grads", "a2a_inter", row, length, 0, d - 1, quantize=length,
-                              dequantize=d * length))
+                              dequantize=d * length, launches=second))
     return out

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from .launches import H200_LAUNCH_US
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -26,6 +28,9 @@ class Hardware:
     codecs priced one by one.
     ``inter_burst_bytes``: a shaped inter-node link's token bucket, a GPU's share (bytes that
     pass at once after the link was idle long enough to refill it at ``inter_gbps``).
+    ``launch_us``: the host's time per kernel launch of a comm step on a GPU, the Python around
+    it included (:mod:`qsdp.perfmodel.launches`); the GPU waits for it, so a step adds its
+    collectives' launches times this (0: not priced).
     ``memory_gb``: one GPU's memory (0: not known). ``nics`` x ``nic_gbit``: a node's NICs and
     the line rate of each, of which the collectives achieve ``link_efficiency``; ``inter_gbps``
     is that, a GPU's share, in GB/s."""
@@ -46,6 +51,7 @@ class Hardware:
     call_us: Mapping[str, float] = field(default_factory=dict)
     call_ns_per_element: Mapping[str, float] = field(default_factory=dict)
     inter_burst_bytes: float = 0.0
+    launch_us: float = 0.0
     memory_gb: float = 0.0
     nics: int = 0
     nic_gbit: float = 0.0
@@ -90,13 +96,16 @@ HARDWARE: dict[str, Hardware] = {
     "h200": Hardware(
         name="h200", gpus_per_node=8, tflops=989.0, mfu=0.40, hbm_gbps=4800.0,
         intra_gbps=360.0, inter_gbps=40.0, intra_latency_us=3.0, inter_latency_us=8.0,
-        memory_gb=141.0, nics=8, nic_gbit=400.0, link_efficiency=NIC_EFFICIENCY,
+        memory_gb=141.0, nics=8, nic_gbit=400.0, link_efficiency=NIC_EFFICIENCY, launch_us=H200_LAUNCH_US,
         notes=(
             "8 H200-SXM per node (HGX H200)",
             "NVLink4 as H100: 360 GB/s per GPU per direction effective (assumed)",
             "inter-node one 400 Gb/s NIC per GPU (8 per node, the usual HGX H200 build; assumed) "
             "at 80% efficiency: 40 GB/s per GPU",
             "989 TFLOP/s bf16 dense peak (H100's compute), MFU 0.40 (assumed), HBM3e 4800 GB/s, 141 GB",
+            f"host: {H200_LAUNCH_US:g} us per kernel launch of a comm step, measured on one H200 "
+            "(qsdp bench codec-share: sdp4bit's wall time beyond its GPU time, less fsdp's, over "
+            "the launches its collectives add)",
         ),
     ),
     "h800": Hardware(
@@ -137,13 +146,14 @@ def custom_hardware(ranks_per_node: int, *, tflops: float, hbm_gbps: float, intr
 
 def cluster_hardware(gpu: str | Hardware = "h800", ranks_per_node: int | None = None, *,
                      link_gbit: float | None = None, link_gbit_per_gpu: float | None = None,
-                     link_latency_us: float | None = None, intra_gbps: float | None = None) -> Hardware:
+                     link_latency_us: float | None = None, intra_gbps: float | None = None,
+                     launch_us: float | None = None) -> Hardware:
     """``HARDWARE[gpu]`` (or the given ``Hardware``) with nodes of ``ranks_per_node`` GPUs
     (default: the type's) and, where given, the measured or stated links: ``link_gbit`` is one
     node's inter-node link in Gbit/s per direction as the collectives achieve it (shared by its
     GPUs: each gets ``link_gbit / 8 / ranks_per_node`` GB/s), ``link_gbit_per_gpu`` the same as
     one GPU's share, ``link_latency_us`` its latency per step, ``intra_gbps`` a GPU's intra-node
-    GB/s."""
+    GB/s, ``launch_us`` the host's time per kernel launch of a comm step (0: not priced)."""
     if isinstance(gpu, Hardware):
         hw = gpu
     elif gpu in HARDWARE:
@@ -158,8 +168,9 @@ def cluster_hardware(gpu: str | Hardware = "h800", ranks_per_node: int | None = 
             raise ValueError(f"{name}={value} must be positive")
     if link_gbit is not None and link_gbit_per_gpu is not None:
         raise ValueError("give link_gbit (a node's) or link_gbit_per_gpu (a GPU's share), not both")
-    if link_latency_us is not None and link_latency_us < 0:
-        raise ValueError(f"link_latency_us={link_latency_us} must not be negative")
+    for name, value in (("link_latency_us", link_latency_us), ("launch_us", launch_us)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name}={value} must not be negative")
     changes: dict[str, float] = {"gpus_per_node": m}
     if link_gbit is not None:
         changes["inter_gbps"] = link_gbit / 8 / m
@@ -169,4 +180,6 @@ def cluster_hardware(gpu: str | Hardware = "h800", ranks_per_node: int | None = 
         changes["inter_latency_us"] = link_latency_us
     if intra_gbps is not None:
         changes["intra_gbps"] = intra_gbps
+    if launch_us is not None:
+        changes["launch_us"] = launch_us
     return dataclasses.replace(hw, **changes)

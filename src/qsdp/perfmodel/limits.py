@@ -13,7 +13,8 @@ that sends fewer bytes can still be slower than ``fsdp``.
 :func:`limit` names what bounds a step: ``memory`` (the state does not fit), ``compute``
 (communication is a small part of it), else the largest part of its communication: ``fan-out``
 (the inter-node link, most of whose bytes are an all-to-all's fan-out), ``link`` (the
-inter-node link), ``intra`` (the intra-node link), ``codec`` or ``latency``.
+inter-node link), ``intra`` (the intra-node link), ``codec``, ``latency`` or ``host`` (the
+host launching the collectives' kernels while the GPU waits: :mod:`qsdp.perfmodel.launches`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .collectives import Collective
 from .comm_time import link_bytes, wire_parts
 from .hardware import Hardware
 
-LIMITS = ("memory", "compute", "fan-out", "link", "intra", "codec", "latency")
+LIMITS = ("memory", "compute", "fan-out", "link", "intra", "codec", "latency", "host")
 # Communication under this fraction of the compute time leaves little for quantization to save.
 COMPUTE_BOUND = 0.1
 
@@ -37,11 +38,17 @@ def step_parts(collectives: Sequence[Collective], hw: Hardware, nodes: int, rank
     model charges them); ``a2a_nic_bytes`` (the part of ``nic_bytes`` that all-to-alls over the
     whole group send), ``a2a_ring_nic_bytes`` (what rings of the same rows would send) and
     ``a2a_inter_peers`` (the most ranks on other nodes one of them sends to);
-    ``replica_fill_bytes`` (intra-node bytes of the node replicas' exact fill)."""
+    ``replica_fill_bytes`` (intra-node bytes of the node replicas' exact fill); ``launches``
+    (the kernels the comm steps launch) and ``host_s`` (their host time, ``hw.launch_us`` each;
+    0 on host-staged hardware, whose measured host work is in its collectives' own time)."""
     m = ranks_per_node
     out = dict.fromkeys(("nic_s", "intra_s", "latency_s", "codec_s", "nic_bytes", "intra_bytes",
-                         "a2a_nic_bytes", "a2a_ring_nic_bytes", "a2a_inter_peers", "replica_fill_bytes"), 0.0)
+                         "a2a_nic_bytes", "a2a_ring_nic_bytes", "a2a_inter_peers", "replica_fill_bytes",
+                         "launches", "host_s"), 0.0)
     for c in collectives:
+        out["launches"] += c.launches
+        if not hw.host_staged:
+            out["host_s"] += c.launches * hw.launch_us * 1e-6
         intra, inter, _, latency = wire_parts(c, hw, nodes, m)
         tq, tdq = kernel_times(c, hw, kernels)
         out["nic_s"] += inter
@@ -72,7 +79,7 @@ def limit(parts: Mapping[str, float], compute_s: float, comm_s: float, fits: boo
         return "memory"
     if comm_s <= COMPUTE_BOUND * compute_s:
         return "compute"
-    largest = max(("nic_s", "intra_s", "codec_s", "latency_s"), key=lambda k: parts[k])
+    largest = max(("nic_s", "intra_s", "codec_s", "latency_s", "host_s"), key=lambda k: parts.get(k, 0.0))
     if largest == "nic_s":
         return "fan-out" if fan_out(parts) > 1.5 and 2 * parts["a2a_nic_bytes"] > parts["nic_bytes"] else "link"
-    return {"intra_s": "intra", "codec_s": "codec", "latency_s": "latency"}[largest]
+    return {"intra_s": "intra", "codec_s": "codec", "latency_s": "latency", "host_s": "host"}[largest]

@@ -5,8 +5,11 @@
   ``(m + PP - 1) / m`` for ``m`` micro-batches; or a measured compute time.
 * **Communication.** :func:`qsdp.perfmodel.comm_time.comm_time` of the step's collectives
   (:mod:`qsdp.perfmodel.collectives`), codec time included.
-* **Step.** ``compute + max(0, communication - overlap * compute)``: communication hides behind
-  at most ``overlap`` of the compute time.
+* **Host.** On a GPU the collectives' kernel launches times the host's cost per launch
+  (``Hardware.launch_us``, :mod:`qsdp.perfmodel.launches`): the GPU waits for the host between
+  the short codec kernels, so this time hides behind nothing.
+* **Step.** ``compute + max(0, communication - overlap * compute) + host``: communication hides
+  behind at most ``overlap`` of the compute time.
 
 :func:`predict_step` is the entry point for one job on one cluster; :func:`simulate_step` and
 :func:`simulate_hsdp_step` take a :class:`~qsdp.perfmodel.setup.Setup` and a
@@ -43,16 +46,20 @@ def _timed(colls: Sequence[Collective], hw: Hardware, ring_nodes: int, m: int, s
     comp = compute_time(setup, hw) if compute_s is None else compute_s
     comm = ct["weights"] + ct["grads"] + ct["control"]
     exposed = max(0.0, comm - overlap * comp)
-    return {"step_s": comp + exposed, "compute_s": comp, "comm_s": comm, "exposed_comm_s": exposed,
+    parts = step_parts(colls, hw, ring_nodes, m, kernels)
+    host = parts["host_s"]
+    return {"step_s": comp + exposed + host, "compute_s": comp, "comm_s": comm, "exposed_comm_s": exposed,
+            "host_s": host, "launches": int(parts["launches"]),
             "weights_s": ct["weights"], "grads_s": ct["grads"], "kernels_s": ct["kernels"],
-            "bytes": collective_bytes(colls), "parts": step_parts(colls, hw, ring_nodes, m, kernels)}
+            "bytes": collective_bytes(colls), "parts": parts}
 
 
 def simulate_step(setup: Setup, preset: str | QuantConfig, hw: Hardware, *, overlap: float = 0.0,
                   kernels: Mapping[str, float] | None = None, param_bytes: int = 2,
                   grad_bytes: int = 4, compute_s: float | None = None) -> dict[str, Any]:
     """Predicted fully sharded step and its parts, for one preset: seconds ``step_s``,
-    ``compute_s`` (``compute_s`` given: that), ``comm_s``, ``exposed_comm_s``, ``weights_s``,
+    ``compute_s`` (``compute_s`` given: that), ``comm_s``, ``exposed_comm_s``, ``host_s`` (the
+    host launching the collectives' kernels, ``launches`` of them), ``weights_s``,
     ``grads_s``, ``kernels_s`` (codec time, inside the two before); ``bytes`` one rank puts on
     the wire (:func:`~qsdp.perfmodel.collectives.step_bytes`); ``parts``: where the
     communication time goes (:func:`~qsdp.perfmodel.limits.step_parts`); ``replica_bytes`` its
@@ -86,6 +93,7 @@ def predict_step(preset: str | QuantConfig, params: int | None = None, nodes: in
                  shape: Mapping[str, int] | None = None, gpu: str | Hardware = "h800",
                  link_gbit: float | None = None, link_gbit_per_gpu: float | None = None,
                  link_latency_us: float | None = None, intra_gbps: float | None = None,
+                 launch_us: float | None = None,
                  kernels: Mapping[str, float] | None = None, hsdp: bool = False, seq_len: int = SEQ_LEN,
                  micro_batch: int = 1, overlap: float = 0.0, compute_s: float | None = None,
                  param_bytes: int = 2, grad_bytes: int = 4) -> dict[str, Any]:
@@ -98,7 +106,8 @@ def predict_step(preset: str | QuantConfig, params: int | None = None, nodes: in
     :data:`~qsdp.perfmodel.hardware.HARDWARE`, or a :class:`~qsdp.perfmodel.hardware.Hardware`),
     its links replaced where given: ``link_gbit`` (one node's inter-node link, Gbit/s per
     direction, as the collectives achieve it) or ``link_gbit_per_gpu`` (a GPU's share of it),
-    ``link_latency_us``, ``intra_gbps`` (GB/s per GPU); ``kernels`` the codec speeds
+    ``link_latency_us``, ``intra_gbps`` (GB/s per GPU), ``launch_us`` (the host's time per kernel
+    launch of a comm step); ``kernels`` the codec speeds
     (:func:`~qsdp.perfmodel.codec_time.load_kernels`). ``hsdp``: shard inside the node, replicate
     across nodes. ``compute_s``: a measured forward+backward time instead of the FLOPs model.
     ``param_bytes``/``grad_bytes``: the all-gather and reduce dtypes' sizes (2 or 4).
@@ -111,7 +120,7 @@ def predict_step(preset: str | QuantConfig, params: int | None = None, nodes: in
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap={overlap} must be in [0, 1]")
     hw = cluster_hardware(gpu, ranks_per_node, link_gbit=link_gbit, link_gbit_per_gpu=link_gbit_per_gpu,
-                          link_latency_us=link_latency_us, intra_gbps=intra_gbps)
+                          link_latency_us=link_latency_us, intra_gbps=intra_gbps, launch_us=launch_us)
     setup = fsdp2_setup(hw.name, nodes, ranks_per_node, shape if shape is not None else gpt_shape(params),
                         seq_len=seq_len, micro_batch=micro_batch)
     simulate = simulate_hsdp_step if hsdp else simulate_step
