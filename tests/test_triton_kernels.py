@@ -11,8 +11,9 @@ The file runs in three modes (``QSDP_TRITON_TEST_MODE``):
   triton is first imported, hence the subprocess.
 * ``interpret``: ``TRITON_INTERPRET=1`` and ``QSDP_TRITON_ON_CPU=1``: the kernels run on CPU
   tensors under the interpreter and the codec functions dispatch to them. The interpreter's
-  float min/max are first given the GPU's NaN rule (:func:`_interpret_with_gpu_nan_semantics`)
-  and its float operations the GPU's canonical NaN (:func:`_interpret_with_gpu_nan_results`).
+  float min/max are first given the GPU's NaN rule (:func:`_interpret_with_gpu_nan_semantics`);
+  the tests of non-finite inputs also give its float operations the GPU's canonical NaN
+  (:func:`_interpret_with_gpu_nan_results`).
 * ``compile``: the kernels are compiled for sm_90 (no GPU needed) and the PTX is checked for
   what would break exactness on a GPU: FMA contraction, approximate division, flushed denormals.
 
@@ -63,12 +64,13 @@ def _interpret_with_gpu_nan_semantics() -> None:
     builder.create_clampf = clampf
 
 
-def _interpret_with_gpu_nan_results() -> None:
+def _interpret_with_gpu_nan_results(patch) -> None:
     """Make Triton's interpreter return the NaN the GPU's float arithmetic returns: NVIDIA's
     canonical NaN (``0x7FFFFFFF`` in fp32, ``0x7FFF`` in fp16), whatever the operands' payloads,
     where numpy (like x86) keeps a NaN operand's payload. Every interpreted float operation that
-    can produce a NaN (arithmetic, conversions, min/max, clamp) gets this rule, so a kernel whose
-    bytes depend on a NaN's payload differs from the reference here as it does on the GPU."""
+    can produce a NaN (arithmetic, conversions, min/max, clamp) gets this rule (``patch``: the
+    ``setattr`` that installs it), so a kernel whose bytes depend on a NaN's payload differs from
+    the reference here as it does on the GPU."""
     import numpy as np
     from triton.runtime.interpreter import InterpreterBuilder as builder
     from triton.runtime.interpreter import TensorHandle
@@ -79,10 +81,11 @@ def _interpret_with_gpu_nan_results() -> None:
         def run(self, *args):
             out = op(self, *args)
             rule = canonical.get(np.asarray(out.data).dtype)
-            if rule is None:
+            nan = None if rule is None else np.isnan(out.data)
+            if nan is None or not nan.any():
                 return out
             data = np.array(out.data, copy=True)  # the op may have returned a view of an operand
-            data.view(rule[0])[np.isnan(data)] = rule[1]
+            data.view(rule[0])[nan] = rule[1]
             return TensorHandle(data, out.dtype)
 
         return run
@@ -92,12 +95,19 @@ def _interpret_with_gpu_nan_results() -> None:
                  "create_exp", "create_exp2", "create_log", "create_log2", "create_sin", "create_cos", "create_erf",
                  "create_minnumf", "create_maxnumf", "create_minimumf", "create_maximumf", "create_clampf",
                  "create_fp_to_fp", "create_fp_trunc", "create_fp_ext"):
-        setattr(builder, name, canonicalized(getattr(builder, name)))
+        patch(builder, name, canonicalized(getattr(builder, name)))
 
 
 if MODE == "interpret":
     _interpret_with_gpu_nan_semantics()
-    _interpret_with_gpu_nan_results()
+
+
+@pytest.fixture
+def gpu_nan_results(monkeypatch):
+    """The interpreter's NaN results made the GPU's for one test (see
+    :func:`_interpret_with_gpu_nan_results`; the inputs of the others are finite, and the check
+    costs time on every operation)."""
+    _interpret_with_gpu_nan_results(monkeypatch.setattr)
 
 
 def _gpu_skip_reason() -> str | None:
@@ -471,14 +481,14 @@ def test_more_rows_than_a_grid_holds_are_launched_in_several_grids(launches, mon
 @interpret_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scheme", [(4, True, "nearest"), (8, False, "stochastic"), (2, True, "shift")], ids=sid)
-def test_non_finite_inputs_give_the_same_scales_and_codes(launches, scheme, dtype):
+def test_non_finite_inputs_give_the_same_scales_and_codes(launches, gpu_nan_results, scheme, dtype):
     check_nonfinite_quantize("cpu", dtype, scheme, launches)
 
 
 @interpret_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scheme", [(4, True, "stochastic"), (8, False, "shift")], ids=sid)
-def test_non_finite_shard_gives_the_same_difference_bytes_and_nan_replica(launches, scheme, dtype):
+def test_non_finite_shard_gives_the_same_difference_bytes_and_nan_replica(launches, gpu_nan_results, scheme, dtype):
     check_nonfinite_difference("cpu", dtype, scheme, launches)
 
 
@@ -770,7 +780,7 @@ NONFINITE_ROW_SCHEMES = [(4, True, "stochastic"), (8, False, "shift"), (2, False
 
 
 @interpret_only
-def test_the_interpreter_returns_the_gpus_canonical_nan():
+def test_the_interpreter_returns_the_gpus_canonical_nan(gpu_nan_results):
     """The emulation the non-finite tests stand on: float arithmetic on a NaN of any sign and
     payload returns 0x7FFFFFFF, as NVIDIA's does."""
     import triton
@@ -789,7 +799,8 @@ def test_the_interpreter_returns_the_gpus_canonical_nan():
 
 @interpret_only
 @pytest.mark.parametrize("scheme", NONFINITE_ROW_SCHEMES, ids=sid)
-def test_non_finite_rows_give_the_reference_bytes_through_hadamard_and_the_middle_step(launches, scheme):
+def test_non_finite_rows_give_the_reference_bytes_through_hadamard_and_the_middle_step(launches, gpu_nan_results,
+                                                                                       scheme):
     compare(lambda dev: nonfinite_rows(dev, scheme), "cpu", launches)
 
 
