@@ -4,8 +4,10 @@ wheel it may carry to a host without the package."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import tarfile
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ from benchmarks.wheels import find_wheel, install_target, pack_installed
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "results" / "gpu" / "h100-0ddf04a"
+H200 = ROOT / "benchmarks" / "results" / "gpu" / "h200-c14eb26"
 PY = sys.executable
 ENV = {"device": "NVIDIA H100 80GB HBM3", "driver": "580.159.04", "cuda": "13.0", "torch": "2.11.0+cu130",
        "triton": "3.6.0", "nccl": "2.27.7", "python": "3.12.3", "host_cpu": "Xeon, 16 cores", "commit": "0ddf04a"}
@@ -239,3 +242,30 @@ def test_the_environment_names_the_gpu_its_driver_and_nccl():
     env = gpu_report.environment()
     assert env["device"] == torch.cuda.get_device_name(0)
     assert env["driver"] and env["nccl"] and env["cuda"]
+
+
+# --------------------------------------------------------------------------- the committed results
+
+
+def _tree_at(commit: str, dest: Path) -> Path | None:
+    """The source, tests and examples as they were at ``commit`` (None: no git history here)."""
+    archive = subprocess.run(["git", "archive", "--format=tar", commit, "src", "tests", "examples"], cwd=ROOT,
+                             capture_output=True)
+    if archive.returncode != 0:
+        return None
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
+def test_the_h200_codec_share_is_the_newest_valid_result_of_the_code_it_measured(tmp_path):
+    """The committed H200 record holds for the tree of commit c14eb26: it names the files it
+    measured by their hashes, and a later change to one of them makes the stage due again."""
+    tree = _tree_at("c14eb26", tmp_path)
+    if tree is None:
+        pytest.skip("commit c14eb26 is not in this copy's git history")
+    found = gpu_report.newest_valid(root=tree)["codec-share"]
+    assert found is not None and found.folder == H200
+    assert (found.commit, found.status, found.device) == ("c14eb26", "passed", "NVIDIA H200")
+    assert "sdp4bit 13.6%" in found.summary
+    assert (H200 / "codec-share.json").is_file() and (H200 / "pytest-gpu.log").is_file()
