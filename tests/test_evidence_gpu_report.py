@@ -134,9 +134,9 @@ def test_a_stage_prints_each_line_of_its_commands_as_it_comes_and_a_line_as_each
                                                   Command((PY, "-c", talk))])]
     (record,) = gpu_report.run_stages(stages, Context(tmp_path), ENV, "test", cwd=tmp_path)
     assert record.status == "over_budget"  # the lines came while it ran, not after it
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[1:5] == ["talks          | command 1/2 exited with 0 after 0 s", "talks          | part 1",
-                          "talks          | to stderr", "talks          | command 2/2 stopped after 3 s"]
+    lines = [ln.split(" after ")[0] for ln in capsys.readouterr().out.splitlines()]  # not the seconds taken
+    assert lines[1:5] == ["talks          | command 1/2 exited with 0", "talks          | part 1",
+                          "talks          | to stderr", "talks          | command 2/2 stopped"]
     assert (tmp_path / "table.txt").read_text() == "a table\n"  # a command's stdout into its file, not echoed
     assert "part 1" in record.output_tail
 
