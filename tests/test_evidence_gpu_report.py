@@ -130,7 +130,7 @@ def test_a_stage_past_its_budget_is_stopped_and_recorded_and_the_next_still_runs
 
 def test_a_stage_prints_each_line_of_its_commands_as_it_comes_and_a_line_as_each_command_ends(tmp_path, capsys):
     talk = "import sys, time; print('part 1', flush=True); print('to stderr', file=sys.stderr, flush=True); time.sleep(60)"
-    stages = [Stage("talks", 3, "", lambda ctx: [Command((PY, "-c", "print('a table')"), stdout_to="table.txt"),
+    stages = [Stage("talks", 5, "", lambda ctx: [Command((PY, "-c", "print('a table')"), stdout_to="table.txt"),
                                                   Command((PY, "-c", talk))])]
     (record,) = gpu_report.run_stages(stages, Context(tmp_path), ENV, "test", cwd=tmp_path)
     assert record.status == "over_budget"  # the lines came while it ran, not after it
