@@ -30,16 +30,18 @@ test-all: $(VENV)/.dev
 
 # On a CUDA machine where torch, triton and pytest are already installed and no package registry
 # is reachable: this checkout installed into that Python as it is (no extras: the smoke needs
-# none), then the gpu tests, `qsdp bench kernels|codecs --json` and 4 ranks sharing the GPU per
-# preset on the sample text shipped in the package, Triton vs reference.
+# none), then the gpu tests (skips listed), `qsdp bench kernels|codecs --json` and 4 ranks sharing
+# the GPU per preset on the sample text shipped in the package, Triton vs reference; a line as
+# each part ends.
 GPU_PYTHON ?= python3
 GPU_OUT ?= $(if $(OUT),$(OUT),benchmarks/results/gpu)
 test-gpu:
 	$(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(GPU_PYTHON) -m qsdp.bench.gpu_smoke --out "$(GPU_OUT)"
 
-# Every GPU measurement on such a machine, stage by stage in priority order (codec-share, kernels,
-# test-gpu, gloo-step, cluster), each within its printed budget (7 minutes at most, 30 in all),
+# Every GPU measurement on such a machine, stage by stage in priority order (test-gpu, codec-share,
+# kernels, train-gpu, train-gpu-4bit, gloo-step, cluster), each within its printed budget (5 minutes
+# at most, 25 in all; every line a stage prints is shown as it comes),
 # into $(GPU_OUT)/<device>-<commit>/. Each stage's record keeps the commit and a hash of the files
 # it measures: its result stays valid until they change. STAGES=next: only the stages with no
 # valid result in benchmarks/results/gpu (missing or stale). STAGES="kernels cluster": those

@@ -2,27 +2,35 @@
 
 For a CUDA host at hand for a short while, where torch, Triton and pytest are installed and no
 package registry is reachable. The stages (:data:`STAGES`), in priority order, each run as its
-own process within a time budget of its own (stopped at worst, it fits one command of
-:data:`MAX_STAGE_S`, 7 minutes), their budgets summing to at most :data:`TOTAL_BUDGET_S` (30
-minutes, the first compilations included):
+own process within a time budget of its own (stopped at worst, it fits :data:`MAX_STAGE_S`, 5
+minutes), their budgets and stopping graces summing to at most :data:`TOTAL_BUDGET_S` (25
+minutes, the first compilations included), so that two or three commands of 10 minutes
+(``--next --budget``) run them all. Budgets come from the times measured on an H200
+(:data:`MEASURED_S`, from ``benchmarks/results/gpu/h200-c14eb26``); a stage without a measured
+time gets what is left, and its record's seconds are its first measurement:
 
-1. ``codec-share``: ``qsdp bench codec-share`` on the GPU: the share of qsdp's kernels in one
+1. ``test-gpu``: ``make test-gpu``'s smoke (:mod:`qsdp.bench.gpu_smoke`) for the ``gpu`` tests
+   and the codec steps (``qsdp bench codecs``);
+2. ``codec-share``: ``qsdp bench codec-share`` on the GPU: the share of qsdp's kernels in one
    rank's step of a GPT of 162M parameters (``gpt2-125m``, an untied head) in bf16, per preset;
-2. ``kernels``: ``qsdp bench kernels`` at 1M, 16M, 64M and 256M elements, against a device copy
+3. ``kernels``: ``qsdp bench kernels`` at 1M, 16M, 64M and 256M elements, against a device copy
    and ``torch.compile`` of each kernel's reference;
-3. ``test-gpu``: ``make test-gpu``'s smoke (:mod:`qsdp.bench.gpu_smoke`: the ``gpu`` tests, the
-   codec steps, the presets trained with the Triton kernels against the reference, the FSDP2
-   example), less its one-size kernel table, which ``kernels`` measures at that size and others;
-4. ``gloo-step``: one step of the same GPT and micro-batch on 4 ranks (2 emulated nodes x 2)
+4. ``train-gpu`` and ``train-gpu-4bit``: the smoke's training, split in two (the eight runs of
+   one command did not end within 200 s on the H200): ``fsdp`` (once: it has no codec) and
+   ``qsdp`` trained with the Triton kernels and with the reference, then the FSDP2 example; then
+   ``sdp4bit`` and ``zeropp``. Each run is limited so that all of a stage's fit its budget;
+5. ``gloo-step``: one step of the same GPT and micro-batch on 4 ranks (2 emulated nodes x 2)
    sharing the GPU over gloo, per preset (:mod:`qsdp.bench.workload` under torchrun);
-5. ``cluster``: ``qsdp bench cluster --device cuda`` at 20 Mbit/s, 1 Gbit/s and unlimited, with
+6. ``cluster``: ``qsdp bench cluster --device cuda`` at 20 Mbit/s, 1 Gbit/s and unlimited, with
    the advisor's predictions. It needs root and ``pyroute2``: a host without the package gets it
    from a wheel in ``--wheels DIR`` (``--pack-wheels DIR`` writes one here from this
    installation); without either the stage is skipped and says why.
 
 A stage past its budget is stopped (SIGTERM to its process group, SIGKILL 15 s later), recorded
 as ``over_budget``, and the next one runs. The plan is printed first, then a line as each stage
-starts (its budget) and ends. Everything goes to ``<out>/<device>-<commit>/`` (e.g.
+starts (its budget) and ends, and in between every line its commands print, as they print it
+(prefixed with the stage's name, flushed) and a line as each of its commands ends: a stage is
+never silent for longer than its own parts are. Everything goes to ``<out>/<device>-<commit>/`` (e.g.
 ``benchmarks/results/gpu/h100-0ddf04a/``): ``report.json`` (the host's versions and every
 stage's record), a ``README.md`` naming the device, driver, CUDA, torch, Triton, NCCL and Python
 versions, the command and the date, with a row per stage, and each stage's own JSON. Stages named
@@ -49,6 +57,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -60,14 +69,18 @@ from qsdp.results import cpu_model
 from . import stage_validity
 from .stage_validity import Fingerprint, Measures, StageState
 
-__all__ = ["TOTAL_BUDGET_S", "MAX_STAGE_S", "STAGES", "Command", "Stage", "StageRecord", "Context", "device_slug",
+__all__ = ["TOTAL_BUDGET_S", "MAX_STAGE_S", "MAX_COMMAND_S", "MEASURED_S", "STAGES", "train_runs", "Command", "Stage", "StageRecord", "Context", "device_slug",
            "result_dir", "git_commit", "environment", "stage_fingerprint", "stage_states", "newest_valid", "run_command",
            "run_stage", "run_stages", "write_readme", "main"]
 
-TOTAL_BUDGET_S = 30 * 60
+TOTAL_BUDGET_S = 25 * 60
 # A GPU host at hand for a short while may allow one command 10 minutes and all of them 15: every
-# stage, stopped at worst, fits one command of 7 minutes, so each visit can run at least one stage.
-MAX_STAGE_S = 7 * 60
+# stage, stopped at worst, takes at most 5 minutes, so a 10-minute command runs at least two.
+MAX_STAGE_S = 5 * 60
+MAX_COMMAND_S = 10 * 60
+# Seconds each stage (or part of one) took on one H200 at commit c14eb26 (the records in
+# benchmarks/results/gpu/h200-c14eb26): the budgets below give each at least twice that.
+MEASURED_S = {"codec-share": 51.2, "gpu tests": 57.4}
 ROOT = Path(__file__).resolve().parents[1]  # the repository: the tests and the example live there
 RESULTS = ROOT / "benchmarks" / "results" / "gpu"  # the committed results, whatever --out says
 TAIL_CHARS = 3000
@@ -155,8 +168,41 @@ def _py(ctx: Context, *args: str, stdout_to: str | None = None) -> Command:
     return Command((ctx.python, *args), stdout_to)
 
 
+# The smoke's parts each stage runs, and how long one part may take there: its training runs
+# (and the example) are limited so that all of them fit the stage's budget with the smoke's own
+# start (a process importing torch) to spare.
+SMOKE_START_S = 30
+TRAIN_PRESETS = {"train-gpu": ("fsdp", "qsdp"), "train-gpu-4bit": ("sdp4bit", "zeropp")}
+
+
+def _smoke(ctx: Context, folder: str, part_s: float, *args: str) -> Command:
+    return _py(ctx, "-m", "qsdp.bench.gpu_smoke", "--out", str(ctx.folder / folder),
+               "--stage-timeout", f"{part_s:.0f}", *args)
+
+
 def _test_gpu(ctx: Context) -> list[Command]:
-    return [_py(ctx, "-m", "qsdp.bench.gpu_smoke", "--out", str(ctx.folder / "test-gpu"), "--skip", "kernels")]
+    budget = _budget("test-gpu")
+    return [_smoke(ctx, "test-gpu", budget - SMOKE_START_S, "--skip", "kernels", "train", "example")]
+
+
+def train_runs(stage: str) -> int:
+    """The processes a training stage's smoke runs one after the other: each preset's runs
+    (:func:`qsdp.bench.gpu_smoke.train_modes`), and the example after ``train-gpu``'s."""
+    from qsdp.bench.gpu_smoke import train_modes
+
+    return sum(len(train_modes(p)) for p in TRAIN_PRESETS[stage]) + (stage == "train-gpu")
+
+
+def _train(stage: str) -> Callable[[Context], list[Command]]:
+    def commands(ctx: Context) -> list[Command]:
+        part_s = (_budget(stage) - SMOKE_START_S) / train_runs(stage)
+        skip = ("tests", "kernels", "codecs") + (() if stage == "train-gpu" else ("example",))
+        return [_smoke(ctx, stage, part_s, "--skip", *skip, "--presets", *TRAIN_PRESETS[stage])]
+    return commands
+
+
+def _budget(name: str) -> float:
+    return next(s.budget_s for s in STAGES if s.name == name)
 
 
 def _codec_share(ctx: Context) -> list[Command]:
@@ -237,17 +283,22 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def summarize_test_gpu(folder: Path) -> str:
-    """The smoke's stages passed, and pytest's own count line."""
-    smoke = _load(folder, "test-gpu/gpu_smoke.json")
-    stages = smoke["stages"]
-    ok = sum(s["passed"] for s in stages)
-    counts = ""
-    for s in stages:
-        if s["name"] == "gpu tests":
-            found = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", s["output_tail"], re.MULTILINE)
-            counts = f"; pytest: {found[-1]}" if found else ""
-    return f"{ok}/{len(stages)} smoke stages passed{counts}"
+def summarize_smoke(subfolder: str) -> Callable[[Path], str]:
+    """The summary of a smoke run into ``subfolder``: its stages passed, and pytest's own count
+    line where it ran the tests."""
+    def summary(folder: Path) -> str:
+        stages = _load(folder, f"{subfolder}/gpu_smoke.json")["stages"]
+        ok = sum(s["passed"] for s in stages)
+        counts = ""
+        for s in stages:
+            if s["name"] == "gpu tests":
+                found = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", s["output_tail"], re.MULTILINE)
+                counts = f"; pytest: {found[-1]}" if found else ""
+        return f"{ok}/{len(stages)} smoke stages passed{counts}"
+    return summary
+
+
+summarize_test_gpu = summarize_smoke("test-gpu")
 
 
 def summarize_codec_share(folder: Path) -> str:
@@ -303,21 +354,27 @@ def _gpu_test_files(root: Path) -> list[str]:
 # measures and what it runs (followed through their imports, see ``Measures``): the command-line
 # dispatcher is left out where it only hands over to a benchmark module.
 STAGES: tuple[Stage, ...] = (
-    Stage("codec-share", 240, "qsdp's kernels' share of one rank's step, GPT 162M bf16, per preset",
+    Stage("test-gpu", 150, "make test-gpu's gpu tests (the skipped ones listed) and codec steps",
+          _test_gpu, ("test-gpu/gpu_smoke.json", "test-gpu/codecs.json"), summary=summarize_test_gpu,
+          measures=Measures(modules=("qsdp.bench.gpu_smoke", "qsdp.bench.codecs"),
+                            files=("tests/conftest.py",), more=_gpu_test_files)),
+    Stage("codec-share", 120, "qsdp's kernels' share of one rank's step, GPT 162M bf16, per preset",
           _codec_share, ("codec-share.json",), summary=summarize_codec_share,
           measures=Measures(modules=("qsdp.bench.codec_share",))),
-    Stage("kernels", 390, "the Triton kernels at 1M-256M elements: GB/s, of a copy, vs torch.compile",
+    Stage("kernels", 240, "the Triton kernels at 1M-256M elements: GB/s, of a copy, vs torch.compile",
           _kernels, ("kernels.json",), summary=summarize_kernels,
           measures=Measures(modules=("qsdp.bench.kernels",))),
-    Stage("test-gpu", 400, "make test-gpu: the gpu tests, codec steps, Triton vs reference training, the example",
-          _test_gpu, ("test-gpu/gpu_smoke.json", "test-gpu/codecs.json"), summary=summarize_test_gpu,
-          measures=Measures(modules=("qsdp.bench.gpu_smoke", "qsdp.cli", "qsdp.bench.codecs"),
-                            files=("tests/conftest.py", "examples/fsdp2_two_lines.py", "src/qsdp/train/sample.txt"),
-                            more=_gpu_test_files)),
-    Stage("gloo-step", 240, "one step of that GPT on 4 ranks sharing the GPU over gloo, per preset",
+    Stage("train-gpu", 240, "fsdp and qsdp trained on 4 ranks sharing the GPU, Triton vs reference; the example",
+          _train("train-gpu"), ("train-gpu/gpu_smoke.json",), summary=summarize_smoke("train-gpu"),
+          measures=Measures(modules=("qsdp.bench.gpu_smoke", "qsdp.cli"),
+                            files=("examples/fsdp2_two_lines.py", "src/qsdp/train/sample.txt"))),
+    Stage("train-gpu-4bit", 270, "sdp4bit and zeropp trained on 4 ranks sharing the GPU, Triton vs reference",
+          _train("train-gpu-4bit"), ("train-gpu-4bit/gpu_smoke.json",), summary=summarize_smoke("train-gpu-4bit"),
+          measures=Measures(modules=("qsdp.bench.gpu_smoke", "qsdp.cli"), files=("src/qsdp/train/sample.txt",))),
+    Stage("gloo-step", 180, "one step of that GPT on 4 ranks sharing the GPU over gloo, per preset",
           _gloo_step, ("gloo-step.json",), blocker=_gloo_prepare, finish=_gloo_finish, summary=summarize_gloo_step,
           measures=Measures(modules=("qsdp.bench.workload",))),
-    Stage("cluster", 360, "qsdp bench cluster --device cuda at 20 Mbit/s, 1 Gbit/s, unlimited, with predictions",
+    Stage("cluster", 195, "qsdp bench cluster --device cuda at 20 Mbit/s, 1 Gbit/s, unlimited, with predictions",
           _cluster, ("cluster-rates.json", "cluster-rates.png"), blocker=cluster_blocker, summary=summarize_cluster,
           measures=Measures(modules=("qsdp.bench.cluster", "qsdp.bench.workload", "qsdp.cli"))),
 )
@@ -356,29 +413,47 @@ def stage_cost(stage: Stage) -> float:
 
 
 def run_command(command: Command, timeout: float, *, cwd: Path, env: dict[str, str] | None = None,
-                folder: Path | None = None) -> tuple[int | None, str, bool]:
+                folder: Path | None = None, echo: Callable[[str], None] | None = None) -> tuple[int | None, str, bool]:
     """Run one command in a process group of its own for at most ``timeout`` seconds:
     ``(exit status, output tail, stopped)``; a command still running then gets SIGTERM (its
-    cleanup may run), SIGKILL ``KILL_GRACE_S`` later, and ``stopped`` is True."""
-    with tempfile.TemporaryFile("w+") as log:
-        out = open(folder / command.stdout_to, "w") if command.stdout_to and folder else None
+    cleanup may run), SIGKILL ``KILL_GRACE_S`` later, and ``stopped`` is True. Each line of its
+    output (stdout and stderr; stderr only where stdout goes to ``command.stdout_to``) goes to
+    ``echo`` as it is printed."""
+    out = open(folder / command.stdout_to, "w") if command.stdout_to and folder else None
+    tail: list[str] = [""]
+    try:
+        proc = subprocess.Popen(list(command.argv), stdout=out or subprocess.PIPE,
+                                stderr=subprocess.PIPE if out else subprocess.STDOUT, cwd=cwd, text=True,
+                                errors="replace", env={**os.environ, **(env or {})}, start_new_session=True)
+        reader = threading.Thread(target=_read_lines, args=(proc.stderr if out else proc.stdout, tail, echo),
+                                  daemon=True)
+        reader.start()
+        stopped = False
         try:
-            proc = subprocess.Popen(list(command.argv), stdout=out or log, stderr=log, cwd=cwd, text=True,
-                                    env={**os.environ, **(env or {})}, start_new_session=True)
-            stopped = False
-            try:
-                proc.wait(timeout=max(0.0, timeout))
-            except subprocess.TimeoutExpired:
-                stopped = True
-                _stop_group(proc)
-        finally:
-            if out is not None:
-                out.close()
-        log.seek(0)
-        tail = log.read()[-TAIL_CHARS:]
+            proc.wait(timeout=max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            stopped = True
+            _stop_group(proc)
+        # The pipe ends when the group's last process does; a process that left the group may
+        # hold it open: its lines after this are not waited for.
+        reader.join(timeout=KILL_GRACE_S)
+    finally:
+        if out is not None:
+            out.close()
+    text = tail[0][-TAIL_CHARS:]
     if stopped:
-        tail += f"\nstopped after its budget of {timeout:.0f} s"
-    return (None if stopped else proc.returncode), tail, stopped
+        text += f"\nstopped after its budget of {timeout:.0f} s"
+    return (None if stopped else proc.returncode), text, stopped
+
+
+def _read_lines(pipe, tail: list[str], echo: Callable[[str], None] | None) -> None:
+    """Keep the last ``2 * TAIL_CHARS`` characters of ``pipe`` in ``tail[0]``, passing each line
+    to ``echo`` as it comes."""
+    for text in pipe:
+        tail[0] = (tail[0] + text)[-2 * TAIL_CHARS:]
+        if echo is not None:
+            echo(text.rstrip("\n"))
+    pipe.close()
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -394,23 +469,26 @@ def _stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_stage(stage: Stage, ctx: Context, *, cwd: Path = ROOT) -> StageRecord:
+def run_stage(stage: Stage, ctx: Context, *, cwd: Path = ROOT,
+              echo: Callable[[str], None] | None = None) -> StageRecord:
     """Run one stage within its budget (see the module doc); never raises for the stage's own
     failure, which its record says. The record names ``ctx.commit`` and the hash of what the
-    stage measures in ``ctx.root``, taken before it runs."""
+    stage measures in ``ctx.root``, taken before it runs. ``echo``: gets each line its commands
+    print, as they print it, and a line as each command ends."""
     measured = stage_fingerprint(stage, ctx.root)
     record = StageRecord(stage.name, stage.budget_s, commit=ctx.commit, source_hash=measured.source_hash,
                          source_files=measured.files, commands_hash=measured.commands_hash)
     started = time.monotonic()
     try:
-        _run_stage(stage, ctx, cwd, record, started)
+        _run_stage(stage, ctx, cwd, record, started, echo)
     finally:
         record.seconds = time.monotonic() - started
         record.finished = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return record
 
 
-def _run_stage(stage: Stage, ctx: Context, cwd: Path, record: StageRecord, started: float) -> None:
+def _run_stage(stage: Stage, ctx: Context, cwd: Path, record: StageRecord, started: float,
+               echo: Callable[[str], None] | None) -> None:
     reason = stage.blocker(ctx)
     if reason:
         record.status, record.reason = "skipped", reason
@@ -420,9 +498,13 @@ def _run_stage(stage: Stage, ctx: Context, cwd: Path, record: StageRecord, start
     record.commands = [c.text() for c in commands]
     record.status = "passed"
     tails = []
-    for command in commands:
+    for i, command in enumerate(commands, 1):
+        began = time.monotonic()
         rc, tail, stopped = run_command(command, deadline - time.monotonic(), cwd=cwd,
-                                        env=ctx.env.get(stage.name), folder=ctx.folder)
+                                        env=ctx.env.get(stage.name), folder=ctx.folder, echo=echo)
+        if echo is not None:
+            ended = "stopped" if stopped else f"exited with {rc}"
+            echo(f"command {i}/{len(commands)} {ended} after {time.monotonic() - began:.0f} s")
         tails.append(tail)
         if stopped:
             record.status, record.reason = "over_budget", f"stopped after its budget of {stage.budget_s:.0f} s"
@@ -538,6 +620,11 @@ def write_readme(folder: Path, env: dict[str, Any], records: Sequence[StageRecor
     return path
 
 
+def _echo(name: str) -> Callable[[str], None]:
+    """Prints a line of stage ``name``'s output at once, prefixed with the stage's name."""
+    return lambda text: print(f"{name:<14} | {text}", flush=True)
+
+
 def _merge(previous: list[dict[str, Any]], new: Sequence[StageRecord]) -> list[StageRecord]:
     """The folder's records after this run: the new ones replace their names', in stage order."""
     records = {r["name"]: StageRecord(**r) for r in previous}
@@ -549,7 +636,7 @@ def _merge(previous: list[dict[str, Any]], new: Sequence[StageRecord]) -> list[S
 def line(record: StageRecord) -> str:
     """The one line printed for a finished stage."""
     text = record.summary or record.reason
-    return (f"{record.name:<12} {record.seconds:5.0f}/{record.budget_s:.0f} s  "
+    return (f"{record.name:<14} {record.seconds:5.0f}/{record.budget_s:.0f} s  "
             f"{record.status.replace('_', ' '):<11} {text}")
 
 
@@ -597,9 +684,9 @@ def plan_text(stages: Sequence[Stage], states: Sequence[StageState] | None, budg
     lines = [f"plan ({limit}; a stage may take its budget and {KILL_GRACE_S:.0f} s to stop):"]
     by_name = {s.name: s for s in stages}
     for name in run:
-        lines.append(f"  run  {name:<12} {by_name[name].budget_s:4.0f} s  {why.get(name, '')}".rstrip())
+        lines.append(f"  run  {name:<14} {by_name[name].budget_s:4.0f} s  {why.get(name, '')}".rstrip())
     for name in wait:
-        lines.append(f"  wait {name:<12} {by_name[name].budget_s:4.0f} s  {why.get(name, '')} (starts only if the "
+        lines.append(f"  wait {name:<14} {by_name[name].budget_s:4.0f} s  {why.get(name, '')} (starts only if the "
                      f"stages before it leave {stage_cost(by_name[name]):.0f} s)")
     if not stages:
         lines.append("  nothing to run")
@@ -615,7 +702,7 @@ def states_text(states: Sequence[StageState], dirs: Sequence[Path]) -> str:
     where = ", ".join(f"{d}/" for d in dirs)
     lines = [f"results in {where}: the newest valid result of each stage (valid: it recorded the hash of the "
              "files it measures as they are now)"]
-    lines += [f"  {st.stage:<12} {st.state:<8} {st.reason}" for st in states]
+    lines += [f"  {st.stage:<14} {st.state:<8} {st.reason}" for st in states]
     return "\n".join(lines)
 
 
@@ -624,7 +711,7 @@ def dry_run(stages: Sequence[Stage], ctx: Context, states: Sequence[StageState] 
     """The plan for ``stages`` (:func:`plan_text`) with each stage's commands."""
     lines = [f"results: {ctx.folder}/", plan_text(stages, states, budget), "commands:"]
     for s in stages:
-        lines.append(f"  {s.name:<12} {s.what}")
+        lines.append(f"  {s.name:<14} {s.what}")
         lines += [f"    {c.text()}" for c in s.commands(ctx)]
     return "\n".join(lines)
 
@@ -719,9 +806,9 @@ def run_stages(stages: Sequence[Stage], ctx: Context, env: dict[str, Any], comma
             break
         stage = next(s for s in pending if s.name == run[0])
         pending.remove(stage)
-        print(f"{stage.name:<12} starts: budget {stage.budget_s:.0f} s"
+        print(f"{stage.name:<14} starts: budget {stage.budget_s:.0f} s"
               + (f", {left:.0f} s left" if left is not None else ""), flush=True)
-        done.append(run_stage(stage, ctx, cwd=cwd))
+        done.append(run_stage(stage, ctx, cwd=cwd, echo=_echo(stage.name)))
         print(line(done[-1]), flush=True)
         records = _merge(previous, done)
         report = {"environment": env, "command": command, "date": date, "stages": [asdict(r) for r in records]}
@@ -729,7 +816,7 @@ def run_stages(stages: Sequence[Stage], ctx: Context, env: dict[str, Any], comma
         write_readme(ctx.folder, env, records, command, date)
     for stage in pending:
         left = max(0.0, deadline - time.monotonic()) if deadline is not None else 0.0
-        print(f"{stage.name:<12} waits: needs {stage_cost(stage):.0f} s, {left:.0f} s left", flush=True)
+        print(f"{stage.name:<14} waits: needs {stage_cost(stage):.0f} s, {left:.0f} s left", flush=True)
     return done
 
 

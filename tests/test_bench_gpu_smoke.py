@@ -45,6 +45,24 @@ def test_a_preset_that_quantizes_nothing_must_report_no_codecs():
         assert gpu_smoke.expected_kernels("fsdp", device, triton_disabled=disabled) == "none"
 
 
+def test_a_preset_without_a_codec_trains_once_the_others_with_and_without_the_kernels():
+    assert gpu_smoke.train_modes("fsdp") == ("triton",)
+    assert gpu_smoke.train_modes("sdp4bit") == ("triton", "reference")
+
+
+def test_the_gpu_tests_list_the_skipped_ones_with_their_reasons():
+    command = gpu_smoke.gpu_tests_command()
+    assert command[1:3] == ["-m", "pytest"] and "-rs" in command
+    assert command[command.index("-m", 3) + 1] == "gpu"
+
+
+def test_the_line_printed_as_a_stage_ends_names_it_its_seconds_and_how_it_ended():
+    ok = gpu_smoke.Stage("train qsdp (triton)", [], returncode=0, seconds=41.25)
+    late = gpu_smoke.Stage("train qsdp (reference)", [], returncode=124, seconds=60.0)
+    assert gpu_smoke.stage_line(ok) == "train qsdp (triton)             41.2 s  ok"
+    assert gpu_smoke.stage_line(late) == "train qsdp (reference)          60.0 s  FAILED (exit 124)"
+
+
 def test_training_runs_share_one_device_over_gloo(tmp_path):
     args = gpu_smoke.parse_args(["--device", "cpu", "--out", str(tmp_path)])
     command = gpu_smoke.train_command("zeropp", tmp_path / "run", args)
@@ -115,4 +133,6 @@ def test_cpu_fallback_trains_with_and_without_triton_and_compares(tmp_path, monk
     compared = result["loss_comparison"]["sdp4bit"]  # the reference codecs on both runs without CUDA
     assert compared["bit_identical"] is True and compared["steps"] == 2
     assert result["meta"]["device"].startswith("cpu") and result["meta"]["torch"] == torch.__version__
-    assert "all passed" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()  # a line as each run ended, then the verdict
+    assert [ln.split()[:3] for ln in lines[:2]] == [["train", "sdp4bit", "(triton)"], ["train", "sdp4bit", "(reference)"]]
+    assert lines[2].startswith("all passed")

@@ -652,3 +652,37 @@ def test_long_tensors_are_quantized_as_one_piece(rounding, symmetric, n, group_s
     else:
         expected = codes.float() * element_scales(q) + element_zeros(q)
     assert torch.equal(dequantize(q), expected)
+
+
+# ----------------------------------------------------------------------------- the non-finite encoding
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=scheme_id)
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_non_finite_group_sends_nan_bits_and_zero_codes_and_decodes_to_nan(scheme, rounding, dtype):
+    """A group holding NaN, +inf or -inf: scale (and zero point) 0x7FC00000, every code 0; every
+    element decodes to NaN. The finite groups are encoded as if the others were not there."""
+    from qsdp.codecs.quantize import NON_FINITE_BITS
+
+    bits, symmetric = scheme
+    x = torch.randn(6 * 16, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[1], x[16 + 7], x[32 + 15], x[48], x[49] = float("nan"), float("inf"), -float("inf"), float("inf"), -float("inf")
+    bad = torch.tensor([True, True, True, True, False, False])
+    kw = dict(bits=bits, group_size=16, symmetric=symmetric, rounding=rounding, seed=5, check_finite=False)
+    q = quantize(x, **kw)
+    assert q.scales.view(torch.int32)[bad].eq(NON_FINITE_BITS).all()
+    if not symmetric:
+        assert q.zeros.view(torch.int32)[bad].eq(NON_FINITE_BITS).all()
+    assert unpack_codes(q.codes, bits, q.numel).view(6, 16)[bad].eq(0).all()
+    assert dequantize(q).view(6, 16)[bad].isnan().all()
+    finite = quantize(x[64:], **{**kw, "seed": 5})
+    assert torch.equal(q.scales[4:], finite.scales) and torch.isfinite(finite.scales).all()
+
+
+def test_a_finite_group_whose_range_overflows_keeps_its_infinite_scale():
+    """Only non-finite values make a group non-finite: a finite min-max range wider than fp32
+    gives an infinite scale, as the arithmetic says, not the NaN encoding."""
+    x = torch.tensor([3e38, -3e38, 1.0, 0.0])
+    q = quantize(x, bits=8, group_size=4, symmetric=False, rounding="nearest")
+    assert q.scales.item() == float("inf") and torch.equal(q.zeros, x[1:2])

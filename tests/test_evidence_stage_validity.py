@@ -113,8 +113,11 @@ def test_each_stage_measures_the_code_it_runs_and_not_the_rest():
             "src/qsdp/train/model.py"} <= measured["codec-share"]
     step = {"src/qsdp/bench/workload.py", "src/qsdp/fsdp.py", "src/qsdp/comm/reduce_scatter.py"}
     assert step <= measured["gloo-step"]
-    assert {"tests/test_triton_kernels.py", "tests/conftest.py", "tests/distributed.py", "examples/fsdp2_two_lines.py",
-            "src/qsdp/train/sample.txt", "src/qsdp/bench/gpu_smoke.py"} <= measured["test-gpu"]
+    assert {"tests/test_triton_kernels.py", "tests/conftest.py", "tests/distributed.py",
+            "src/qsdp/bench/gpu_smoke.py"} <= measured["test-gpu"]
+    trains = {"examples/fsdp2_two_lines.py", "src/qsdp/train/sample.txt", "src/qsdp/bench/gpu_smoke.py",
+              "src/qsdp/train/loop.py"}
+    assert trains <= measured["train-gpu"] and trains - {"examples/fsdp2_two_lines.py"} <= measured["train-gpu-4bit"]
     assert "tests/test_config.py" not in measured["test-gpu"]  # declares no gpu test
     sweep = {"src/qsdp/bench/cluster.py", "src/qsdp/perfmodel/step.py", "src/qsdp/bench/workload.py"}
     assert sweep <= measured["cluster"]
@@ -186,7 +189,7 @@ def test_a_result_recorded_without_a_hash_is_stale_and_says_so(tmp_path):
 def test_the_committed_folder_without_a_report_is_stale_for_the_stages_it_holds(tmp_path):
     shutil.copytree(EARLIER, tmp_path / EARLIER.name)
     results = read_results([tmp_path], STAGE_FILES)
-    assert sorted(r.stage for r in results) == ["kernels", "test-gpu"]
+    assert sorted(r.stage for r in results) == ["kernels", "test-gpu", "train-gpu", "train-gpu-4bit"]
     state = stage_state("kernels", _now(), results)
     assert state.reason == ("stale: h100-0ddf04a/ (commit 0ddf04a, h100, 2026-11-25) recorded no source hash "
                             "(no report.json: an earlier format)")
@@ -235,7 +238,7 @@ def test_a_stage_that_does_not_fit_the_time_left_waits_and_a_later_one_still_run
     done = gpu_report.run_stages(stages, ctx, ENV, "test", cwd=root, deadline=time.monotonic() + 40)
     assert [r.name for r in done] == ["short"]
     out = capsys.readouterr().out
-    assert "short        starts: budget 5 s" in out and "long         waits: needs 75 s" in out
+    assert "short          starts: budget 5 s" in out and "long           waits: needs 75 s" in out
 
 
 def test_a_run_records_its_commit_and_hash_and_is_valid_until_a_measured_file_changes(tmp_path):
@@ -278,14 +281,14 @@ def test_a_dry_run_of_next_lists_each_stages_state_and_the_due_ones_in_priority_
     assert gpu_report.main(["--dry-run", "--next", "--results", str(tmp_path), "--out", str(tmp_path / "out"),
                             "--commit", "abc1234"]) == 0
     out = capsys.readouterr().out
-    assert "  kernels      valid    valid at commit abc1234: h100-abc1234/" in out
-    assert ("  test-gpu     stale    stale: h100-0ddf04a/ (commit 0ddf04a, h100, 2026-11-25) recorded no source "
+    assert "  kernels        valid    valid at commit abc1234: h100-abc1234/" in out
+    assert ("  test-gpu       stale    stale: h100-0ddf04a/ (commit 0ddf04a, h100, 2026-11-25) recorded no source "
             "hash") in out
-    assert "  codec-share  missing  missing: no result" in out
+    assert "  codec-share    missing  missing: no result" in out
     runs = [ln.split()[1] for ln in out.splitlines() if ln.startswith("  run  ")]
-    assert runs == ["codec-share", "test-gpu", "gloo-step", "cluster"]
-    assert "  run  codec-share   240 s  missing: no result" in out
-    assert "total budget 1240 s (20.7 min) for 4 stage(s)" in out
+    assert runs == ["test-gpu", "codec-share", "train-gpu", "train-gpu-4bit", "gloo-step", "cluster"]
+    assert "  run  codec-share     120 s  missing: no result" in out
+    assert "total budget 1155 s (19.2 min) for 6 stage(s)" in out
     assert not (tmp_path / "out").exists()
 
 
@@ -294,16 +297,18 @@ def test_a_dry_run_with_a_budget_says_which_stages_wait(tmp_path, capsys):
                             "--out", str(tmp_path), "--commit", "abc1234"]) == 0
     out = capsys.readouterr().out
     assert [ln.split()[:2] for ln in out.splitlines() if ln.startswith(("  run  ", "  wait "))] == [
-        ["run", "codec-share"], ["run", "gloo-step"], ["wait", "kernels"], ["wait", "test-gpu"], ["wait", "cluster"]]
+        ["run", "test-gpu"], ["run", "codec-share"], ["run", "gloo-step"], ["wait", "kernels"], ["wait", "train-gpu"],
+        ["wait", "train-gpu-4bit"], ["wait", "cluster"]]
     assert "plan (within 540 s; a stage may take its budget and 15 s to stop)" in out
-    assert "(starts only if the stages before it leave 405 s)" in out
+    assert "(starts only if the stages before it leave 255 s)" in out
 
 
 def test_the_newest_valid_result_of_each_stage_is_found_and_none_for_a_stage_due(tmp_path):
     _valid_report(tmp_path, {"kernels", "gloo-step"})
     found = gpu_report.newest_valid([tmp_path])
     assert {name: r and r.folder.name for name, r in found.items()} == {
-        "codec-share": None, "kernels": "h100-abc1234", "test-gpu": None, "gloo-step": "h100-abc1234", "cluster": None}
+        "test-gpu": None, "codec-share": None, "kernels": "h100-abc1234", "train-gpu": None, "train-gpu-4bit": None,
+        "gloo-step": "h100-abc1234", "cluster": None}
     assert gpu_report.newest_valid([tmp_path / "absent"]) == dict.fromkeys(s.name for s in STAGES)
 
 
@@ -311,7 +316,7 @@ def test_next_with_every_stage_valid_runs_nothing_and_needs_no_gpu(tmp_path, cap
     _valid_report(tmp_path, {s.name for s in STAGES})
     assert gpu_report.main(["--next", "--results", str(tmp_path), "--out", str(tmp_path), "--commit", "abc1234"]) == 0
     out = capsys.readouterr().out
-    assert out.count(" valid    valid at commit abc1234") == 5 and "nothing to run" in out
+    assert out.count(" valid    valid at commit abc1234") == 7 and "nothing to run" in out
 
 
 def test_a_budget_must_be_positive(capsys):

@@ -235,6 +235,10 @@ def test_replacing_the_all_reduce_hook_fails_instead_of_leaving_the_replicas_apa
 def _hook_streams(rank, world):
     from qsdp._fsdp2 import param_groups
 
+    # Every rank on cuda:0: DeviceMesh leaves the device alone once CUDA is initialized (else it
+    # would set cuda:LOCAL_RANK, which a one-GPU machine lacks).
+    torch.cuda.set_device(0)
+    torch.zeros(1, device="cuda")
     model, groups = _hsdp_model(device="cuda")
     qsdp.quantize_comms(model, "hsdp4", group=groups.shard_group, replicate_group=groups.replicate_group)
     ctx = param_groups(model)[0].comm_ctx
@@ -248,7 +252,7 @@ def _hook_streams(rank, world):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_on_cuda_the_all_reduce_runs_on_the_stream_fsdp2_passes_its_hook():
-    # 4 ranks share the GPU over gloo (CUDA tensors); spawned: this process may hold a CUDA context.
+    # 4 ranks share cuda:0 over gloo (CUDA tensors); spawned: this process may hold a CUDA context.
     for seen in run_world(_hook_streams, 4, local_world_size=PER_NODE, start_method="spawn", timeout=200):
         assert seen == [(True, False)] * 6  # 3 groups x 2 steps, none on the reduce-scatter stream
 

@@ -11,7 +11,9 @@ The file runs in three modes (``QSDP_TRITON_TEST_MODE``):
   triton is first imported, hence the subprocess.
 * ``interpret``: ``TRITON_INTERPRET=1`` and ``QSDP_TRITON_ON_CPU=1``: the kernels run on CPU
   tensors under the interpreter and the codec functions dispatch to them. The interpreter's
-  float min/max are first given the GPU's NaN rule (:func:`_interpret_with_gpu_nan_semantics`).
+  float min/max are first given the GPU's NaN rule (:func:`_interpret_with_gpu_nan_semantics`);
+  the tests of non-finite inputs also give its float operations the GPU's canonical NaN
+  (:func:`_interpret_with_gpu_nan_results`).
 * ``compile``: the kernels are compiled for sm_90 (no GPU needed) and the PTX is checked for
   what would break exactness on a GPU: FMA contraction, approximate division, flushed denormals.
 
@@ -62,8 +64,50 @@ def _interpret_with_gpu_nan_semantics() -> None:
     builder.create_clampf = clampf
 
 
+def _interpret_with_gpu_nan_results(patch) -> None:
+    """Make Triton's interpreter return the NaN the GPU's float arithmetic returns: NVIDIA's
+    canonical NaN (``0x7FFFFFFF`` in fp32, ``0x7FFF`` in fp16), whatever the operands' payloads,
+    where numpy (like x86) keeps a NaN operand's payload. Every interpreted float operation that
+    can produce a NaN (arithmetic, conversions, min/max, clamp) gets this rule (``patch``: the
+    ``setattr`` that installs it), so a kernel whose bytes depend on a NaN's payload differs from
+    the reference here as it does on the GPU."""
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder as builder
+    from triton.runtime.interpreter import TensorHandle
+
+    canonical = {np.dtype(np.float32): (np.uint32, 0x7FFFFFFF), np.dtype(np.float16): (np.uint16, 0x7FFF)}
+
+    def canonicalized(op):
+        def run(self, *args):
+            out = op(self, *args)
+            rule = canonical.get(np.asarray(out.data).dtype)
+            nan = None if rule is None else np.isnan(out.data)
+            if nan is None or not nan.any():
+                return out
+            data = np.array(out.data, copy=True)  # the op may have returned a view of an operand
+            data.view(rule[0])[nan] = rule[1]
+            return TensorHandle(data, out.dtype)
+
+        return run
+
+    for name in ("create_fadd", "create_fsub", "create_fmul", "create_fdiv", "create_precise_divf", "create_frem",
+                 "create_fma", "create_floor", "create_ceil", "create_sqrt", "create_precise_sqrt", "create_rsqrt",
+                 "create_exp", "create_exp2", "create_log", "create_log2", "create_sin", "create_cos", "create_erf",
+                 "create_minnumf", "create_maxnumf", "create_minimumf", "create_maximumf", "create_clampf",
+                 "create_fp_to_fp", "create_fp_trunc", "create_fp_ext"):
+        patch(builder, name, canonicalized(getattr(builder, name)))
+
+
 if MODE == "interpret":
     _interpret_with_gpu_nan_semantics()
+
+
+@pytest.fixture
+def gpu_nan_results(monkeypatch):
+    """The interpreter's NaN results made the GPU's for one test (see
+    :func:`_interpret_with_gpu_nan_results`; the inputs of the others are finite, and the check
+    costs time on every operation)."""
+    _interpret_with_gpu_nan_results(monkeypatch.setattr)
 
 
 def _gpu_skip_reason() -> str | None:
@@ -437,14 +481,14 @@ def test_more_rows_than_a_grid_holds_are_launched_in_several_grids(launches, mon
 @interpret_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scheme", [(4, True, "nearest"), (8, False, "stochastic"), (2, True, "shift")], ids=sid)
-def test_non_finite_inputs_give_the_same_scales_and_codes(launches, scheme, dtype):
+def test_non_finite_inputs_give_the_same_scales_and_codes(launches, gpu_nan_results, scheme, dtype):
     check_nonfinite_quantize("cpu", dtype, scheme, launches)
 
 
 @interpret_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scheme", [(4, True, "stochastic"), (8, False, "shift")], ids=sid)
-def test_non_finite_shard_gives_the_same_difference_bytes_and_nan_replica(launches, scheme, dtype):
+def test_non_finite_shard_gives_the_same_difference_bytes_and_nan_replica(launches, gpu_nan_results, scheme, dtype):
     check_nonfinite_difference("cpu", dtype, scheme, launches)
 
 
@@ -717,3 +761,59 @@ def test_gpu_torch_reference_is_device_independent():
         same(b, a)
         same(codec.decode_sum(b, 10_000, finish=True), codec.decode_sum(a, 10_000, finish=True))
 
+
+
+# ----------------------------------------------------------------------------- non-finite groups, any NaN payload
+
+
+def nonfinite_rows(dev, scheme):
+    """Rows holding NaN and infinities, encoded with the Hadamard transform fused, and the
+    two-level middle step (dequantize, sum, requantize) of those bytes."""
+    codec = _codec(*scheme, 32, 32)
+    x = data(4 * 256, seed=12).view(4, 256)
+    x[0, 5], x[1, 40], x[2, 100], x[3, 101] = float("nan"), float("inf"), -float("inf"), float("nan")
+    buf = codec.encode(x.to(dev), seed=13)
+    return buf, codec.decode_sum_encode(buf, 256, sources=2, codec=codec, seed=14)
+
+
+NONFINITE_ROW_SCHEMES = [(4, True, "stochastic"), (8, False, "shift"), (2, False, "nearest")]
+
+
+@interpret_only
+def test_the_interpreter_returns_the_gpus_canonical_nan(gpu_nan_results):
+    """The emulation the non-finite tests stand on: float arithmetic on a NaN of any sign and
+    payload returns 0x7FFFFFFF, as NVIDIA's does."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_zero(x_ptr, out_ptr):
+        i = tl.arange(0, 4)
+        tl.store(out_ptr + i, tl.load(x_ptr + i) + 0.0)
+
+    nans = torch.tensor([0x7FC00000, 0x7FC00123, -0x400000, 0x7F800001], dtype=torch.int32)  # -0x400000: 0xFFC00000
+    out = torch.empty(4)
+    add_zero[(1,)](nans.view(torch.float32), out)
+    assert out.view(torch.int32).tolist() == [0x7FFFFFFF] * 4
+
+
+@interpret_only
+@pytest.mark.parametrize("scheme", NONFINITE_ROW_SCHEMES, ids=sid)
+def test_non_finite_rows_give_the_reference_bytes_through_hadamard_and_the_middle_step(launches, gpu_nan_results,
+                                                                                       scheme):
+    compare(lambda dev: nonfinite_rows(dev, scheme), "cpu", launches)
+
+
+@pytest.mark.parametrize("scheme", NONFINITE_ROW_SCHEMES, ids=sid)
+@gpu_test
+def test_gpu_non_finite_rows_give_the_cpu_bytes_through_hadamard_and_the_middle_step(launches, scheme):
+    compare(lambda dev: nonfinite_rows(dev, scheme), "cuda", launches)
+
+
+@pytest.mark.parametrize("scheme", NONFINITE_ROW_SCHEMES, ids=sid)
+@gpu_test
+def test_gpu_torch_reference_gives_the_cpu_bytes_for_non_finite_groups(scheme):
+    """The reference on CUDA writes the non-finite encoding by an integer select too, so the
+    GPU's canonical NaN does not reach the wire."""
+    with reference():
+        compare(lambda dev: nonfinite_rows(dev, scheme), "cuda")

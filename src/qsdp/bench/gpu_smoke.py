@@ -4,16 +4,22 @@ On a CUDA machine where torch, triton and pytest are preinstalled and no package
 reachable (the package itself is installed with ``pip install --no-deps --no-build-isolation -e
 .``: none of its extras), in order:
 
-1. the ``gpu``-marked tests (pytest, on the test files that declare some);
+1. the ``gpu``-marked tests (pytest, on the test files that declare some; the skipped ones are
+   listed with their reasons, e.g. a test that needs more GPUs than the machine has);
 2. ``qsdp bench kernels --json`` and ``qsdp bench codecs --json``, their JSON saved;
 3. ``qsdp train`` of each preset for a few steps as 4 ranks (2 emulated nodes x 2) sharing the
    one GPU (gloo backend, CUDA tensors) on the sample text shipped in the package with the byte
    tokenizer (no extra needed), once with the Triton kernels and once with
    ``QSDP_DISABLE_TRITON=1``: each run must report the codecs it used (``codec_kernels``):
-   ``"triton"`` then ``"torch"`` for a quantized preset, ``"none"`` for one that quantizes
-   nothing (``fsdp``), and the per-step losses of the two must agree within ``--rtol`` (the
-   kernels give the reference's bytes; only CUDA's own float non-determinism can separate them);
+   ``"triton"`` then ``"torch"`` for a quantized preset, and the per-step losses of the two must
+   agree within ``--rtol`` (the kernels give the reference's bytes; only CUDA's own float
+   non-determinism can separate them); a preset that quantizes nothing (``fsdp``) has no codec to
+   compare: it trains once and must report ``"none"``;
 4. the FSDP2 example under torchrun on the GPU.
+
+Each stage (each training run is one) prints a line as it ends, flushed, so a long smoke is
+never silent for longer than its slowest stage, at most ``--stage-timeout`` seconds: ``make
+gpu-report`` splits the training over stages that each fit its budget with it.
 
 Results: ``gpu_smoke.json`` (each stage's command, exit code, seconds and output tail, the loss
 comparison, the meta) in ``--out`` (default ``$OUT`` when set, else ``benchmarks/results/gpu``).
@@ -45,8 +51,8 @@ from qsdp.train.metrics import read_metrics, read_summary
 
 from .report import BENCH_PRESETS, meta
 
-__all__ = ["Stage", "compare_losses", "expected_kernels", "quantizes", "gpu_test_files", "train_command",
-           "parse_args", "main"]
+__all__ = ["Stage", "compare_losses", "expected_kernels", "quantizes", "train_modes", "gpu_tests_command", "gpu_test_files",
+           "train_command", "stage_line", "run_stages", "parse_args", "main"]
 
 STAGES = ("tests", "kernels", "codecs", "train", "example")
 ROOT = Path(__file__).resolve().parents[3]  # the repository, for the tests and the example
@@ -180,18 +186,27 @@ def _train_stage(preset: str, mode: str, args: argparse.Namespace, out: Path) ->
     return stage
 
 
-def train_and_compare(args: argparse.Namespace, out: Path) -> tuple[list[Stage], dict[str, Any]]:
-    """Every preset with and without the Triton kernels, the runs in ``out`` (which must not
-    hold them yet); the loss comparison per preset."""
+def train_modes(preset: str) -> tuple[str, ...]:
+    """The runs of ``preset``: with the Triton kernels and with the reference, compared; once
+    for a preset that quantizes nothing (there is no codec to compare)."""
+    return ("triton", "reference") if quantizes(preset) else ("triton",)
+
+
+def train_and_compare(args: argparse.Namespace, out: Path, log=print) -> tuple[list[Stage], dict[str, Any]]:
+    """Every preset's runs (:func:`train_modes`) in ``out`` (which must not hold them yet), a
+    line logged as each ends; the loss comparison per quantized preset (a disagreement fails
+    the reference run)."""
     stages, comparison = [], {}
     for preset in args.presets:
-        fused, reference = (_train_stage(preset, mode, args, out) for mode in ("triton", "reference"))
-        stages += [fused, reference]
-        if fused.passed and reference.passed:
-            comparison[preset] = compare_losses(_losses(out / f"{preset}-triton"),
-                                                _losses(out / f"{preset}-reference"), args.rtol)
-            if not comparison[preset]["agree"]:
-                reference.problems.append(f"losses differ from the Triton run: {comparison[preset]}")
+        for mode in train_modes(preset):
+            stage = _train_stage(preset, mode, args, out)
+            if mode == "reference" and stage.passed and stages[-1].passed:
+                comparison[preset] = compare_losses(_losses(out / f"{preset}-triton"),
+                                                    _losses(out / f"{preset}-reference"), args.rtol)
+                if not comparison[preset]["agree"]:
+                    stage.problems.append(f"losses differ from the Triton run: {comparison[preset]}")
+            stages.append(stage)
+            log(stage_line(stage))
     return stages, comparison
 
 
@@ -209,24 +224,45 @@ def _example_stage(timeout: float) -> Stage:
     return _run(Stage("example", command), timeout)
 
 
-def run_stages(args: argparse.Namespace, out: Path) -> tuple[list[Stage], dict[str, Any]]:
-    """Every stage not skipped (on ``--device cpu`` only the training comparison)."""
+def stage_line(stage: Stage) -> str:
+    """The line printed as a stage ends: its name, seconds and how it ended."""
+    why = "; ".join([f"exit {stage.returncode}", *stage.problems])
+    return f"{stage.name:<28} {stage.seconds:7.1f} s  {'ok' if stage.passed else f'FAILED ({why})'}"
+
+
+def _flushed(text: str) -> None:
+    print(text, flush=True)
+
+
+def run_stages(args: argparse.Namespace, out: Path, log=_flushed) -> tuple[list[Stage], dict[str, Any]]:
+    """Every stage not skipped (on ``--device cpu`` only the training comparison), ``log``-ing
+    a line (:func:`stage_line`) as each ends."""
     skip = set(args.skip) | ({"tests", "kernels", "codecs", "example"} if args.device == "cpu" else set())
     stages: list[Stage] = []
     comparison: dict[str, Any] = {}
+
+    def ran(stage: Stage) -> None:
+        stages.append(stage)
+        log(stage_line(stage))
+
     if "tests" not in skip:
-        command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *gpu_test_files()]
-        stages.append(_run(Stage("gpu tests", command), args.stage_timeout))
+        ran(_run(Stage("gpu tests", gpu_tests_command()), args.stage_timeout))
     for name in ("kernels", "codecs"):
         if name not in skip:
-            stages.append(_bench_stage(name, out, args.stage_timeout))
+            ran(_bench_stage(name, out, args.stage_timeout))
     if "train" not in skip:
         with tempfile.TemporaryDirectory(prefix="qsdp-gpu-smoke-") as runs:
-            train_stages, comparison = train_and_compare(args, Path(runs))
+            train_stages, comparison = train_and_compare(args, Path(runs), log)
         stages += train_stages
     if "example" not in skip:
-        stages.append(_example_stage(args.stage_timeout))
+        ran(_example_stage(args.stage_timeout))
     return stages, comparison
+
+
+def gpu_tests_command() -> list[str]:
+    """pytest on the ``gpu`` tests, listing the skipped ones with their reasons (``-rs``): a
+    test that needs more GPUs than the machine has says how many."""
+    return [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", *gpu_test_files()]
 
 
 def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:
@@ -256,11 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     result["meta"]["command"] = "python -m qsdp.bench.gpu_smoke " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "gpu_smoke.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    for stage in stages:
-        status = "ok" if stage.passed else f"FAILED (exit {stage.returncode}; {'; '.join(stage.problems)})"
-        print(f"{stage.name:<28} {stage.seconds:7.1f} s  {status}")
     print(f"{'all passed' if result['passed'] else 'FAILED'} in {result['wall_time_s']:.0f} s; "
-          f"results in {out / 'gpu_smoke.json'}")
+          f"results in {out / 'gpu_smoke.json'}", flush=True)
     return 0 if result["passed"] else 1
 
 

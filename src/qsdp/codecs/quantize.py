@@ -17,6 +17,17 @@ Three roundings of ``v = x / scale`` (in units of the grid):
   unbiased over the seed, error < scale, one random number per group instead of per element.
 
 The random numbers are a pure function of ``(seed, index)`` (see :mod:`qsdp.codecs.rng`).
+
+Non-finite groups: a group holding a NaN or an infinity (among the values quantized: the input,
+or the difference ``x - base`` of the weight-difference path, or a row sum of the middle step)
+has one encoding, on every device and path: its scale and (min-max) zero point are the fp32 bit
+pattern :data:`NON_FINITE_BITS` (``0x7FC00000``, the positive quiet NaN) and every code of the
+group is 0. Every element of such a group decodes to NaN, so a non-finite value can never pass for
+a finite one, and the quantize check and the step's non-finite watch see it. Both the reference
+and the fused kernels write it with an integer select on the scale's bits, never as the result of
+float arithmetic on a NaN (GPU arithmetic returns its own canonical NaN, ``0x7FFFFFFF``, and drops
+the operand's payload, where a CPU keeps it). A finite group whose range overflows fp32 is not
+non-finite: its scale is infinite, as the arithmetic gives.
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ from .usage import record_run
 ROUNDINGS = ("nearest", "stochastic", "shift")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPE = torch.float32
+# The fp32 bits of a non-finite group's scale and zero point (see the module docstring).
+NON_FINITE_BITS = 0x7FC00000
 
 
 def check_scheme(*, bits: int, group_size: int, rounding: str) -> None:
@@ -239,9 +252,10 @@ def quantize(
 
 def _scales_(
     g: torch.Tensor, bits: int, symmetric: bool, scales: torch.Tensor, zeros: torch.Tensor | None
-) -> None:
+) -> torch.Tensor:
     """The fp32 ``[groups, group_size]`` chunk ``g``'s scales (and zero points), written into
-    ``scales`` (``zeros``).
+    ``scales`` (``zeros``); returns which groups are non-finite (they get :data:`NON_FINITE_BITS`:
+    amin/amax/absmax propagate NaN, so a group's statistics are finite exactly when its values are).
 
     Exactness notes (the fused kernels reproduce this bit for bit, on every device): the divisor
     is a tensor on the data's device, because CUDA turns a division by a Python scalar into a
@@ -250,9 +264,21 @@ def _scales_(
     if symmetric:
         amax = g.abs().amax(dim=1)
         torch.div(amax, amax.new_full((), 2 ** (bits - 1) - 1), out=scales)
+        bad = ~torch.isfinite(amax)
     else:
-        torch.add(g.amin(dim=1), 0.0, out=zeros)
-        torch.div(g.amax(dim=1) + 0.0 - zeros, zeros.new_full((), 2**bits - 1), out=scales)
+        lo, hi = g.amin(dim=1), g.amax(dim=1)
+        torch.add(lo, 0.0, out=zeros)
+        torch.div(hi + 0.0 - zeros, zeros.new_full((), 2**bits - 1), out=scales)
+        bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+        _non_finite_(zeros, bad)
+    _non_finite_(scales, bad)
+    return bad
+
+
+def _non_finite_(t: torch.Tensor, bad: torch.Tensor) -> None:
+    """Write :data:`NON_FINITE_BITS` into the fp32 ``t`` where ``bad``: an integer select, so the
+    bits do not depend on the NaN payload that the float arithmetic gave on this device."""
+    t.view(torch.int32).masked_fill_(bad, NON_FINITE_BITS)
 
 
 def quantize_reference(
@@ -278,14 +304,14 @@ def quantize_reference(
         sh = None if shifts is None else shifts[g0:g1]
         g = _grouped(flat[g0 * group_size : g1 * group_size].float(), group_size)
         s = scales[g0:g1]
-        _scales_(g, bits, symmetric, s, None if symmetric else zeros[g0:g1])
+        bad = _scales_(g, bits, symmetric, s, None if symmetric else zeros[g0:g1])
         safe = torch.where(s > 0, s, 1.0).unsqueeze(1)
         if symmetric:
             v = _round_(torch.div(g, safe), rounding, seed, g0, sh).clamp_(-qmax, qmax).add_(qmax + 1)
         else:
             v = torch.div(g - zeros[g0:g1].unsqueeze(1), safe)
             v = _round_(v, rounding, seed, g0, sh).clamp_(0, 2**bits - 1)
-        codes[g0:g1].copy_(v)
+        codes[g0:g1].copy_(v.masked_fill_(bad.unsqueeze(1), 0))  # a non-finite group's codes are 0
     return pack_codes(codes.view(-1)[:n], bits), scales, zeros
 
 

@@ -31,11 +31,11 @@ key ``seed_key(seed, stream)`` computed on the host and the same indices (elemen
 padded flat tensor for ``stochastic``, group index for ``shift``); the Hadamard transform is the
 reference's butterfly order; sums of rows go left to right as ``RowCodec``'s reference does;
 bf16 rounding is done on the bits (round to nearest even, NaN -> 0x7FC0, as torch); kernels are
-compiled with ``enable_fp_fusion=False`` so that no multiply-add is contracted into an FMA. NaN and
-infinite inputs give NaN / infinite scales as in the reference, and the same codes: the clamp
-keeps NaN as ``torch.clamp`` does and a NaN becomes code 0 as in torch's conversion. Decoding such
-a group gives NaN where the reference does, with the sign and payload the hardware gives (an x86
-CPU's ``0 * inf`` is a negative NaN, CUDA's a positive one: the reference itself differs there).
+compiled with ``enable_fp_fusion=False`` so that no multiply-add is contracted into an FMA. A group
+holding NaN or an infinity gets the wire format's non-finite encoding (scale and zero point
+``quantize.NON_FINITE_BITS``, codes 0), chosen by an integer select as in the reference, so its
+bytes do not depend on how the hardware's arithmetic treats a NaN's payload. Decoding such a group
+gives NaN in every element, with the sign and payload the hardware gives.
 """
 
 from __future__ import annotations
@@ -155,18 +155,30 @@ def _stats(v, valid, SYMMETRIC: tl.constexpr):
 
 
 @triton.jit
+def _non_finite(t, bad):
+    # The wire format's non-finite scale / zero point (quantize.NON_FINITE_BITS) where bad,
+    # selected on the bits: GPU arithmetic would give its own canonical NaN 0x7FFFFFFF.
+    return tl.where(bad, 0x7FC00000, t.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _scale_zero(lo, hi, nan, BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
+    # A group holding a NaN (flagged: GPU max/min drop it) or an infinity is non-finite: its
+    # statistics are replaced by 0 before any arithmetic, its scale and zero point by the fixed
+    # bits afterwards, and _codes gives it code 0 (it sees the NaN scale).
+    bad = (nan > 0) | (hi == float("inf")) | (lo == float("-inf"))
+    lo = tl.where(bad, 0.0, lo)
+    hi = tl.where(bad, 0.0, hi)
     if SYMMETRIC:
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-        amax = tl.where(nan > 0, float("nan"), hi)
-        scale = tl.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+        scale = tl.div_rn(hi, tl.full(hi.shape, QMAX, tl.float32))
         zero = tl.zeros_like(scale)
     else:
         LEVELS: tl.constexpr = (1 << BITS) - 1
-        zero = tl.where(nan > 0, float("nan"), lo) + 0.0
-        mx = tl.where(nan > 0, float("nan"), hi) + 0.0
-        scale = tl.div_rn(mx - zero, tl.full(mx.shape, LEVELS, tl.float32))
-    return scale, zero
+        zero = lo + 0.0
+        scale = tl.div_rn(hi + 0.0 - zero, tl.full(hi.shape, LEVELS, tl.float32))
+        zero = _non_finite(zero, bad)
+    return _non_finite(scale, bad), zero
 
 
 @triton.jit
@@ -188,13 +200,14 @@ def _codes(v, scale, zero, e_idx, g_idx, key, BITS: tl.constexpr, SYMMETRIC: tl.
     # Triton's default min/max (PTX max.f32) would return the bound instead, on the GPU only
     # (Triton's interpreter keeps NaN either way). A NaN code is 0: what the reference's
     # float-to-uint8 conversion gives (x86, ARM and CUDA all convert NaN to 0 in the low byte).
+    # A non-finite group (NaN scale, from _scale_zero's select) has every code 0.
     if SYMMETRIC:
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
         r = tl.clamp(r, -QMAX * 1.0, QMAX * 1.0, propagate_nan=tl.PropagateNan.ALL) + (QMAX + 1) * 1.0
     else:
         LEVELS: tl.constexpr = (1 << BITS) - 1
         r = tl.clamp(r, 0.0, LEVELS * 1.0, propagate_nan=tl.PropagateNan.ALL)
-    return tl.where(r == r, r, 0.0).to(tl.int32)
+    return tl.where((r == r) & (scale == scale)[:, None], r, 0.0).to(tl.int32)
 
 
 @triton.jit

@@ -5,7 +5,10 @@ A row of ``L`` elements is padded to ``L_pad``, a whole number of quantization g
 Hadamard blocks), by repeating its last element (which changes no group's min, max or absmax).
 Its bytes are ``[fp32 scales][fp32 zero points (min-max only)][packed codes]``, padded to a
 multiple of 4 bytes so that every row's scales stay aligned. All of this padding travels and is
-metered. An unquantized codec sends the raw fp32 (or parameter-dtype) bytes of the row.
+metered. An unquantized codec sends the raw fp32 (or parameter-dtype) bytes of the row. A group
+holding NaN or an infinity (after the difference, the Hadamard transform or the middle step's sum)
+sends the fixed non-finite encoding of :mod:`qsdp.codecs.quantize`: scale and zero point
+``0x7FC00000``, every code 0.
 
 Every step has a torch reference (the oracle) and, for CUDA tensors, a fused Triton kernel giving
 the same bytes (:mod:`qsdp.codecs.triton_kernels`, chosen by :func:`qsdp.codecs.dispatch.use_triton`).
