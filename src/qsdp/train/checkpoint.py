@@ -113,7 +113,9 @@ def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    # A link is never a checkpoint of this run: rotation would delete what it points to.
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and not p.is_symlink() and (m := _STEP_RE.match(p.name))]
     return sorted((s, p) for s, p in found if _missing(p) is None and state_verified(p))
 
 
@@ -133,6 +135,9 @@ def _step_of(path: Path) -> int | None:
 
 
 def _require_complete(path: Path, required: tuple[str, ...] = _REQUIRED) -> Path:
+    if path.is_symlink():
+        raise CheckpointError(f"checkpoint {path} is a symbolic link: qsdp reads only the run's own checkpoint "
+                              f"directories{_previous(path.parent, None)}")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist{_previous(path.parent, _step_of(path))}")
     missing = _missing(path, required)
@@ -152,6 +157,9 @@ def latest_checkpoint(out: str | os.PathLike) -> Path | None:
     """
     root = checkpoint_root(out)
     latest = root / LATEST_FILE
+    if latest.is_symlink():
+        raise CheckpointError(f"{latest} is a symbolic link: qsdp writes it as a file naming a checkpoint of the run "
+                              f"and follows no link inside {root}{_previous(root, None)}")
     if not latest.is_file():
         complete = complete_checkpoints(root)
         if complete:
@@ -161,7 +169,9 @@ def latest_checkpoint(out: str | os.PathLike) -> Path | None:
         return None
     name = latest.read_text(encoding="utf-8").strip()
     if not _STEP_RE.match(name):
-        raise CheckpointError(f"{latest} names {name!r}, not a checkpoint directory (step_XXXXXXXX)"
+        # At most a short, escaped excerpt: the file may hold anything.
+        raise CheckpointError(f"{latest} names {name[:40]!r}{'...' if len(name) > 40 else ''}, not a checkpoint "
+                              "directory (step_XXXXXXXX)"
                               f"{_previous(root, None)}")
     path = root / name
     if not path.is_dir():
@@ -178,6 +188,9 @@ def named_checkpoint(out: str | os.PathLike, name: str) -> Path:
             raise CheckpointError(f"--resume-from {name!r} is not a checkpoint name (step_XXXXXXXX under "
                                   f"{checkpoint_root(out)})")
         path = checkpoint_root(out) / name
+    elif not path.is_dir():  # a path elsewhere: the run's own checkpoints are what is left to say
+        raise CheckpointError(f"--resume-from {name[:80]!r} is not a checkpoint directory"
+                              f"{_previous(checkpoint_root(out), None)}")
     return _require_complete(path, _NAMED)
 
 
