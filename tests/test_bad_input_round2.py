@@ -174,3 +174,36 @@ def test_a_long_latest_is_quoted_short_and_escaped(tmp_path):
         latest_checkpoint(tmp_path / "run")
     message = str(refused.value)
     assert "\x1b" not in message and "\\x1b[2J" in message and len(message) < 400
+
+
+def _save_then_load_with(rank, world, out, saved_with, loaded_with):
+    import torch
+
+    import fsdp_models as fm
+    from qsdp.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    model = fm.build()
+    handle = qsdp.quantize_comms(model, saved_with)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    save_checkpoint(out, 1, model, opt, handle, meta={})
+    handle.close()
+    other = fm.build(seed=5)
+    handle = qsdp.quantize_comms(other, loaded_with)
+    try:
+        load_checkpoint(f"{out}/checkpoints/step_00000001", other, torch.optim.Adam(other.parameters(), lr=1e-2),
+                        handle, torch.device("cpu"))
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow  # a save and a load on 2 ranks: about 30 s on 2 cores
+def test_load_checkpoint_into_comms_of_another_preset_is_refused_naming_the_fields(tmp_path):
+    for message in run_world(_save_then_load_with, 2, str(tmp_path), "sdp4bit", "qsdp", timeout=100):
+        assert message is not None and "was saved by comms of another config (" in message
+        assert "grads.mode: checkpoint 'two_level' != now 'one_level'" in message
+
+
+@pytest.mark.slow  # a save and a load on 2 ranks: about 30 s on 2 cores
+def test_load_checkpoint_into_comms_of_the_same_preset_loads(tmp_path):
+    assert run_world(_save_then_load_with, 2, str(tmp_path), "sdp4bit", "sdp4bit", timeout=100) == [None, None]

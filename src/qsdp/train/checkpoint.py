@@ -67,6 +67,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from qsdp.config import config_diff
+
 from .files import atomic_write, fsync_dir
 from .integrity import DIGEST_FILE, DigestMismatch, nonfinite_state, state_verified, verify_digests, write_digests
 from .parts import ModelParts, merged
@@ -448,7 +450,8 @@ def save_checkpoint(
                 shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     finite = nonfinite_state(parts, job.optimizers, device) is None
-    comms = {"format": FORMAT, "layout": _layout(handles), "continued": _counters_everywhere(handles, device)}
+    comms = {"format": FORMAT, "layout": _layout(handles), "continued": _counters_everywhere(handles, device),
+             "configs": _configs(handles)}
     model_sds, optim_sds = job.state_dicts()
     state = {"model": merged(model_sds), "optim": merged(optim_sds), "qsdp_replicas": _replica_state(parts, handles),
              "rank_state": {str(rank): _rank_blob(handles)}}
@@ -531,6 +534,7 @@ def load_checkpoint(
     meta = read_meta(path)
     comms = _read_json(path / COMMS_FILE)
     _require_format(path, comms)
+    _require_config(path, comms, handles)
     rank = dist.get_rank()
     keys = job.state_dicts()
     state: dict[str, Any] = {"model": merged(keys[0]), "optim": merged(keys[1])}
@@ -560,6 +564,27 @@ def load_checkpoint(
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
         raise CheckpointError(f"cannot load checkpoint {path}: {_short(e)}") from None
     return meta
+
+
+def _configs(handles: list[Any]) -> list[dict[str, Any]]:
+    """Each model part's comm config, without what a resume may change (the ranks per node)
+    or what does not change the comms (the name)."""
+    return [{k: v for k, v in h.config.to_dict().items() if k not in ("local_world_size", "name")} for h in handles]
+
+
+def _require_config(path: Path, comms: dict[str, Any], handles: list[Any]) -> None:
+    """The comms loading a checkpoint must run the config that saved it (their state and
+    replicas belong to it): one :class:`CheckpointError` naming the fields that differ. A
+    checkpoint that does not record its config is not checked."""
+    saved = comms.get("configs")
+    if saved is None or len(saved) != len(handles):
+        return
+    for theirs, mine in zip(saved, _configs(handles)):
+        diff = config_diff(theirs, mine)
+        if diff:
+            fields = ", ".join(f"{k}: checkpoint {a!r} != now {b!r}" for k, a, b in diff[:4])
+            raise CheckpointError(f"checkpoint {path} was saved by comms of another config ({fields}); "
+                                  "quantize_comms with the config that saved it before loading")
 
 
 def _require_format(path: Path, comms: dict[str, Any]) -> None:
