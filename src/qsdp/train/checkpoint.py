@@ -533,8 +533,7 @@ def load_checkpoint(
     _verify_before_load(path, device)
     meta = read_meta(path)
     comms = _read_json(path / COMMS_FILE)
-    _require_format(path, comms)
-    _require_config(path, comms, handles)
+    _require_format(path, comms, handles)
     rank = dist.get_rank()
     keys = job.state_dicts()
     state: dict[str, Any] = {"model": merged(keys[0]), "optim": merged(keys[1])}
@@ -587,13 +586,15 @@ def _require_config(path: Path, comms: dict[str, Any], handles: list[Any]) -> No
                                   "quantize_comms with the config that saved it before loading")
 
 
-def _require_format(path: Path, comms: dict[str, Any]) -> None:
+def _require_format(path: Path, comms: dict[str, Any], handles: list[Any]) -> None:
     """A checkpoint of another format is one :class:`CheckpointError` (every rank reads the same
-    ``comms.json``), never a load that reads its keys another way."""
+    ``comms.json``), never a load that reads its keys another way; so is one saved by comms of
+    another config (:func:`_require_config`)."""
     found = comms.get("format", 1)
     if found != FORMAT:
         raise CheckpointError(f"checkpoint {path} is in checkpoint format {found}, this qsdp reads format {FORMAT} "
                               "(optimizer state keyed by parameter): resume it with the qsdp that wrote it")
+    _require_config(path, comms, handles)
 
 
 def _continue_on_another_layout(continued: Any, handles: list[Any]) -> None:
