@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from qsdp.results import cpu_model
+from qsdp.usage import number
 
 from . import stage_validity
 from .stage_validity import Fingerprint, Measures, StageState
@@ -654,7 +655,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--next", action="store_true",
                    help="run only the stages due: no valid result in --results or --out (missing, or stale: what it "
                         "measures changed since)")
-    p.add_argument("--budget", type=float, metavar="SECONDS",
+    p.add_argument("--budget", type=number(0, low_open=True), metavar="SECONDS",
                    help="the time this command may take: a stage starts only while its budget and the "
                         f"{KILL_GRACE_S:.0f} s a stopped one gets fit in what is left; the others wait")
     p.add_argument("--results", default=str(RESULTS), metavar="DIR",

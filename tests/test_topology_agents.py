@@ -41,7 +41,7 @@ def test_four_one_rank_agents_on_two_hosts_are_two_nodes_of_two(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID",
-                        "MASTER_ADDR", "MASTER_PORT", "QSDP_NODE", "SLURM_NODEID")}
+                        "MASTER_ADDR", "MASTER_PORT", "QSDP_NODE", "SLURM_NODEID", "SLURMD_NODENAME")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "src"), HERE,
                                                                  env.get("PYTHONPATH", "")]))
     hosts = []

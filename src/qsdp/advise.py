@@ -412,13 +412,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = _read(p, "--config", args.config, shape_from_config)
     kernels = _read(p, "--kernels", args.kernels, load_kernels)
     rates = {}
-    for flag in ("link", "link_per_gpu", "intra_link"):
+    for flag in ("link", "link_per_gpu", "intra_link", "hbm"):  # --hbm: checked here, used by _hardware
         text = getattr(args, flag)
         try:
             rates[flag] = None if text is None else (
                 math.prod(parse_link(text)) if flag == "link" else parse_rate(text))
         except ValueError as e:
             p.error(f"--{flag.replace('_', '-')}: {e}")
+        if rates[flag] is not None and not math.isfinite(rates[flag]):  # 1e309gbit reads as inf
+            p.error(f"--{flag.replace('_', '-')}: {text!r} is not a finite rate")
     intra_gbps = None if rates["intra_link"] is None else rates["intra_link"] / 8
     gpu = _hardware(p, args, rates["link"], intra_gbps)
     measured, speak = None, True

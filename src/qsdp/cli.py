@@ -25,7 +25,7 @@ from pathlib import Path
 
 import qsdp
 from qsdp.launch import under_torchrun
-from qsdp.overrides import parse_override
+from qsdp.overrides import SetOverride, parse_override
 from qsdp.train import demo
 from qsdp.train.args import (
     BACKENDS,
@@ -106,7 +106,7 @@ def _add_run_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> None
     group.add_argument("--preset", default=defaults.preset,
                        help=f"communication preset (default {defaults.preset}): "
                             f"{', '.join(qsdp.PRESETS)} or a variant")
-    group.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", type=parse_override,
+    group.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action=SetOverride, type=parse_override,
                        default=[], help="override a config field, e.g. weights.bits=4 (repeatable)")
     group.add_argument("--model", default=defaults.model,
                        help=f"model size: {', '.join(MODEL_SIZES)} (default {defaults.model})")

@@ -313,6 +313,12 @@ def resolve_config(config: str | QuantConfig, overrides: Mapping[str, Any] | Non
     return cfg
 
 
+# A quantization group is at most this many elements: the hadamard alignment bound below, and far
+# beyond any group that keeps quantization error useful (the presets use 128 to 2048).
+MAX_GROUP_SIZE = 1 << 20
+MAX_INT64 = 2**63 - 1  # counts and seeds travel between ranks as int64
+
+
 def is_int(v: Any) -> bool:
     """An ``int`` that is not a ``bool``."""
     return isinstance(v, int) and not isinstance(v, bool)
@@ -330,6 +336,8 @@ def _check_quantizer(prefix: str, bits_fields: dict[str, Any], group_size: Any, 
     # width's packed group a whole number of bytes.
     if not is_int(group_size) or group_size < 8 or group_size % 8:
         raise ConfigError(f"{prefix}.group_size={group_size!r} must be an integer, a positive multiple of 8")
+    if group_size > MAX_GROUP_SIZE:
+        raise ConfigError(f"{prefix}.group_size={group_size!r} must be at most {MAX_GROUP_SIZE} (2**20)")
     if rounding not in ROUNDINGS:
         raise ConfigError(f"{prefix}.rounding={rounding!r} is not supported; allowed: {', '.join(ROUNDINGS)}")
 
@@ -355,10 +363,12 @@ def validate(cfg: QuantConfig) -> None:
             raise ConfigError(f"grads.hadamard_block={hb} and group_size={g.group_size} align only every {math.lcm(hb, g.group_size)} elements")
         if g.pipeline_slices != "auto" and (not is_int(g.pipeline_slices) or g.pipeline_slices < 1):
             raise ConfigError(f"grads.pipeline_slices={g.pipeline_slices!r} must be a positive integer or 'auto'")
-        if not is_int(g.pipeline_min_slice) or g.pipeline_min_slice < 1:
-            raise ConfigError(f"grads.pipeline_min_slice={g.pipeline_min_slice!r} must be a positive integer")
-        if not is_int(g.pipeline_min_bytes) or g.pipeline_min_bytes < 1:
-            raise ConfigError(f"grads.pipeline_min_bytes={g.pipeline_min_bytes!r} must be a positive integer")
+        if g.pipeline_slices != "auto" and g.pipeline_slices > MAX_INT64:
+            raise ConfigError(f"grads.pipeline_slices={g.pipeline_slices!r} must be at most 2**63 - 1")
+        if not is_int(g.pipeline_min_slice) or not 1 <= g.pipeline_min_slice <= MAX_INT64:
+            raise ConfigError(f"grads.pipeline_min_slice={g.pipeline_min_slice!r} must be a positive integer (at most 2**63 - 1)")
+        if not is_int(g.pipeline_min_bytes) or not 1 <= g.pipeline_min_bytes <= MAX_INT64:
+            raise ConfigError(f"grads.pipeline_min_bytes={g.pipeline_min_bytes!r} must be a positive integer (at most 2**63 - 1)")
         if not isinstance(g.quantize, bool):
             raise ConfigError(f"grads.quantize={g.quantize!r} must be a bool")
     _validate_hsdp(cfg.hsdp)
@@ -366,15 +376,15 @@ def validate(cfg: QuantConfig) -> None:
     for name, v in (("weights.symmetric", w.symmetric), ("grads.symmetric", g.symmetric)):
         if not isinstance(v, bool):
             raise ConfigError(f"{name}={v!r} must be a bool")
-    if not is_int(cfg.min_shard_numel) or cfg.min_shard_numel < 0:
-        raise ConfigError(f"min_shard_numel={cfg.min_shard_numel!r} must be a non-negative integer")
+    if not is_int(cfg.min_shard_numel) or not 0 <= cfg.min_shard_numel <= MAX_INT64:
+        raise ConfigError(f"min_shard_numel={cfg.min_shard_numel!r} must be a non-negative integer (at most 2**63 - 1)")
     lws = cfg.local_world_size
-    if lws is not None and (not is_int(lws) or lws < 1):
+    if lws is not None and (not is_int(lws) or not 1 <= lws <= MAX_INT64):
         raise ConfigError(f"local_world_size={lws!r} must be a positive integer or None")
-    if not is_int(cfg.verify_replicas_every) or cfg.verify_replicas_every < 0:
-        raise ConfigError(f"verify_replicas_every={cfg.verify_replicas_every!r} must be a non-negative integer")
-    if not is_int(cfg.seed):
-        raise ConfigError(f"seed={cfg.seed!r} must be an integer")
+    if not is_int(cfg.verify_replicas_every) or not 0 <= cfg.verify_replicas_every <= MAX_INT64:
+        raise ConfigError(f"verify_replicas_every={cfg.verify_replicas_every!r} must be a non-negative integer (at most 2**63 - 1)")
+    if not is_int(cfg.seed) or abs(cfg.seed) > MAX_INT64:
+        raise ConfigError(f"seed={cfg.seed!r} must be an integer of at most 64 bits")
     if not isinstance(cfg.name, str) or not cfg.name:
         raise ConfigError(f"name={cfg.name!r} must be a non-empty string")
 

@@ -79,7 +79,7 @@ def hsdp_groups(nodes: int | None = None, ranks_per_node: int | None = None,
     """Build the HSDP groups of the whole world, one shard group per node. Collective: every
     rank calls it.
 
-    The nodes are those :mod:`qsdp.comm.topology` finds (``QSDP_NODE``, ``SLURM_NODEID`` or the
+    The nodes are those :mod:`qsdp.comm.topology` finds (``QSDP_NODE``, ``SLURMD_NODENAME`` or the
     host name), so a shard group never spans hosts, under any rank placement (``srun
     --distribution=cyclic`` puts ranks 0, 2 on one host and 1, 3 on the other). ``nodes``, when
     given, must match them, except on one machine, where it emulates ``nodes`` nodes of
@@ -90,6 +90,9 @@ def hsdp_groups(nodes: int | None = None, ranks_per_node: int | None = None,
 
     from .comm.topology import build_topologies, release
 
+    for name, value in (("nodes", nodes), ("ranks_per_node", ranks_per_node)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"hsdp_groups: {name} must be an int or None, got {value!r}")
     world = dist.get_world_size()
     if nodes is not None and (nodes < 1 or world % nodes):
         raise ConfigError(f"nodes={nodes} must divide the world size {world}")
@@ -103,7 +106,7 @@ def hsdp_groups(nodes: int | None = None, ranks_per_node: int | None = None,
     if ranks_per_node is None and found.nodes > 1:
         if nodes is not None and nodes != found.nodes:
             raise ConfigError(f"nodes={nodes}, but the hosts place the {world} ranks on {found.nodes} nodes of "
-                              f"{found.ranks_per_node} (QSDP_NODE, SLURM_NODEID or the host name); leave nodes out")
+                              f"{found.ranks_per_node} (QSDP_NODE, SLURMD_NODENAME or the host name); leave nodes out")
         rows = [list(r) for r in found.intra_ranks]  # world ranks are group ranks here
     else:
         m = emulated or world

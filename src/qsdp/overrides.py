@@ -31,3 +31,17 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. weights.bits=4), got {text!r}")
     return key.strip(), parse_value(value)
+
+
+class SetOverride(argparse.Action):
+    """``--set KEY=VALUE`` (with ``type=parse_override``), repeatable: the pairs in order. A key
+    given twice is a usage error naming both values: the last would otherwise win unseen."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        key, value = values
+        pairs = list(getattr(namespace, self.dest, None) or [])
+        for given, earlier in pairs:
+            if given == key:
+                raise argparse.ArgumentError(self, f"{key} given twice ({earlier!r}, then {value!r}); give each "
+                                                   "field once")
+        setattr(namespace, self.dest, [*pairs, values])

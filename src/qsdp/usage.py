@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -71,4 +72,9 @@ def save_path(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot create {text!r}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+    try:  # what os.access cannot tell: root on a read-only file system, /proc, a full disk
+        with tempfile.TemporaryFile(dir=parent, prefix=".qsdp-write-test-"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror or e}") from None
     return text

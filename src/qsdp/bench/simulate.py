@@ -24,6 +24,7 @@ its errors against the paper are reported, not fitted.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Sequence
 
 from ..config import resolve_config
@@ -293,8 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--overlap={args.overlap} must be in [0, 1]")
     overrides = {k: getattr(args, k) for k in _HW_FLAGS if getattr(args, k) is not None}
     for k, v in overrides.items():
-        if v <= 0:
-            parser.error(f"--{k.replace('_', '-')}={v} must be positive")
+        if not math.isfinite(v) or v <= 0:  # nan compares false with everything: name it
+            parser.error(f"--{k.replace('_', '-')}={v} must be a positive finite number")
+    bad = [n for n in args.scale_gpus if n < 1]
+    if bad:
+        parser.error(f"--scale-gpus: {', '.join(map(str, bad))} must be positive numbers of GPUs")
     kernels = None
     if args.kernels:
         try:

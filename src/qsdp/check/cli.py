@@ -8,7 +8,7 @@ import sys
 import torch
 
 from ..config import ConfigError, preset_names, resolve_config
-from ..overrides import parse_override
+from ..overrides import SetOverride, parse_override
 from ..results import emit, meta
 from ..train.args import PARAM_DTYPES
 from ..train.data import DataError
@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
                    f"config .json, or module:function returning an nn.Module (default {d.model})")
     p.add_argument("--preset", default="sdp4bit", help=f"preset or variant: {', '.join(preset_names())}; "
                    "several, comma-separated, are measured along one run and compared")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", type=parse_override,
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action=SetOverride, type=parse_override,
                    default=[], help="override a config field, e.g. grads.bits_inter=8 (repeatable)")
     p.add_argument("--nodes", type=int, default=d.nodes, help=f"D, emulated nodes (default {d.nodes})")
     p.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node,

@@ -7,13 +7,21 @@ A rank's node is the machine it runs on, whatever launched it:
    on one machine: global rank ``r`` is on node ``r // local_world_size``;
 2. else the environment variable ``QSDP_NODE`` names this process's node (one machine emulating
    several nodes says so this way: each emulated node's agent sets its own name);
-3. else Slurm's ``SLURM_NODEID`` where it is set;
-4. else the host name.
+3. else Slurm's ``SLURMD_NODENAME`` (the name of the Slurm node the task runs on) where it is
+   set. Not ``SLURM_NODEID``: it counts the nodes of one job step, so ranks started by separate
+   ``srun`` steps on different machines would all say node 0;
+4. else the host name. A name many machines share (:data:`SHARED_HOST_NAMES`: ``localhost``
+   and the like, which containers from one image often carry) gets this machine's identity
+   appended: the kernel's boot id (the same in every container of one machine, different on
+   every machine), else ``/etc/machine-id``.
 
 The number of torchrun agents per host does not matter (``srun --ntasks-per-node 8 torchrun
 --nproc-per-node 1`` puts 8 ranks on one node). When every node came from the hosts and the
 ranks per node found differ from what the launcher states (``LOCAL_WORLD_SIZE``,
-``SLURM_NTASKS_PER_NODE``), rank 0 warns once, naming both.
+``SLURM_NTASKS_PER_NODE``), rank 0 warns once, naming both. Where every node found holds one
+rank while this process sees several CUDA devices and the launcher does not say otherwise (one
+container a GPU, each with a host name of its own, looks like one node a GPU), rank 0 warns
+once too.
 
 Start-up: the ranks of a group exchange one fixed-size record each (:data:`RECORD_BYTES`: the
 node name and the number of process groups the rank holds) with one all-gather over that group
@@ -55,6 +63,27 @@ NODE_ENV = "QSDP_NODE"
 NAME_BYTES = 64  # a longer node name travels as its SHA-1 (host names are at most 64 bytes)
 RECORD_BYTES = NAME_BYTES + 8  # the name, then one int64: process groups held * 2 + explicit
 LAUNCHER_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+# Host names that say nothing about the machine: the loopback names, which a container image
+# may keep as its host name on every machine it runs on.
+SHARED_HOST_NAMES = frozenset({"", "localhost", "localhost.localdomain", "localhost4", "localhost6",
+                               "ip6-localhost", "ip6-loopback"})
+# What differs between machines, first found wins: the boot id is the kernel's (every container
+# of one machine reads the same), machine-id is the installation's (an image may carry one).
+MACHINE_ID_FILES = ("/proc/sys/kernel/random/boot_id", "/etc/machine-id", "/var/lib/dbus/machine-id")
+
+
+def machine_id() -> str | None:
+    """An identity of this machine that differs between machines (the first 12 hex digits of
+    the first readable, non-empty file of :data:`MACHINE_ID_FILES`), or ``None``."""
+    for path in MACHINE_ID_FILES:
+        try:
+            with open(path) as f:
+                digits = re.sub(r"[^0-9a-f]", "", f.read().lower())
+        except OSError:
+            continue
+        if digits:
+            return digits[:12]
+    return None
 
 
 def node_name() -> str:
@@ -62,10 +91,15 @@ def node_name() -> str:
     explicit = os.environ.get(NODE_ENV)
     if explicit:
         return explicit
-    slurm = os.environ.get("SLURM_NODEID")
+    slurm = os.environ.get("SLURMD_NODENAME")
     if slurm:
-        return f"slurm-node{slurm}"
-    return socket.gethostname()
+        return slurm
+    host = socket.gethostname()
+    if host.lower() in SHARED_HOST_NAMES:
+        machine = machine_id()
+        if machine is not None:
+            return f"{host}@{machine}"
+    return host
 
 
 def stated_ranks_per_node() -> list[tuple[str, int]]:
@@ -307,9 +341,31 @@ def _warn_if_launcher_disagrees(st: _WorldState, ranks: tuple[int, ...], records
     said = [f"{var}={value}" for var, value in stated_ranks_per_node() if value != per_node]
     if said:
         warnings.warn(
-            f"qsdp: the hosts hold {per_node} rank(s) on each of {nodes} node(s) (SLURM_NODEID or the host name), "
+            f"qsdp: the hosts hold {per_node} rank(s) on each of {nodes} node(s) (SLURMD_NODENAME or the host name), "
             f"but the launcher states {' and '.join(said)}: qsdp follows the hosts; to emulate nodes on one host, "
             "set QSDP_NODE for each emulated node or pass overrides={'local_world_size': M}", stacklevel=4)
+        return
+    message = one_rank_nodes_warning(per_node, nodes, _cuda_devices())
+    if message is not None:
+        warnings.warn(message, stacklevel=4)
+
+
+def _cuda_devices() -> int:
+    """How many CUDA devices this process sees (0 without CUDA). torch counts them through NVML
+    where it can, without creating a CUDA context."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def one_rank_nodes_warning(per_node: int, nodes: int, devices: int) -> str | None:
+    """The warning for nodes found to hold one rank each while a rank sees ``devices`` CUDA
+    devices (more than one: likely one container a GPU, each with a host name of its own, on
+    machines that hold several ranks), or ``None``."""
+    if per_node != 1 or nodes < 2 or devices < 2:
+        return None
+    return (f"qsdp: every one of the {nodes} nodes found holds one rank, but this rank sees {devices} CUDA devices: "
+            "if several ranks share a machine (one container a GPU gives each its own host name), qsdp sees no "
+            "intra-node level; set QSDP_NODE to the machine's name in each container, or pass "
+            "overrides={'local_world_size': M}")
 
 
 def _check_held(records: list[_Record], ranks: tuple[int, ...], intra, inter, what: str) -> None:

@@ -29,6 +29,12 @@ ON_NONFINITE = ("skip", "raise")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
 MAX_TIMEOUT_S = 1e9  # about 31 years; much more overflows the process group's timedelta
+# Counts (steps, sequences, tokens a sequence, checkpoints) are tensor sizes and indices: int32.
+MAX_COUNT = 2**31 - 1
+# AdamW moves each weight by about the learning rate a step: above 1, a step overwrites the
+# weights (and 3e38 overflows float32 at the first step).
+MAX_LR = 1.0
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a 64-bit seed
 
 
 class TrainError(ValueError):
@@ -179,25 +185,33 @@ def _need(ok: bool, msg: str) -> None:
 def _check_counts(args: TrainArgs) -> None:
     for name in ("steps", "batch_size", "seq_len", "eval_batches", "log_every"):
         value = getattr(args, name)
-        _need(is_int(value) and value > 0, f"{name} must be a positive integer, got {value!r}")
-    for name in ("eval_every", "ckpt_every", "seed"):
+        _need(is_int(value) and 0 < value <= MAX_COUNT,
+              f"{name} must be a positive integer (at most {MAX_COUNT}), got {value!r}")
+    for name in ("eval_every", "ckpt_every", "keep_checkpoints"):
         value = getattr(args, name)
-        _need(is_int(value) and value >= 0, f"{name} must be a non-negative integer, got {value!r}")
-    _need(is_int(args.keep_checkpoints), f"keep_checkpoints must be an integer, got {args.keep_checkpoints!r}")
+        _need(is_int(value) and 0 <= value <= MAX_COUNT,
+              f"{name} must be a non-negative integer (at most {MAX_COUNT}), got {value!r}")
+    _need(is_int(args.seed) and 0 <= args.seed <= MAX_SEED,
+          f"seed must be a non-negative integer (at most 2**63 - 1), got {args.seed!r}")
     for name in ("warmup", "decay_steps"):
         value = getattr(args, name)
-        _need(value is None or (is_int(value) and value >= 0),
-              f"{name} must be a non-negative integer, got {value!r}")
-    _need(args.local_world_size is None or (is_int(args.local_world_size) and args.local_world_size > 0),
+        _need(value is None or (is_int(value) and 0 <= value <= MAX_COUNT),
+              f"{name} must be a non-negative integer (at most {MAX_COUNT}), got {value!r}")
+    _need(args.local_world_size is None or (is_int(args.local_world_size) and 0 < args.local_world_size <= MAX_COUNT),
           f"local_world_size must be a positive integer, got {args.local_world_size!r}")
 
 
 def _check_numbers(args: TrainArgs) -> None:
     _need(math.isfinite(args.lr) and args.lr > 0, f"lr must be a positive number, got {args.lr!r}")
+    _need(args.lr <= MAX_LR, f"lr must be at most {MAX_LR:g} (AdamW moves each weight by about lr a step), "
+          f"got {args.lr!r}")
     _need(args.min_lr is None or (math.isfinite(args.min_lr) and 0 <= args.min_lr <= args.lr),
           f"min_lr must be in [0, lr={args.lr}], got {args.min_lr!r}")
     _need(math.isfinite(args.weight_decay) and args.weight_decay >= 0,
           f"weight_decay must be >= 0, got {args.weight_decay!r}")
+    _need(args.lr * args.weight_decay < 1,
+          f"lr * weight_decay must be below 1 (AdamW scales the weights by 1 - lr * weight_decay a step), got "
+          f"{args.lr!r} * {args.weight_decay!r}")
     _need(math.isfinite(args.grad_clip) and args.grad_clip >= 0,
           f"grad_clip must be >= 0 (0 = off), got {args.grad_clip!r}")
     _need(isinstance(args.timeout_s, (int, float)) and 0 < args.timeout_s <= MAX_TIMEOUT_S,

@@ -67,6 +67,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from qsdp.config import config_diff
+
 from .files import atomic_write, fsync_dir
 from .integrity import DIGEST_FILE, DigestMismatch, nonfinite_state, state_verified, verify_digests, write_digests
 from .parts import ModelParts, merged
@@ -113,7 +115,9 @@ def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    # A link is never a checkpoint of this run: rotation would delete what it points to.
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and not p.is_symlink() and (m := _STEP_RE.match(p.name))]
     return sorted((s, p) for s, p in found if _missing(p) is None and state_verified(p))
 
 
@@ -133,6 +137,9 @@ def _step_of(path: Path) -> int | None:
 
 
 def _require_complete(path: Path, required: tuple[str, ...] = _REQUIRED) -> Path:
+    if path.is_symlink():
+        raise CheckpointError(f"checkpoint {path} is a symbolic link: qsdp reads only the run's own checkpoint "
+                              f"directories{_previous(path.parent, None)}")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist{_previous(path.parent, _step_of(path))}")
     missing = _missing(path, required)
@@ -152,6 +159,9 @@ def latest_checkpoint(out: str | os.PathLike) -> Path | None:
     """
     root = checkpoint_root(out)
     latest = root / LATEST_FILE
+    if latest.is_symlink():
+        raise CheckpointError(f"{latest} is a symbolic link: qsdp writes it as a file naming a checkpoint of the run "
+                              f"and follows no link inside {root}{_previous(root, None)}")
     if not latest.is_file():
         complete = complete_checkpoints(root)
         if complete:
@@ -161,7 +171,9 @@ def latest_checkpoint(out: str | os.PathLike) -> Path | None:
         return None
     name = latest.read_text(encoding="utf-8").strip()
     if not _STEP_RE.match(name):
-        raise CheckpointError(f"{latest} names {name!r}, not a checkpoint directory (step_XXXXXXXX)"
+        # At most a short, escaped excerpt: the file may hold anything.
+        raise CheckpointError(f"{latest} names {name[:40]!r}{'...' if len(name) > 40 else ''}, not a checkpoint "
+                              "directory (step_XXXXXXXX)"
                               f"{_previous(root, None)}")
     path = root / name
     if not path.is_dir():
@@ -178,6 +190,9 @@ def named_checkpoint(out: str | os.PathLike, name: str) -> Path:
             raise CheckpointError(f"--resume-from {name!r} is not a checkpoint name (step_XXXXXXXX under "
                                   f"{checkpoint_root(out)})")
         path = checkpoint_root(out) / name
+    elif not path.is_dir():  # a path elsewhere: the run's own checkpoints are what is left to say
+        raise CheckpointError(f"--resume-from {name[:80]!r} is not a checkpoint directory"
+                              f"{_previous(checkpoint_root(out), None)}")
     return _require_complete(path, _NAMED)
 
 
@@ -435,7 +450,8 @@ def save_checkpoint(
                 shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     finite = nonfinite_state(parts, job.optimizers, device) is None
-    comms = {"format": FORMAT, "layout": _layout(handles), "continued": _counters_everywhere(handles, device)}
+    comms = {"format": FORMAT, "layout": _layout(handles), "continued": _counters_everywhere(handles, device),
+             "configs": _configs(handles)}
     model_sds, optim_sds = job.state_dicts()
     state = {"model": merged(model_sds), "optim": merged(optim_sds), "qsdp_replicas": _replica_state(parts, handles),
              "rank_state": {str(rank): _rank_blob(handles)}}
@@ -517,7 +533,7 @@ def load_checkpoint(
     _verify_before_load(path, device)
     meta = read_meta(path)
     comms = _read_json(path / COMMS_FILE)
-    _require_format(path, comms)
+    _require_format(path, comms, handles)
     rank = dist.get_rank()
     keys = job.state_dicts()
     state: dict[str, Any] = {"model": merged(keys[0]), "optim": merged(keys[1])}
@@ -549,13 +565,36 @@ def load_checkpoint(
     return meta
 
 
-def _require_format(path: Path, comms: dict[str, Any]) -> None:
+def _configs(handles: list[Any]) -> list[dict[str, Any]]:
+    """Each model part's comm config, without what a resume may change (the ranks per node)
+    or what does not change the comms (the name)."""
+    return [{k: v for k, v in h.config.to_dict().items() if k not in ("local_world_size", "name")} for h in handles]
+
+
+def _require_config(path: Path, comms: dict[str, Any], handles: list[Any]) -> None:
+    """The comms loading a checkpoint must run the config that saved it (their state and
+    replicas belong to it): one :class:`CheckpointError` naming the fields that differ. A
+    checkpoint that does not record its config is not checked."""
+    saved = comms.get("configs")
+    if saved is None or len(saved) != len(handles):
+        return
+    for theirs, mine in zip(saved, _configs(handles)):
+        diff = config_diff(theirs, mine)
+        if diff:
+            fields = ", ".join(f"{k}: checkpoint {a!r} != now {b!r}" for k, a, b in diff[:4])
+            raise CheckpointError(f"checkpoint {path} was saved by comms of another config ({fields}); "
+                                  "quantize_comms with the config that saved it before loading")
+
+
+def _require_format(path: Path, comms: dict[str, Any], handles: list[Any]) -> None:
     """A checkpoint of another format is one :class:`CheckpointError` (every rank reads the same
-    ``comms.json``), never a load that reads its keys another way."""
+    ``comms.json``), never a load that reads its keys another way; so is one saved by comms of
+    another config (:func:`_require_config`)."""
     found = comms.get("format", 1)
     if found != FORMAT:
         raise CheckpointError(f"checkpoint {path} is in checkpoint format {found}, this qsdp reads format {FORMAT} "
                               "(optimizer state keyed by parameter): resume it with the qsdp that wrote it")
+    _require_config(path, comms, handles)
 
 
 def _continue_on_another_layout(continued: Any, handles: list[Any]) -> None:

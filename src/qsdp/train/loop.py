@@ -49,6 +49,7 @@ from qsdp.train.preflight import (
     rejoins_job,
     restart_count,
 )
+from qsdp.train.runlock import RunLockError, acquire, release
 from qsdp.train.runtime import init_process_group, rank0_first, run_device
 from qsdp.train.trainer import Trainer
 
@@ -86,12 +87,14 @@ def train_worker(args: TrainArgs, plan: Plan | None = None) -> dict[str, Any]:
     owns_group = not dist.is_initialized()
     if owns_group:
         init_process_group(args)
+    locked = False
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         if args.hsdp:  # a layout that cannot be HSDP fails on every rank before any collective
             hsdp_layout(args, config, world, resuming=args.resume or restart_count() > 0 or rejoins_job(args.out))
         dataset, plan = _worker_plan(args, plan, config, rank, world)
         args = plan.run_args(args)  # a resume on another number of ranks: the global batch kept
+        locked = _lock_run_directory(args.out, rank)
         dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
         if rank == 0:
             record_job(args.out)
@@ -100,5 +103,23 @@ def train_worker(args: TrainArgs, plan: Plan | None = None) -> dict[str, Any]:
             write_summary(args.out, json.loads(json.dumps(summary, default=str)))
         return summary
     finally:
+        if locked:
+            release(args.out)
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _lock_run_directory(out: str, rank: int) -> bool:
+    """Rank 0 takes the run directory's lock (:mod:`qsdp.train.runlock`) before anything is
+    written there; a directory another live run holds is refused on every rank at once (rank 0's
+    answer is broadcast). Returns whether this rank holds the lock."""
+    refusal = [None]
+    if rank == 0:
+        try:
+            acquire(out)
+        except RunLockError as e:
+            refusal = [str(e)]
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise TrainError(refusal[0])
+    return rank == 0

@@ -31,7 +31,8 @@ from qsdp.train.checkpoint import latest_checkpoint, named_checkpoint, read_meta
 from qsdp.train.data import TokenDataset, get_tokenizer, load_corpus, require_default_corpus
 from qsdp.train.elastic import LAYOUT_FIELDS, RESUMABLE_CHANGES, BatchSplit, resume_batch, split_batch
 from qsdp.train.files import atomic_write
-from qsdp.train.metrics import METRICS_FILE
+from qsdp.train.metrics import METRICS_FILE, SUMMARY_FILE
+from qsdp.train.runlock import holder_refusal
 
 __all__ = [
     "Plan", "preflight", "require_packages", "prepare_dataset", "open_dataset", "check_out_dir", "check_resume",
@@ -167,6 +168,19 @@ def prepare_dataset(args: TrainArgs) -> tuple[TokenDataset, str]:
     return dataset, digest.hexdigest()[:16]
 
 
+def check_run_paths(args: TrainArgs) -> None:
+    """What the run writes under ``--out`` must be able to go there: ``checkpoints`` a directory
+    (or absent), the metrics and the summary files (or absent). Found at start-up, not when the
+    first checkpoint or the summary is written after training."""
+    out = Path(args.out)
+    for name, directory in (("checkpoints", True), (METRICS_FILE, False), (SUMMARY_FILE, False)):
+        path = out / name
+        if path.exists() and path.is_dir() != directory:
+            kind, wanted = ("a file", "its checkpoints directory") if directory else ("a directory", "a file")
+            raise TrainError(f"--out {args.out}: {name} is {kind}, where the run writes {wanted}; move it away "
+                             "or choose another --out")
+
+
 def check_out_dir(args: TrainArgs) -> None:
     """A fresh run needs a run directory without a previous run's metrics or checkpoints."""
     if args.resume:
@@ -297,6 +311,12 @@ def preflight(args: TrainArgs, world_size: int, data_id: str | None = None,
     naming the problem; touches no process group."""
     if config is None:
         config = validate_args(args)
+    check_run_paths(args)
+    # The launcher refuses a directory another live run holds before any worker starts; under
+    # torchrun, rank 0 alone decides (train_worker), so that every rank refuses together.
+    refusal = None if under_torchrun() else holder_refusal(args.out)
+    if refusal is not None:
+        raise TrainError(refusal)
     restarted = restart_count() > 0 or rejoins_job(args.out)
     if args.hsdp:
         hsdp_layout(args, config, world_size, resuming=args.resume or restarted)

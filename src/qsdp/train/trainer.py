@@ -336,6 +336,8 @@ class Trainer:
             start += count
             _, loss = self.model(inputs.to(self.device, non_blocking=True),
                                  targets.to(self.device, non_blocking=True))
+            # By sequences, which is by tokens: every target of the stream counts (ids are in
+            # [0, vocab), never the loss's ignore_index -1, and no sample is padded).
             weight = split.weight(count)
             if weight != 1.0:
                 loss = loss * weight
