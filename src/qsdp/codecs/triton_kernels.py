@@ -60,6 +60,15 @@ _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LAUNCH = {"enable_fp_fusion": False}
 # CUDA's limit on the second grid dimension; more rows are launched in several grids.
 _MAX_GRID_ROWS = 65535
+# Callables told of every kernel launch as ``(kernel, grid, args, kwargs)``: the launch census
+# (:mod:`qsdp.bench.census`) counts launches where no GPU profiler runs. Empty in training.
+launch_observers: list = []
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    for observe in launch_observers:
+        observe(kernel, grid, args, kwargs)
+    kernel[grid](*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -512,7 +521,8 @@ def quantize_into(
     y = base if base is not None else x
     for row0 in range(0, rows, _MAX_GRID_ROWS):
         grid = (triton.cdiv(groups, gpp), min(_MAX_GRID_ROWS, rows - row0))
-        _quantize_kernel[grid](
+        _launch(
+            _quantize_kernel, grid,
             _kernel_view(x), _kernel_view(y), dst.codes, dst.scales, dst.zeros,
             length, groups, ncodes, dst.ncb, x.stride(0), y.stride(0),
             dst.code_rs, dst.code_off, dst.scale_rs, dst.scale_off, dst.zero_off, key, row0,
@@ -566,7 +576,8 @@ def dequantize_into(
         out_arg, out_rs, kind = src.scales, 0, 0
     for row0 in range(0, outputs, _MAX_GRID_ROWS):
         grid = (triton.cdiv(groups, gpp) * nch, min(_MAX_GRID_ROWS, outputs - row0))
-        _dequantize_kernel[grid](
+        _launch(
+            _dequantize_kernel, grid,
             src.codes, src.scales, src.zeros, out_arg, q.codes, q.scales, q.zeros,
             row_o, row_j, groups, src.ncb, src.code_rs, src.code_off, src.scale_rs, src.scale_off,
             src.zero_off, length, out_rs, q_ncb, q.code_rs, q.code_off, q.scale_rs, q.scale_off, q.zero_off,
