@@ -296,7 +296,7 @@ def _quantize_kernel(
     codes_row = codes_ptr + code_off + row * code_rs
     gstart = g.to(tl.int64) * GS
     row_start = row * G * GS
-    key32 = key.to(tl.uint32)
+    key32 = key.to(tl.uint32, bitcast=True)
     g_idx = row * G + g
     PB: tl.constexpr = 8 // BITS
     if NCH == 1:
@@ -382,7 +382,7 @@ def _dequantize_kernel(
         Q_PB: tl.constexpr = 8 // Q_BITS
         lo, hi, nan = _stats(acc, (cols < GS)[None, :], Q_SYMMETRIC)
         scale, zero = _scale_zero(lo, hi, nan, Q_BITS, Q_SYMMETRIC)
-        c = _codes(acc, scale, zero, o * G * GS + e, o * G + g, key.to(tl.uint32),
+        c = _codes(acc, scale, zero, o * G * GS + e, o * G + g, key.to(tl.uint32, bitcast=True),
                    Q_BITS, Q_SYMMETRIC, Q_ROUNDING)
         _store_codes(q_codes_ptr + q_code_off + o * q_code_rs, c, g.to(tl.int64) * (GS // Q_PB), gmask, GS,
                      q_NCB, GPP, BG, Q_BITS)
@@ -479,10 +479,20 @@ def _checked_tile(group_size: int, groups: int, hadamard_block: int) -> tuple[in
 
 
 def _rounding_key(seed: int | None, rounding: str) -> int:
-    """The host-side hash key of the rounding's random stream (the reference's ``seed_key``)."""
+    """The host-side hash key of the rounding's random stream (the reference's ``seed_key``), as
+    the int32 with its bits (:func:`_key_arg`)."""
     if rounding == "nearest":
         return 0
-    return rng.seed_key(seed, rng.STREAM_GROUP if rounding == "shift" else rng.STREAM_ELEMENT)
+    return _key_arg(rng.seed_key(seed, rng.STREAM_GROUP if rounding == "shift" else rng.STREAM_ELEMENT))
+
+
+def _key_arg(key: int) -> int:
+    """A 32-bit key as the kernels take it: the int32 with its bits (read back as uint32).
+    Triton types a Python int argument by its value, i32 below 2**31 and i64 above, even where
+    ``do_not_specialize`` spares the value itself: random 32-bit keys passed as they are would
+    compile two variants of each call site, the second whenever the first key >= 2**31 comes up,
+    mid-run and at different steps on different ranks. As int32 every key has one type."""
+    return rng._s32(key)
 
 
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
