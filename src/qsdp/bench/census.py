@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
+import math
 import sys
 from collections import Counter
 from datetime import timedelta
@@ -43,9 +44,9 @@ from ..codecs.dispatch import use_triton
 from ..comm.all_gather import DifferenceAllGather, QuantizedAllGather
 from ..comm.difference import replica_layout
 from ..comm.hsdp import ReplicaAllReduce
-from ..comm.reduce_scatter import QuantizedReduceScatter
+from ..comm.reduce_scatter import QuantizedReduceScatter, grad_codec, pipeline_slices_bounds
 from ..comm.topology import Topology
-from ..config import PRESETS, QuantConfig
+from ..config import AUTO_PIPELINE_SLICES, PRESETS, QuantConfig
 
 BACKEND = "qsdp-census"
 
@@ -120,12 +121,22 @@ def launch_signature(kernel: Any, args: tuple) -> tuple:
                  for n, a in zip(names, args))
 
 
-def _observe_launch(kernel, grid, args, kwargs) -> None:
+@contextlib.contextmanager
+def _observe_launch(kernel, grid, args, kwargs) -> Iterator[None]:
+    """Count one launch; what runs it (Triton's interpreter copies the arguments to and from
+    the host) is no work a GPU launch does on the host, and is not counted."""
     tally = _active()
-    if tally is not None:
-        name = getattr(kernel, "__name__", str(kernel))
-        tally.triton[name] += 1
-        tally.launch_signatures.append((name, launch_signature(kernel, args)))
+    if tally is None:
+        yield
+        return
+    name = getattr(kernel, "__name__", str(kernel))
+    tally.triton[name] += 1
+    tally.launch_signatures.append((name, launch_signature(kernel, args)))
+    tally.quiet += 1
+    try:
+        yield
+    finally:
+        tally.quiet -= 1
 
 
 @contextlib.contextmanager
@@ -342,16 +353,20 @@ def _run_calls(cfg: QuantConfig, collective: str, topo: Topology, shard: int, gr
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One census row: ``collective`` under ``preset`` with ``slices`` rounding slices (the
-    two-level reduce-scatter's ``pipeline_slices``; ``None``: the preset's) in a
-    ``nodes x ranks_per_node`` world, ``groups`` FSDP groups of ``shard`` elements per rank."""
+    """One census row: ``collective`` under ``preset`` (a name or a config) in a ``nodes x
+    ranks_per_node`` world, as rank ``rank``, ``groups`` FSDP groups of ``shard`` elements per
+    rank, ``calls`` calls each. ``slices``: the two-level reduce-scatter's rounding slices
+    (``None``: the preset's), their exchanges grouped as ``pipeline_slices="auto"`` groups them
+    (where the host moves the bytes, as here, all in one exchange per hop); with ``pipelined``,
+    ``pipeline_slices=slices``: each slice in exchanges of its own (SDP4Bit's pipeline)."""
 
-    preset: str
+    preset: Any
     collective: str
     nodes: int = 2
     ranks_per_node: int = 2
     shard: int = 1 << 16
     slices: int | None = None
+    pipelined: bool = False
     groups: int = 1
     calls: int = 2
     rank: int = 0
@@ -359,10 +374,21 @@ class Case:
 
     def config(self) -> QuantConfig:
         cfg = PRESETS[self.preset] if isinstance(self.preset, str) else self.preset
-        if self.slices is not None:
-            cfg = dataclasses.replace(cfg, grads=dataclasses.replace(cfg.grads, pipeline_slices=self.slices,
-                                                                     pipeline_min_slice=1))
-        return dataclasses.replace(cfg, local_world_size=self.ranks_per_node)
+        g = cfg.grads
+        if self.slices is not None and self.pipelined:
+            g = dataclasses.replace(g, pipeline_slices=self.slices, pipeline_min_slice=1)
+        elif self.slices is not None:
+            if not 1 <= self.slices <= AUTO_PIPELINE_SLICES:
+                raise ValueError(f"slices={self.slices} must be 1..{AUTO_PIPELINE_SLICES} without pipelined=True")
+            # "auto" rounds a row in fewer than 8 slices where a slice would be shorter than
+            # pipeline_min_slice: set it so that this row gets exactly ``slices``.
+            lp = -(-self.shard // 128) * 128
+            g = dataclasses.replace(g, pipeline_slices="auto", pipeline_min_slice=max(1, lp // self.slices))
+        return dataclasses.replace(cfg, grads=g, local_world_size=self.ranks_per_node)
+
+    @property
+    def name(self) -> str:
+        return self.preset if isinstance(self.preset, str) else self.preset.name
 
 
 def run_case(case: Case) -> tuple[dict[str, Any], list[Tally]]:
@@ -370,9 +396,9 @@ def run_case(case: Case) -> tuple[dict[str, Any], list[Tally]]:
     of every call's wire bytes and result) and each call's :class:`Tally`."""
     cfg = case.config()
     kind = collective_kind(cfg, case.collective, case.nodes, case.ranks_per_node)
-    row: dict[str, Any] = {"preset": case.preset, "collective": case.collective, "kind": kind,
+    row: dict[str, Any] = {"preset": case.name, "collective": case.collective, "kind": kind,
                            "world": f"{case.nodes}x{case.ranks_per_node}", "shard": case.shard,
-                           "slices": cfg.grads.rounding_slices if case.collective == "reduce_scatter" else None,
+                           "slices": _rounding_slices(cfg, kind, case.shard, case.dtype),
                            "groups": case.groups}
     if kind is None:
         return row, []
@@ -386,6 +412,17 @@ def run_case(case: Case) -> tuple[dict[str, Any], list[Tally]]:
         wire.update(t.wire.digest())
     row["wire_sha256"] = wire.hexdigest()
     return row, tallies
+
+
+def _rounding_slices(cfg: QuantConfig, kind: str | None, shard: int, dtype: torch.dtype) -> int | None:
+    """The rounding slices of a two-level reduce-scatter of ``shard`` elements per rank."""
+    if kind != "two_level":
+        return None
+    g = cfg.grads
+    hop1 = grad_codec(g, g.bits_intra, dtype)
+    unit = math.lcm(hop1.unit, grad_codec(g, g.bits_inter, torch.float32).unit)
+    lp = hop1.padded_len(-(-shard // unit) * unit)
+    return len(pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice))
 
 
 def fused_path() -> bool:
@@ -407,3 +444,94 @@ def census(cases: list[Case] | None = None, progress: Callable[[str], None] | No
             progress(f"{case.preset} {case.collective}")
         rows.append(run_case(case)[0])
     return rows
+
+
+# ----------------------------------------------------------------------------- command line
+
+_COLUMNS = ("preset", "collective", "kind", "world", "slices", "launches", "torch", "triton", "collectives", "syncs")
+
+
+def format_table(result: dict[str, Any]) -> str:
+    from ..text_table import aligned
+
+    lines = [_COLUMNS]
+    for row in result["rows"]:
+        lines.append(tuple("-" if row.get(c) is None else str(row[c]) for c in _COLUMNS))
+    path = "the fused path (Triton kernels, interpreted)" if result["fused"] else "the torch reference"
+    title = (f"per call of each collective, rank {result['rank']}, {result['shard']} elements per rank, "
+             f"{path}; launches = torch + triton, collectives apart")
+    return "\n".join([title, *aligned(lines, rule=True)])
+
+
+def _world(text: str) -> tuple[int, int]:
+    import argparse
+
+    try:
+        nodes, m = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--world={text!r} must be NODESxRANKS, e.g. 2x2") from None
+    if nodes < 1 or m < 1:
+        raise argparse.ArgumentTypeError(f"--world={text!r} needs at least one node and one rank per node")
+    return nodes, m
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+    import subprocess
+
+    from ..codecs.dispatch import triton_available
+    from ..results import emit, meta
+    from ..usage import UsageParser, save_path
+
+    parser = UsageParser(prog="qsdp bench census", description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=[p for p in PRESETS if p != "fsdp"], choices=list(PRESETS))
+    parser.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=list(COLLECTIVES))
+    parser.add_argument("--world", type=_world, default=(2, 2), help="NODESxRANKS of the emulated world (2x2)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank played")
+    parser.add_argument("--shard", type=int, default=1 << 16, help="elements per rank of each group")
+    parser.add_argument("--slices", type=int, default=None,
+                        help="the two-level reduce-scatter's rounding slices, 1..8 (default: the preset's)")
+    parser.add_argument("--groups", type=int, default=1, help="FSDP groups, each called in turn")
+    parser.add_argument("--reference", action="store_true",
+                        help="count the torch reference (what a CPU runs) instead of the fused Triton path")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
+    args = parser.parse_args(argv)
+    nodes, m = args.world
+    if not 0 <= args.rank < nodes * m:
+        parser.error(f"--rank={args.rank} is not a rank of a {nodes}x{m} world")
+    if args.shard < 1 or args.groups < 1:
+        parser.error("--shard and --groups must be at least 1")
+    if args.slices is not None and not 1 <= args.slices <= AUTO_PIPELINE_SLICES:
+        parser.error(f"--slices={args.slices} must be 1..{AUTO_PIPELINE_SLICES}")
+    want_fused = not args.reference
+    if want_fused != fused_path():
+        if want_fused and not triton_available():
+            parser.error("the fused path needs triton (pip install 'qsdp[gpu]'); --reference counts the torch one")
+        # Which path the codecs take is read once, at import: run again with it switched.
+        env = dict(os.environ)
+        if want_fused:
+            env.update(TRITON_INTERPRET="1", QSDP_TRITON_ON_CPU="1")
+            env.pop("QSDP_DISABLE_TRITON", None)
+        else:
+            env["QSDP_DISABLE_TRITON"] = "1"
+        return subprocess.call([sys.executable, "-m", "qsdp.bench.census", *(argv if argv is not None else sys.argv[1:])],
+                               env=env)
+    cases = [Case(p, c, nodes=nodes, ranks_per_node=m, shard=args.shard, slices=args.slices, groups=args.groups,
+                  rank=args.rank)
+             for p in args.presets for c in args.collectives
+             if collective_kind(PRESETS[p], c, nodes, m) is not None]
+    rows = census(cases, progress=lambda what: print(f"census: {what}", file=sys.stderr))
+    extra = {}
+    if fused_path():
+        import triton
+
+        extra["triton"] = triton.__version__
+    result = {"fused": fused_path(), "rank": args.rank, "shard": args.shard, "rows": rows,
+              "meta": meta("census", argv, "cpu, one process emulating the world"
+                           + (", Triton interpreter" if fused_path() else ""), **extra)}
+    return emit(result, as_json=args.json, save=args.save, format_text=format_table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
