@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.rng import derive_seed
-from ..config import GradComm
+from ..config import GradComm, QuantConfig
 from .base import GradReduceScatter
 from .row_layout import RowLayout
+from .topology import Topology
 from .wire import RowCodec, SliceRun, _pad_cols
 
 
@@ -70,10 +71,15 @@ class QuantizedReduceScatter(GradReduceScatter):
     slice ``k``; with ``"auto"`` consecutive slices' encoded columns travel side by side in one
     exchange until it moves ``pipeline_min_bytes`` (:func:`exchange_groups`), and where no engine
     is free to overlap (:func:`pipelines_exchanges`: gloo, CPU tensors) all of them in one
-    exchange per hop: the same bytes and the same result.
+    exchange per hop: the same bytes and the same result. On the fused path each codec step of
+    an exchange is one kernel launch for all its slices (:class:`~qsdp.comm.wire.SliceRun`).
     With one node (or one rank per node) a single hop remains: ``bits_intra`` inside a node,
     ``bits_inter`` across nodes.
     """
+
+    def __init__(self, config: QuantConfig, topology: Topology, comm_id: int) -> None:
+        super().__init__(config, topology, comm_id)
+        self._plans: dict[tuple, _TwoHopPlan] = {}
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
@@ -153,10 +159,9 @@ class QuantizedReduceScatter(GradReduceScatter):
         """The two-level plan of a gradient shaped as ``x`` (built once per shape and device:
         the same every call)."""
         key = (tuple(x.shape), x.dtype, str(x.device))
-        plans = self.__dict__.setdefault("_plans", {})
-        if key not in plans:
-            plans[key] = _TwoHopPlan.build(self, x)
-        return plans[key]
+        if key not in self._plans:
+            self._plans[key] = _TwoHopPlan.build(self, x)
+        return self._plans[key]
 
     def _intra_exchange(self, x: torch.Tensor, plan: "_TwoHopPlan", run: SliceRun, order: torch.Tensor,
                         prefix: int) -> tuple[torch.Tensor, Any]:
@@ -218,17 +223,6 @@ class _TwoHopPlan:
         runs = tuple(SliceRun(r.start, len(r), per, lp) for r in groups)
         real = {run: sum(layout.real_elements(a, b) for a, b in run.bounds()) for run in runs}
         return cls(hop1, hop2, layout, lp, runs, real)
-
-
-def _columns(codec: RowCodec, bounds: list[tuple[int, int]], slices: range) -> list[tuple[int, int]]:
-    """The byte columns ``[c0, c1)`` of each of the slices ``slices`` of ``bounds`` in a buffer
-    of their encoded rows side by side."""
-    out, c = [], 0
-    for a, b in (bounds[k] for k in slices):
-        w = codec.row_nbytes(b - a)
-        out.append((c, c + w))
-        c += w
-    return out
 
 
 def destination_major(x: torch.Tensor, order: torch.Tensor, a: int, b: int,
