@@ -164,8 +164,17 @@ def test_no_collective_reads_a_value_on_the_host():
     import dataclasses
 
     for case in default_cases():
-        counts = _counts(dataclasses.replace(case, shard=512, calls=1))
-        assert counts["syncs"] == 0, (case, counts)
+        if case.collective != "gather_difference_step":
+            counts = _counts(dataclasses.replace(case, shard=512, calls=1))
+            assert counts["syncs"] == 0, (case, counts)
+
+
+def test_a_steps_difference_gathers_read_once_on_the_host_for_every_group():
+    _, tallies = run_case(Case("sdp4bit", "gather_difference_step", shard=512, groups=3, calls=2))
+    per_step = [tallies[:3], tallies[3:]]
+    for step in per_step:
+        assert [t.counts()["syncs"] for t in step] == [1, 0, 0]
+        assert [sum(t.collectives.values()) for t in step] == [3, 2, 2]  # the agreement's all-reduce
 
 
 @interpret_only

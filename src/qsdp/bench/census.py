@@ -46,6 +46,7 @@ from ..comm.difference import replica_layout
 from ..comm.hsdp import ReplicaAllReduce
 from ..comm.reduce_scatter import QuantizedReduceScatter, grad_codec, pipeline_slices_bounds
 from ..comm.topology import Topology
+from ..comm.versions import ChangeTracker
 from ..config import AUTO_PIPELINE_SLICES, PRESETS, QuantConfig
 
 BACKEND = "qsdp-census"
@@ -275,8 +276,10 @@ def emulated_world(nodes: int, ranks_per_node: int, rank: int = 0) -> Iterator[T
 
 # ----------------------------------------------------------------------------- the collectives
 
-# name: (what it needs of the config, the runner below)
-COLLECTIVES = ("reduce_scatter", "gather_direct", "gather_difference", "hsdp_all_reduce")
+# ``gather_difference`` sends a difference at every call (a comm without a change tracker takes
+# every gather for a new version); ``gather_difference_step`` is a training step's gathers, the
+# first of which agrees on the changes over the group: the one host read a step makes there.
+COLLECTIVES = ("reduce_scatter", "gather_direct", "gather_difference", "gather_difference_step", "hsdp_all_reduce")
 
 
 def collective_kind(cfg: QuantConfig, collective: str, nodes: int, ranks_per_node: int) -> str | None:
@@ -291,7 +294,7 @@ def collective_kind(cfg: QuantConfig, collective: str, nodes: int, ranks_per_nod
         return "two_level"
     if collective == "gather_direct":
         return "direct" if w.mode == "direct" else None
-    if collective == "gather_difference":
+    if collective in ("gather_difference", "gather_difference_step"):
         if w.mode != "difference":
             return None
         layout = replica_layout(w.replica, nodes, ranks_per_node)
@@ -332,6 +335,30 @@ def _run_calls(cfg: QuantConfig, collective: str, topo: Topology, shard: int, gr
                 out = torch.empty(world * shard, dtype=dtype)
                 shard_in = out.view(world, shard)[topo.rank]
                 shard_in.copy_(_inputs(shard, 1, 1000 * i + c, dtype))
+                with counting() as tally:
+                    comm(out, shard_in, topo.group)
+                tally.wire.update(out.view(torch.uint8).numpy().tobytes())
+                if c > 0:
+                    tallies.append(tally)
+        return tallies
+    if collective == "gather_difference_step":
+        # A training step's gathers: an optimizer step changed every group's parameters, so the
+        # first gather agrees on the changes over the group (one host read for all the groups).
+        tracker = ChangeTracker()
+        comms = [DifferenceAllGather(cfg, topo, i, tracker) for i in range(groups)]
+        params = [_inputs(shard, 1, 1000 * i, dtype) for i in range(groups)]
+        for i, (comm, p) in enumerate(zip(comms, params)):
+            comm.track([p], f"group {i}")
+        for c in range(calls + 1):
+            if c > 0:
+                tracker.before_optimizer_step()
+                for i, p in enumerate(params):
+                    p.copy_(_inputs(shard, 1, 1000 * i + c, dtype))
+                tracker.after_optimizer_step()
+            for i, comm in enumerate(comms):
+                out = torch.empty(world * shard, dtype=dtype)
+                shard_in = out.view(world, shard)[topo.rank]
+                shard_in.copy_(params[i])
                 with counting() as tally:
                     comm(out, shard_in, topo.group)
                 tally.wire.update(out.view(torch.uint8).numpy().tobytes())
