@@ -101,8 +101,10 @@ class QuantizedReduceScatter(GradReduceScatter):
         else:
             total = self._two_hops(x)
         if divisor != 1:
-            total = total / divisor
-        output_tensor.copy_(total)
+            # the fp32 quotient cast into FSDP2's output as copy_ would, in one kernel
+            torch.div(total, divisor, out=output_tensor)
+        else:
+            output_tensor.copy_(total)
         self.watch(output_tensor)
         return None
 
