@@ -665,13 +665,14 @@ def test_kernels_compile_for_sm90_without_fma_approximate_division_or_ftz():
     from qsdp.codecs import triton_kernels as tk
 
     common_q = {"x_ptr": "*fp32", "y_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*fp32", "zeros_ptr": "*fp32",
+                "order_ptr": "*i64",
                 **{k: "i32" for k in ("L", "G", "NC", "NCB", "x_rs", "y_rs", "code_rs", "code_off", "scale_rs",
-                                      "scale_off", "zero_off", "row0")}, "key": "i64"}
+                                      "scale_off", "zero_off", "key", "row0", "SG", "SW", "slice0")}}
     common_d = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "zeros_ptr": "*fp32", "out_ptr": "*fp32",
                 "q_codes_ptr": "*u8", "q_scales_ptr": "*fp32", "q_zeros_ptr": "*fp32",
                 **{k: "i32" for k in ("ROW_O", "ROW_J", "G", "NCB", "code_rs", "code_off", "scale_rs", "scale_off",
                                       "zero_off", "L_OUT", "out_rs", "q_NCB", "q_code_rs", "q_code_off", "q_scale_rs",
-                                      "q_scale_off", "q_zero_off", "row0")}, "key": "i64"}
+                                      "q_scale_off", "q_zero_off", "key", "row0", "SG", "SW", "Q_SW", "slice0")}}
     variants = [
         (tk._quantize_kernel, common_q, dict(GS=128, BG=128, GPP=32, NCH=1, BITS=4, SYMMETRIC=True, ROUNDING=1,
                                              HB=32, HB_LOG=5, X_KIND=0, Y_KIND=-1)),
@@ -686,6 +687,16 @@ def test_kernels_compile_for_sm90_without_fma_approximate_division_or_ftz():
         (tk._dequantize_kernel, common_d,
          dict(K=8, GS=128, BG=128, GPP=32, NCH=1, BITS=8, SYMMETRIC=True, HB=0, HB_LOG=0, MODE=1, OUT_KIND=0,
               ADD=False, Q_BITS=4, Q_SYMMETRIC=True, Q_ROUNDING=1)),
+        # the two-level reduce-scatter's steps, rounding slices a grid axis
+        (tk._quantize_kernel, {**common_q, "x_ptr": "*i16", "y_ptr": "*i16"},
+         dict(GS=128, BG=128, GPP=32, NCH=1, BITS=8, SYMMETRIC=True, ROUNDING=1, HB=32, HB_LOG=5, X_KIND=1,
+              Y_KIND=-1, SLICED=True, PERMUTED=True, KEY_TERM=0x9E3779B9)),
+        (tk._dequantize_kernel, common_d,
+         dict(K=4, GS=128, BG=128, GPP=32, NCH=1, BITS=8, SYMMETRIC=True, HB=0, HB_LOG=0, MODE=1, OUT_KIND=0,
+              ADD=False, Q_BITS=4, Q_SYMMETRIC=True, Q_ROUNDING=1, SLICED=True, KEY_TERM=0x9E3779B9)),
+        (tk._dequantize_kernel, common_d,
+         dict(K=2, GS=128, BG=128, GPP=32, NCH=1, BITS=4, SYMMETRIC=True, HB=32, HB_LOG=5, MODE=0, OUT_KIND=0,
+              ADD=False, Q_BITS=8, Q_SYMMETRIC=True, Q_ROUNDING=0, SLICED=True, KEY_TERM=0)),
     ]
     for fn, sig, consts in variants:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)

@@ -65,6 +65,7 @@ BENCHMARKS = {
     "host-time": "qsdp.bench.host_time",
     "memory": "qsdp.bench.memory",
     "phases": "qsdp.bench.phases",
+    "census": "qsdp.bench.census",
 }
 # Benchmarks that only produce this repository's evidence: run from a clone (benchmarks/).
 MOVED_TO_REPOSITORY = {"convergence": "python -m benchmarks.convergence", "soak": "python -m benchmarks.soak"}

@@ -68,8 +68,14 @@ def derive_seed(*parts: int) -> int:
     part is folded in through the hash, so nearby tuples give unrelated seeds."""
     key = 0x2545F491
     for p in parts:
-        key = seed_key(int(p) ^ key, stream=len(str(p)))
+        key = fold_seed(key, p)
     return key
+
+
+def fold_seed(seed: int, part: int) -> int:
+    """``derive_seed(*parts, part)`` from ``seed = derive_seed(*parts)``: one more part folded in
+    (the Triton kernels fold a rounding slice's index in the same way, ``_slice_key``)."""
+    return seed_key(int(part) ^ seed, stream=len(str(part)))
 
 
 def fresh_seed() -> int:

@@ -40,6 +40,7 @@ gives NaN in every element, with the sign and payload the hardware gives.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,20 @@ _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LAUNCH = {"enable_fp_fusion": False}
 # CUDA's limit on the second grid dimension; more rows are launched in several grids.
 _MAX_GRID_ROWS = 65535
+# Context-manager factories entered around every kernel launch as ``(kernel, grid, args,
+# kwargs)``: the launch census (:mod:`qsdp.bench.census`) counts launches where no GPU profiler
+# runs, and leaves out what Triton's interpreter does on the host to run one. Empty in training.
+launch_observers: list = []
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    if not launch_observers:
+        kernel[grid](*args, **kwargs)
+        return
+    with contextlib.ExitStack() as stack:
+        for observe in launch_observers:
+            stack.enter_context(observe(kernel, grid, args, kwargs))
+        kernel[grid](*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -82,6 +97,20 @@ def _uniform(idx, key):
     x = _mix32(idx * 0x9E3779B1 + key)
     x = _mix32(x ^ key)
     return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _slice_key(prefix, j, KEY_TERM: tl.constexpr):
+    # The rounding key of rounding slice j (uint32): rng.seed_key(rng.derive_seed(*parts, j),
+    # stream) where prefix = rng.derive_seed(*parts) and KEY_TERM = the stream's term of
+    # seed_key. derive_seed folds j in as seed_key(j ^ prefix, stream=len(str(j))); both
+    # seed_key calls see a seed below 2**32, so each is mix(mix(seed ^ stream term)).
+    j = j.to(tl.uint32)
+    digits = (1 + (j >= 10).to(tl.uint32) + (j >= 100).to(tl.uint32) + (j >= 1000).to(tl.uint32)
+              + (j >= 10000).to(tl.uint32) + (j >= 100000).to(tl.uint32) + (j >= 1000000).to(tl.uint32)
+              + (j >= 10000000).to(tl.uint32) + (j >= 100000000).to(tl.uint32) + (j >= 1000000000).to(tl.uint32))
+    seed = _mix32(_mix32(j ^ prefix ^ (digits * 0x9E3779B9)))
+    return _mix32(_mix32(seed ^ KEY_TERM))
 
 
 @triton.jit
@@ -279,28 +308,54 @@ def _load_values(x_row, y_row, e, L, X_KIND: tl.constexpr, Y_KIND: tl.constexpr,
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit(do_not_specialize=["key"])
+@triton.jit(do_not_specialize=["key", "slice0"])
 def _quantize_kernel(
-    x_ptr, y_ptr, codes_ptr, scales_ptr, zeros_ptr,
-    L, G, NC, NCB, x_rs, y_rs, code_rs, code_off, scale_rs, scale_off, zero_off, key, row0,
+    x_ptr, y_ptr, codes_ptr, scales_ptr, zeros_ptr, order_ptr,
+    L, G, NC, NCB, x_rs, y_rs, code_rs, code_off, scale_rs, scale_off, zero_off, key, row0, SG, SW, slice0,
     GS: tl.constexpr, BG: tl.constexpr, GPP: tl.constexpr, NCH: tl.constexpr,
     BITS: tl.constexpr, SYMMETRIC: tl.constexpr, ROUNDING: tl.constexpr,
     HB: tl.constexpr, HB_LOG: tl.constexpr, X_KIND: tl.constexpr, Y_KIND: tl.constexpr,
+    SLICED: tl.constexpr = False, PERMUTED: tl.constexpr = False, KEY_TERM: tl.constexpr = 0,
 ):
     """Row r has L input elements (x_ptr + r * x_rs), padded to G groups of GS by repeating the
     last one; its codes (NC of them: the rest of the last byte is zero) go to codes_ptr +
     code_off + r * code_rs, NCB bytes, its scales (zero points) to scales_ptr (zeros_ptr) +
-    scale_off (zero_off) + r * scale_rs. Rows start at row0 (grids have at most 65535 rows)."""
+    scale_off (zero_off) + r * scale_rs. Rows start at row0 (grids have at most 65535 rows).
+    PERMUTED: row r reads input row order_ptr[r]. SLICED: the G groups are rounding slices of SG
+    groups (the last may be shorter), program_id(2) the slice k, each quantized as a row of its
+    own: its input from element k * SG * GS of the row, its packed row (scales, zero points,
+    codes) at byte k * SW of the packed row from code_off (scale_off, zero_off ignored), its
+    random indices its own, its key _slice_key(key, slice0 + k, KEY_TERM)."""
     row = tl.program_id(1).to(tl.int64) + row0
+    if PERMUTED:
+        src = tl.load(order_ptr + row).to(tl.int64)
+    else:
+        src = row
+    if SLICED:
+        # Rebind the row's bounds and places to the slice's: the code below is the unsliced one.
+        k = tl.program_id(2)
+        G = tl.minimum(SG, G - k * SG)
+        span = (k * SG).to(tl.int64) * GS
+        L = L - span
+        NC = G * GS
+        NCB = G * (GS * BITS // 8)
+        at = code_off + k.to(tl.int64) * SW
+        code_off = at + G * (4 if SYMMETRIC else 8)
+        scale_off = at // 4
+        zero_off = scale_off + G
+        key32 = _slice_key(key.to(tl.uint32, bitcast=True), slice0 + k, KEY_TERM)
+        x_row = x_ptr + src * x_rs + span
+        y_row = y_ptr + src * y_rs + span
+    else:
+        key32 = key.to(tl.uint32, bitcast=True)
+        x_row = x_ptr + src * x_rs
+        y_row = y_ptr + src * y_rs
     g = tl.program_id(0) * GPP + tl.arange(0, GPP)
     gmask = g < G
     cols = tl.arange(0, BG)
-    x_row = x_ptr + row * x_rs
-    y_row = y_ptr + row * y_rs
     codes_row = codes_ptr + code_off + row * code_rs
     gstart = g.to(tl.int64) * GS
     row_start = row * G * GS
-    key32 = key.to(tl.uint32)
     g_idx = row * G + g
     PB: tl.constexpr = 8 // BITS
     if NCH == 1:
@@ -342,22 +397,44 @@ def _quantize_kernel(
         tl.store(zeros_ptr + zero_off + row * scale_rs + g, zero, mask=gmask)
 
 
-@triton.jit(do_not_specialize=["key"])
+@triton.jit(do_not_specialize=["key", "slice0"])
 def _dequantize_kernel(
     codes_ptr, scales_ptr, zeros_ptr, out_ptr, q_codes_ptr, q_scales_ptr, q_zeros_ptr,
     ROW_O, ROW_J, G, NCB, code_rs, code_off, scale_rs, scale_off, zero_off,
     L_OUT, out_rs, q_NCB, q_code_rs, q_code_off, q_scale_rs, q_scale_off, q_zero_off, key, row0,
+    SG, SW, Q_SW, slice0,
     K: tl.constexpr, GS: tl.constexpr, BG: tl.constexpr, GPP: tl.constexpr, NCH: tl.constexpr,
     BITS: tl.constexpr, SYMMETRIC: tl.constexpr, HB: tl.constexpr, HB_LOG: tl.constexpr,
     MODE: tl.constexpr, OUT_KIND: tl.constexpr, ADD: tl.constexpr,
     Q_BITS: tl.constexpr, Q_SYMMETRIC: tl.constexpr, Q_ROUNDING: tl.constexpr,
+    SLICED: tl.constexpr = False, KEY_TERM: tl.constexpr = 0,
 ):
     """Output row o sums (left to right) the dequantized packed rows o * ROW_O + j * ROW_J,
     j < K, each of G groups of GS. MODE 0: optional inverse Hadamard (HB > 0), then stored to
     out_ptr + o * out_rs, first L_OUT columns, as OUT_KIND (added to what is there if ADD).
     MODE 1: requantized (Q_BITS, Q_SYMMETRIC, Q_ROUNDING, same groups) into the q_* layout.
-    Output rows start at row0."""
+    Output rows start at row0. SLICED: as _quantize_kernel's, the packed rows' slices at byte
+    k * SW (the requantized ones' at k * Q_SW), the output's at element k * SG * GS."""
     o = tl.program_id(1).to(tl.int64) + row0
+    if SLICED:
+        k = tl.program_id(2)
+        G = tl.minimum(SG, G - k * SG)
+        span = (k * SG).to(tl.int64) * GS
+        L_OUT = L_OUT - span
+        out_ptr = out_ptr + span
+        NCB = G * (GS * BITS // 8)
+        at = code_off + k.to(tl.int64) * SW
+        code_off = at + G * (4 if SYMMETRIC else 8)
+        scale_off = at // 4
+        zero_off = scale_off + G
+        q_NCB = G * (GS * Q_BITS // 8)
+        q_at = q_code_off + k.to(tl.int64) * Q_SW
+        q_code_off = q_at + G * (4 if Q_SYMMETRIC else 8)
+        q_scale_off = q_at // 4
+        q_zero_off = q_scale_off + G
+        key32 = _slice_key(key.to(tl.uint32, bitcast=True), slice0 + k, KEY_TERM)
+    else:
+        key32 = key.to(tl.uint32, bitcast=True)
     pid = tl.program_id(0)
     ch = pid % NCH
     g = (pid // NCH) * GPP + tl.arange(0, GPP)
@@ -386,7 +463,7 @@ def _dequantize_kernel(
         Q_PB: tl.constexpr = 8 // Q_BITS
         lo, hi, nan = _stats(acc, (cols < GS)[None, :], Q_SYMMETRIC)
         scale, zero = _scale_zero(lo, hi, nan, Q_BITS, Q_SYMMETRIC)
-        c = _codes(acc, scale, zero, o * G * GS + e, o * G + g, key.to(tl.uint32),
+        c = _codes(acc, scale, zero, o * G * GS + e, o * G + g, key32,
                    Q_BITS, Q_SYMMETRIC, Q_ROUNDING)
         _store_codes(q_codes_ptr + q_code_off + o * q_code_rs, c, g.to(tl.int64) * (GS // Q_PB), gmask, GS,
                      q_NCB, GPP, BG, Q_BITS)
@@ -444,6 +521,45 @@ class Packed:
         sb = 4 * groups * (1 if symmetric else 2)
         return cls(buf, f, f, sb, width, 0, groups, width // 4, padded * bits // 8)
 
+    @classmethod
+    def sliced(cls, buf: torch.Tensor) -> "Packed":
+        """Rows of rounding slices side by side (:class:`Slices`): uint8 ``[R, W]``, each row the
+        ``RowCodec`` rows of its slices one after another; the kernels find each slice's parts."""
+        if not buf.is_contiguous():
+            raise ValueError("packed rows must be contiguous")
+        width = buf.shape[1]
+        f = buf.view(torch.float32)
+        return cls(buf, f, f, 0, width, 0, 0, width // 4, 0)
+
+
+@dataclass(frozen=True)
+class Slices:
+    """Rounding slices launched together, one grid axis: ``count`` slices of ``groups`` groups
+    (the last may have fewer), each quantized as a row of its own with the seed
+    ``rng.derive_seed(*parts, first + k)`` for slice ``k``, where ``prefix`` is
+    ``rng.derive_seed(*parts)``. Their packed rows sit side by side (:meth:`Packed.sliced`),
+    ``nbytes`` bytes for a full slice (``q_nbytes`` for the requantized ones).
+
+    The kernel derives each slice's key from ``prefix`` and its index itself: a table of keys
+    would be a host-to-device copy per call (blocking from pageable memory, or a pinned buffer
+    to manage), and a fixed number of scalar key arguments would bound the slice count; two
+    hash rounds per program cost nothing beside a tile's thousands of element hashes."""
+
+    count: int
+    groups: int
+    first: int
+    prefix: int
+    nbytes: int
+    q_nbytes: int = 0
+
+
+def _key_term(rounding: str) -> int:
+    """The stream's term of ``rng.seed_key`` for the rounding's random stream."""
+    if rounding == "nearest":
+        return 0
+    stream = rng.STREAM_GROUP if rounding == "shift" else rng.STREAM_ELEMENT
+    return (stream * 0x9E3779B9) & 0xFFFFFFFF
+
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -483,10 +599,20 @@ def _checked_tile(group_size: int, groups: int, hadamard_block: int) -> tuple[in
 
 
 def _rounding_key(seed: int | None, rounding: str) -> int:
-    """The host-side hash key of the rounding's random stream (the reference's ``seed_key``)."""
+    """The host-side hash key of the rounding's random stream (the reference's ``seed_key``), as
+    the int32 with its bits (:func:`_key_arg`)."""
     if rounding == "nearest":
         return 0
-    return rng.seed_key(seed, rng.STREAM_GROUP if rounding == "shift" else rng.STREAM_ELEMENT)
+    return _key_arg(rng.seed_key(seed, rng.STREAM_GROUP if rounding == "shift" else rng.STREAM_ELEMENT))
+
+
+def _key_arg(key: int) -> int:
+    """A 32-bit key as the kernels take it: the int32 with its bits (read back as uint32).
+    Triton types a Python int argument by its value, i32 below 2**31 and i64 above, even where
+    ``do_not_specialize`` spares the value itself: random 32-bit keys passed as they are would
+    compile two variants of each call site, the second whenever the first key >= 2**31 comes up,
+    mid-run and at different steps on different ranks. As int32 every key has one type."""
+    return rng._s32(key)
 
 
 def _rows_2d(x: torch.Tensor) -> torch.Tensor:
@@ -507,32 +633,44 @@ def quantize_into(
     seed: int | None,
     base: torch.Tensor | None = None,
     hadamard_block: int = 0,
+    order: torch.Tensor | None = None,
+    slices: Slices | None = None,
 ) -> None:
     """Quantize the rows of ``x`` (``[R, length]``; minus ``base`` if given) padded to ``padded``
     elements by repeating the last, Hadamard-transformed first if ``hadamard_block``, into
-    ``dst``; the first ``ncodes`` codes of each row are stored."""
+    ``dst``; the first ``ncodes`` codes of each row are stored. ``order`` (int64 ``[R']`` on the
+    device): output row ``r`` quantizes row ``order[r]`` of ``x``. ``slices``: the row is cut into
+    rounding slices quantized as rows of their own into ``dst`` (:meth:`Packed.sliced`), with
+    their own seeds (``seed`` is ignored), in the same launch; ``ncodes`` must be ``padded``."""
     x = _rows_2d(x)
-    rows = x.shape[0]
+    rows = x.shape[0] if order is None else order.shape[0]
     groups = padded // group_size
     if rows == 0 or groups == 0:
         return
     record_run("triton")
     hb = hadamard_block
-    bg, gpp, nch = _checked_tile(group_size, groups, hb)
-    key = _rounding_key(seed, rounding)
+    bg, gpp, nch = _checked_tile(group_size, slices.groups if slices else groups, hb)
+    if slices is None:
+        key, sliced, count = _rounding_key(seed, rounding), {}, 1
+        sg, sw, first = groups, 0, 0
+    else:
+        key, count = _key_arg(slices.prefix), slices.count
+        sliced = dict(SLICED=True, KEY_TERM=_key_term(rounding))
+        sg, sw, first = slices.groups, slices.nbytes, slices.first
     if base is not None:
         base = _rows_2d(base)
     y = base if base is not None else x
     for row0 in range(0, rows, _MAX_GRID_ROWS):
-        grid = (triton.cdiv(groups, gpp), min(_MAX_GRID_ROWS, rows - row0))
-        _quantize_kernel[grid](
-            _kernel_view(x), _kernel_view(y), dst.codes, dst.scales, dst.zeros,
+        grid = (triton.cdiv(sg, gpp), min(_MAX_GRID_ROWS, rows - row0), count)
+        _launch(
+            _quantize_kernel, grid,
+            _kernel_view(x), _kernel_view(y), dst.codes, dst.scales, dst.zeros, x if order is None else order,
             length, groups, ncodes, dst.ncb, x.stride(0), y.stride(0),
-            dst.code_rs, dst.code_off, dst.scale_rs, dst.scale_off, dst.zero_off, key, row0,
+            dst.code_rs, dst.code_off, dst.scale_rs, dst.scale_off, dst.zero_off, key, row0, sg, sw, first,
             GS=group_size, BG=bg, GPP=gpp, NCH=nch, BITS=bits, SYMMETRIC=symmetric,
             ROUNDING=_ROUNDING[rounding], HB=hb, HB_LOG=hb.bit_length() - 1 if hb else 0,
-            X_KIND=_kind(x), Y_KIND=_kind(base) if base is not None else -1,
-            num_warps=_warps(gpp * bg), **_LAUNCH,
+            X_KIND=_kind(x), Y_KIND=_kind(base) if base is not None else -1, PERMUTED=order is not None,
+            num_warps=_warps(gpp * bg), **sliced, **_LAUNCH,
         )
 
 
@@ -552,17 +690,21 @@ def dequantize_into(
     add: bool = False,
     inverse_block: int = 0,
     requantize: tuple[Packed, int, bool, str, int | None] | None = None,
+    slices: Slices | None = None,
 ) -> None:
     """Output row ``o < outputs`` = sum over ``j < sources`` (left to right) of the dequantized
     packed rows ``o * row_o + j * row_j`` of ``src``. Either stored into ``out`` (``[outputs,
     >= length]``, unit column stride, fp32/bf16/fp16; first ``length`` columns; inverse Hadamard
     first if ``inverse_block``; added to ``out`` if ``add``) or, with ``requantize = (dst, bits,
-    symmetric, rounding, seed)``, quantized again with the same groups into ``dst``."""
+    symmetric, rounding, seed)``, quantized again with the same groups into ``dst``.
+    ``slices``: the rows are rounding slices side by side (:meth:`Packed.sliced`, also ``dst``),
+    each decoded (and requantized, with its own seed) as rows of their own in the same launch;
+    ``out``'s columns hold the slices one after another."""
     if outputs == 0 or groups == 0:
         return
     record_run("triton")
     hb = inverse_block
-    bg, gpp, nch = _checked_tile(group_size, groups, hb)
+    bg, gpp, nch = _checked_tile(group_size, slices.groups if slices else groups, hb)
     if requantize is None:
         if out.stride(-1) != 1:
             raise ValueError("out must have a unit column stride")
@@ -574,19 +716,26 @@ def dequantize_into(
         if nch != 1 or hb:
             raise ValueError("requantization needs groups of at most MAX_TILE and no inverse Hadamard")
         qkw = dict(Q_BITS=qbits, Q_SYMMETRIC=qsym, Q_ROUNDING=_ROUNDING[qround])
-        key = _rounding_key(seed, qround)
+        key = 0 if slices is not None else _rounding_key(seed, qround)
         q_ncb, mode = q.ncb, 1
         out_arg, out_rs, kind = src.scales, 0, 0
+    if slices is None:
+        sliced, count, sg, sw, q_sw, first = {}, 1, groups, 0, 0, 0
+    else:
+        count, sg, sw, q_sw, first = slices.count, slices.groups, slices.nbytes, slices.q_nbytes, slices.first
+        sliced = dict(SLICED=True, KEY_TERM=_key_term(requantize[3]) if requantize else 0)
+        key = _key_arg(slices.prefix) if requantize else 0
     for row0 in range(0, outputs, _MAX_GRID_ROWS):
-        grid = (triton.cdiv(groups, gpp) * nch, min(_MAX_GRID_ROWS, outputs - row0))
-        _dequantize_kernel[grid](
+        grid = (triton.cdiv(sg, gpp) * nch, min(_MAX_GRID_ROWS, outputs - row0), count)
+        _launch(
+            _dequantize_kernel, grid,
             src.codes, src.scales, src.zeros, out_arg, q.codes, q.scales, q.zeros,
             row_o, row_j, groups, src.ncb, src.code_rs, src.code_off, src.scale_rs, src.scale_off,
             src.zero_off, length, out_rs, q_ncb, q.code_rs, q.code_off, q.scale_rs, q.scale_off, q.zero_off,
-            key, row0,
+            key, row0, sg, sw, q_sw, first,
             K=sources, GS=group_size, BG=bg, GPP=gpp, NCH=nch, BITS=bits, SYMMETRIC=symmetric, HB=hb,
             HB_LOG=hb.bit_length() - 1 if hb else 0, MODE=mode, OUT_KIND=kind, ADD=add, **qkw,
-            num_warps=_warps(gpp * bg), **_LAUNCH,
+            num_warps=_warps(gpp * bg), **sliced, **_LAUNCH,
         )
 
 

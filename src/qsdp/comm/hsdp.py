@@ -95,11 +95,14 @@ class ReplicaAllReduce:
         x = layout.expand(x.view(1, -1)).view(-1)
         n = x.numel()
         length = chunk_len(n, d, codec)
-        rows = torch.empty(d * length, dtype=torch.float32, device=x.device)
-        rows[:n] = x
-        # Pad by repeating the last element, which widens no quantization group's range.
-        rows[n:] = x[-1]
-        rows = rows.view(d, length)
+        if n == d * length and x.dtype == torch.float32:
+            rows = x.view(d, length)  # whole chunks already: encoded where they are
+        else:
+            rows = torch.empty(d * length, dtype=torch.float32, device=x.device)
+            rows[:n] = x
+            # Pad by repeating the last element, which widens no quantization group's range.
+            rows[n:] = x[-1]
+            rows = rows.view(d, length)
         send = codec.encode(rows, seed=self._seed(1))
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
@@ -110,7 +113,7 @@ class ReplicaAllReduce:
         gathered = torch.empty(d, mine.shape[1], dtype=torch.uint8, device=x.device)
         all_gather_flat(gathered.view(-1), mine.view(-1), self.group)
         self.byte_meter.record("grads", "inter", (d - 1) * mine.shape[1], (d - 1) * own)
-        total = codec.finish(codec.decode(gathered, length, keep_padding=True), length)
+        total = codec.decode_finished(gathered, length)
         return layout.contract(total.reshape(-1)[:n])
 
     def _seed(self, phase: int) -> int:

@@ -12,16 +12,18 @@ The quantized versions move packed bytes with all-to-all and reduce in fp32 on t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..codecs.rng import derive_seed
-from ..config import GradComm
+from ..config import GradComm, QuantConfig
 from .base import GradReduceScatter
 from .row_layout import RowLayout
-from .wire import RowCodec, _pad_cols
+from .topology import Topology
+from .wire import RowCodec, SliceRun, _pad_cols
 
 
 def _divisor(op: Any, world: int) -> int:
@@ -69,10 +71,15 @@ class QuantizedReduceScatter(GradReduceScatter):
     slice ``k``; with ``"auto"`` consecutive slices' encoded columns travel side by side in one
     exchange until it moves ``pipeline_min_bytes`` (:func:`exchange_groups`), and where no engine
     is free to overlap (:func:`pipelines_exchanges`: gloo, CPU tensors) all of them in one
-    exchange per hop: the same bytes and the same result.
+    exchange per hop: the same bytes and the same result. On the fused path each codec step of
+    an exchange is one kernel launch for all its slices (:class:`~qsdp.comm.wire.SliceRun`).
     With one node (or one rank per node) a single hop remains: ``bits_intra`` inside a node,
     ``bits_inter`` across nodes.
     """
+
+    def __init__(self, config: QuantConfig, topology: Topology, comm_id: int) -> None:
+        super().__init__(config, topology, comm_id)
+        self._plans: dict[tuple, _TwoHopPlan] = {}
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
@@ -94,8 +101,10 @@ class QuantizedReduceScatter(GradReduceScatter):
         else:
             total = self._two_hops(x)
         if divisor != 1:
-            total = total / divisor
-        output_tensor.copy_(total)
+            # the fp32 quotient cast into FSDP2's output as copy_ would, in one kernel
+            torch.div(total, divisor, out=output_tensor)
+        else:
+            output_tensor.copy_(total)
         self.watch(output_tensor)
         return None
 
@@ -115,93 +124,107 @@ class QuantizedReduceScatter(GradReduceScatter):
         return layout.contract(codec.decode_sum(recv, layout.wire_length, finish=True))
 
     def _two_hops(self, x: torch.Tensor) -> torch.Tensor:
-        topo, g = self.topology, self.config.grads
-        world, s = x.shape
-        hop1 = grad_codec(g, g.bits_intra, x.dtype)
-        hop2 = grad_codec(g, g.bits_inter, torch.float32)
-        layout = self.layouts.get(s, math.lcm(hop1.unit, hop2.unit), x.device)
-        lp = hop1.padded_len(layout.wire_length)
-        # The rounding slices (their bounds and seeds fix the result) and the exchanges that carry
-        # them: one per slice when pipelined, else one per hop for all of them. The Hadamard
-        # transform (blockwise, and every slice is whole blocks) is applied by hop1.encode slice
-        # by slice, fused into the quantization on CUDA; the inverse by hop2.decode_sum.
-        bounds = pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)
-        host_moves_bytes = not all(pipelines_exchanges(x.device.type, dist.get_backend(grp))
-                                   for grp in (topo.intra_group, topo.inter_group))
-        groups = exchange_groups(slice_bytes(hop1, hop2, bounds, world, topo.nodes),
-                                 exchange_min_bytes(g, host_moves_bytes))
-        # Each exchange's slices side by side: their byte columns in hop 1's and hop 2's buffers.
-        cols1 = [_columns(hop1, bounds, slices) for slices in groups]
-        cols2 = [_columns(hop2, bounds, slices) for slices in groups]
-        out = torch.empty(lp, dtype=torch.float32, device=x.device)
-        n = len(groups)
+        topo = self.topology
+        plan = self._plan(x)
+        layout, hop1, hop2 = plan.layout, plan.hop1, plan.hop2
+        order = topo.exchange_index(x.device)
+        # The rounding slices (their bounds and seeds fix the result) travel in runs, one
+        # exchange per hop each: one per slice when pipelined, else all of them in one. Each
+        # codec step of a run is one launch on the fused path (the slices a grid axis, each with
+        # its own seed); the Hadamard transform (blockwise, and every slice is whole blocks) is
+        # fused into hop 1's quantization, its inverse into hop 2's decoding.
+        out = torch.empty(plan.lp, dtype=torch.float32, device=x.device)
+        prefix1, prefix2 = self._seed(4), self._seed(5)
+        runs = plan.runs
+        n = len(runs)
         stage1: list[tuple[torch.Tensor, Any] | None] = [None] * n
         stage2: list[tuple[torch.Tensor, Any] | None] = [None] * n
         for step in range(n + 2):
             i = step
             if i < n:
-                stage1[i] = self._intra_exchange(x, layout, hop1, bounds, groups[i], cols1[i])
+                stage1[i] = self._intra_exchange(x, plan, runs[i], order, prefix1)
             i = step - 1
             if 0 <= i < n:
                 recv, work = stage1[i]
                 work.wait()
                 stage1[i] = None
-                stage2[i] = self._inter_exchange(recv, hop1, hop2, bounds, groups[i], cols1[i], cols2[i], layout)
+                stage2[i] = self._inter_exchange(recv, plan, runs[i], prefix2)
             i = step - 2
             if 0 <= i < n:
                 recv2, work2 = stage2[i]
                 work2.wait()
                 stage2[i] = None
-                for k, (c0, c1) in zip(groups[i], cols2[i]):
-                    a, b = bounds[k]
-                    out[a:b] = hop2.decode_sum(recv2[:, c0:c1], b - a, finish=True)
+                hop2.decode_sum_slices(recv2, runs[i], out)
         return layout.contract(out)
 
-    def _intra_exchange(self, x: torch.Tensor, layout: RowLayout, hop1: RowCodec, bounds: list[tuple[int, int]],
-                        slices: range, cols: list[tuple[int, int]]) -> tuple[torch.Tensor, Any]:
-        """Hop 1 of rounding slices ``slices`` (of ``bounds``, columns of ``layout``'s rows): each
-        encoded with its own seed into its columns ``cols`` of one send buffer, one asynchronous
-        all-to-all inside the node."""
+    def _plan(self, x: torch.Tensor) -> "_TwoHopPlan":
+        """The two-level plan of a gradient shaped as ``x`` (built once per shape and device:
+        the same every call)."""
+        key = (tuple(x.shape), x.dtype, str(x.device))
+        if key not in self._plans:
+            self._plans[key] = _TwoHopPlan.build(self, x)
+        return self._plans[key]
+
+    def _intra_exchange(self, x: torch.Tensor, plan: "_TwoHopPlan", run: SliceRun, order: torch.Tensor,
+                        prefix: int) -> tuple[torch.Tensor, Any]:
+        """Hop 1 of the slices of ``run``: each encoded with its own seed into its columns of one
+        send buffer (rows in destination-major order: :func:`destination_major`), one
+        asynchronous all-to-all inside the node."""
         topo = self.topology
         m, d = topo.ranks_per_node, topo.nodes
-        send = torch.empty(x.shape[0], cols[-1][1], dtype=torch.uint8, device=x.device)
-        order = topo.exchange_index(x.device)
-        for k, (c0, c1) in zip(slices, cols):
-            a, b = bounds[k]
-            hop1.encode(destination_major(x, order, a, b, layout), seed=self._seed(4, k), out=send[:, c0:c1])
+        send = torch.empty(x.shape[0], run.nbytes(plan.hop1), dtype=torch.uint8, device=x.device)
+        plan.hop1.encode_slices(x, run, prefix=prefix, out=send, order=order,
+                                layout=None if plan.layout.identity else plan.layout)
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
-        self.meter("grads", d * send.shape[1], d * sum(layout.real_elements(*bounds[k]) for k in slices), (m - 1, 0))
+        self.meter("grads", d * send.shape[1], d * plan.real[run], (m - 1, 0))
         return recv, work
 
-    def _inter_exchange(self, recv: torch.Tensor, hop1: RowCodec, hop2: RowCodec, bounds: list[tuple[int, int]],
-                        slices: range, cols1: list[tuple[int, int]], cols2: list[tuple[int, int]],
-                        layout: RowLayout) -> tuple[torch.Tensor, Any]:
-        """Hop 2 of rounding slices ``slices``: each one's columns ``cols1`` of the intra-node
-        receive buffer summed and requantized with its own seed into its columns ``cols2`` of one
-        send buffer, one asynchronous all-to-all across nodes."""
+    def _inter_exchange(self, recv: torch.Tensor, plan: "_TwoHopPlan", run: SliceRun,
+                        prefix: int) -> tuple[torch.Tensor, Any]:
+        """Hop 2 of the slices of ``run``: each one's columns of the intra-node receive buffer
+        summed and requantized with its own seed into its columns of one send buffer, one
+        asynchronous all-to-all across nodes."""
         topo = self.topology
         m, d = topo.ranks_per_node, topo.nodes
-        send = torch.empty(d, cols2[-1][1], dtype=torch.uint8, device=recv.device)
-        for k, (c0, c1), (e0, e1) in zip(slices, cols1, cols2):
-            a, b = bounds[k]
-            hop1.decode_sum_encode(recv[:, c0:c1], b - a, sources=m, codec=hop2, seed=self._seed(5, k),
-                                   out=send[:, e0:e1])
+        send = torch.empty(d, run.nbytes(plan.hop2), dtype=torch.uint8, device=recv.device)
+        plan.hop1.decode_sum_encode_slices(recv, run, sources=m, codec=plan.hop2, prefix=prefix, out=send)
         recv2 = torch.empty_like(send)
         work = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
-        self.meter("grads", send.shape[1], sum(layout.real_elements(*bounds[k]) for k in slices), (0, d - 1))
+        self.meter("grads", send.shape[1], plan.real[run], (0, d - 1))
         return recv2, work
 
 
-def _columns(codec: RowCodec, bounds: list[tuple[int, int]], slices: range) -> list[tuple[int, int]]:
-    """The byte columns ``[c0, c1)`` of each of the slices ``slices`` of ``bounds`` in a buffer
-    of their encoded rows side by side."""
-    out, c = [], 0
-    for a, b in (bounds[k] for k in slices):
-        w = codec.row_nbytes(b - a)
-        out.append((c, c + w))
-        c += w
-    return out
+@dataclass(frozen=True)
+class _TwoHopPlan:
+    """What a two-level reduce-scatter of one gradient shape does, fixed by its config, sizes
+    and groups: the codecs of both hops, the row layout, the padded row length ``lp``, the
+    runs of rounding slices that travel together, and the real (not padding) elements of each."""
+
+    hop1: RowCodec
+    hop2: RowCodec
+    layout: RowLayout
+    lp: int
+    runs: tuple[SliceRun, ...]
+    real: dict
+
+    @classmethod
+    def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor) -> "_TwoHopPlan":
+        topo, g = comm.topology, comm.config.grads
+        world, s = x.shape
+        hop1 = grad_codec(g, g.bits_intra, x.dtype)
+        hop2 = grad_codec(g, g.bits_inter, torch.float32)
+        layout = comm.layouts.get(s, math.lcm(hop1.unit, hop2.unit), x.device)
+        lp = hop1.padded_len(layout.wire_length)
+        bounds = pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)
+        host_moves_bytes = not all(pipelines_exchanges(x.device.type, dist.get_backend(grp))
+                                   for grp in (topo.intra_group, topo.inter_group))
+        groups = exchange_groups(slice_bytes(hop1, hop2, bounds, world, topo.nodes),
+                                 exchange_min_bytes(g, host_moves_bytes))
+        per = bounds[0][1] - bounds[0][0]
+        runs = tuple(SliceRun(r.start, len(r), per, lp) for r in groups)
+        real = {run: sum(layout.real_elements(a, b) for a, b in run.bounds()) for run in runs}
+        return cls(hop1, hop2, layout, lp, runs, real)
 
 
 def destination_major(x: torch.Tensor, order: torch.Tensor, a: int, b: int,

@@ -26,6 +26,8 @@ import torch
 from ..codecs import dequantize, hadamard, inverse_hadamard, quantize
 from ..codecs.dispatch import use_triton
 from ..codecs.quantize import QTensor, _group_chunks
+from ..codecs.rng import fold_seed
+from .row_layout import RowLayout
 
 
 def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -62,6 +64,42 @@ def _row_chunks(rows: int, width: int, device: torch.device) -> list[tuple[int, 
     received buffer holds one row per peer; decoding them all at once would be a temporary the
     size of the whole group."""
     return _group_chunks(rows * width, max(1, width), device)
+
+
+@dataclass(frozen=True)
+class SliceRun:
+    """Rounding slices ``first .. first + count - 1`` of a padded row of ``end`` elements that
+    travel together: slice ``k`` covers ``[k * per, min((k + 1) * per, end))`` (``per`` whole
+    codec units) and is encoded as a row of its own with the seed ``fold_seed(prefix, k)``; its
+    encoded rows sit side by side in one buffer, in slice order (:meth:`columns`)."""
+
+    first: int
+    count: int
+    per: int
+    end: int
+
+    @property
+    def start(self) -> int:
+        return self.first * self.per
+
+    @property
+    def stop(self) -> int:
+        return min((self.first + self.count) * self.per, self.end)
+
+    def bounds(self) -> list[tuple[int, int]]:
+        return [(k * self.per, min((k + 1) * self.per, self.end)) for k in range(self.first, self.first + self.count)]
+
+    def columns(self, codec: "RowCodec") -> list[tuple[int, int]]:
+        """Each slice's byte columns ``[c0, c1)`` in the buffer of the run's encoded rows."""
+        out, c = [], 0
+        for a, b in self.bounds():
+            w = codec.row_nbytes(b - a)
+            out.append((c, c + w))
+            c += w
+        return out
+
+    def nbytes(self, codec: "RowCodec") -> int:
+        return self.columns(codec)[-1][1]
 
 
 @dataclass(frozen=True)
@@ -162,6 +200,20 @@ class RowCodec:
         out = dequantize(q).view(rows, lp)
         return out if keep_padding else out[:, :length]
 
+    def decode_finished(self, buf: torch.Tensor, length: int) -> torch.Tensor:
+        """``finish(decode(buf, length, keep_padding=True), length)``: float32 ``[R, length]``
+        out of the Hadamard domain, in one launch on CUDA where the kernel fuses the inverse."""
+        if self._fused(buf) and (not self.hadamard_block or _tk().fuses_hadamard(self.group_size, self.hadamard_block)):
+            lp = self.padded_len(length)
+            out = torch.empty(buf.shape[0], length, dtype=torch.float32, device=buf.device)
+            _tk().dequantize_into(
+                self._packed(buf, lp), groups=lp // self.group_size, bits=self.bits, group_size=self.group_size,
+                symmetric=self.symmetric, sources=1, outputs=buf.shape[0], row_o=1, row_j=0, out=out,
+                length=length, inverse_block=self.hadamard_block,
+            )
+            return out
+        return self.finish(self.decode(buf, length, keep_padding=True), length)
+
     def finish(self, x: torch.Tensor, length: int) -> torch.Tensor:
         """Leave the Hadamard domain (rows padded to whole blocks) and drop the padding."""
         if self.hadamard_block and not self.exact:
@@ -234,6 +286,95 @@ class RowCodec:
             return _deliver(packed, out)
         partial, _ = self._sum_sources(buf, length, sources, finish=False)
         return codec.encode(partial, seed=seed, transformed=True, out=out)
+
+    # ------------------------------------------------------------------ rounding slices
+    # A run of rounding slices (SliceRun) in one launch per step on the fused path, each slice
+    # with its own seed and the bytes of the per-slice calls the reference makes.
+
+    def _slices_fuse(self, run: SliceRun, t: torch.Tensor, codec: "RowCodec | None" = None) -> bool:
+        """Whether the kernels can take ``run`` in one launch: every slice whole groups (and
+        Hadamard blocks) with no 4-byte padding to zero, for this codec and ``codec``."""
+        if not self._fused(t) or self.group_size > _tk().MAX_TILE:
+            return False
+        if self.hadamard_block and not _tk().fuses_hadamard(self.group_size, self.hadamard_block):
+            return False
+        for c in (self, codec or self):
+            if c.group_size != self.group_size or not c._fused(t):
+                return False
+            for a, b in run.bounds()[-2:]:
+                lp = b - a
+                if c.padded_len(lp) != lp or c.row_nbytes(lp) != (lp // c.group_size) * 4 * (1 if c.symmetric else 2) \
+                        + lp * c.bits // 8:
+                    return False
+        return True
+
+    def _slices(self, run: SliceRun, prefix: int, codec: "RowCodec | None" = None):
+        return _tk().Slices(count=run.count, groups=run.per // self.group_size, first=run.first, prefix=prefix,
+                            nbytes=self.row_nbytes(run.per), q_nbytes=(codec or self).row_nbytes(run.per))
+
+    def encode_slices(self, x: torch.Tensor, run: SliceRun, *, prefix: int, out: torch.Tensor,
+                      order: torch.Tensor, layout: RowLayout | None = None) -> torch.Tensor:
+        """The slices of ``run`` of the rows ``order`` (int64 on ``x``'s device) of ``x``
+        (``[R, L]``; columns of ``layout``'s rows where given, else the row padded past ``L`` by
+        repeating its last column), each ``encode``-d with the seed ``fold_seed(prefix, k)``
+        into its columns of ``out`` (uint8 ``[len(order), run.nbytes(self)]``, contiguous),
+        returned."""
+        length = x.shape[1]
+        if layout is None:
+            layout = RowLayout.of(None, length, 1)
+        if layout.identity and self._slices_fuse(run, x) and x.dtype in _OUT_DTYPES:
+            tk = _tk()
+            tk.quantize_into(
+                x[:, run.start:], tk.Packed.sliced(out), length=length - run.start, padded=run.stop - run.start,
+                ncodes=run.stop - run.start, bits=self.bits, group_size=self.group_size, symmetric=self.symmetric,
+                rounding=self.rounding, seed=None, hadamard_block=self.hadamard_block, order=order,
+                slices=self._slices(run, prefix),
+            )
+            return out
+        # One slice at a time: no copy of the whole gradient is made.
+        for k, (a, b), (c0, c1) in zip(range(run.first, run.first + run.count), run.bounds(), run.columns(self)):
+            self.encode(_pad_cols(layout.columns(x, order, a, b).float(), b - a), seed=fold_seed(prefix, k),
+                        out=out[:, c0:c1])
+        return out
+
+    def decode_sum_encode_slices(self, buf: torch.Tensor, run: SliceRun, *, sources: int, codec: "RowCodec",
+                                 prefix: int, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode_sum_encode` of each slice of ``run`` (``buf``: their rows side by side,
+        ``sources x D`` of them) with the seed ``fold_seed(prefix, k)``, into its columns of
+        ``out`` (uint8 ``[D, run.nbytes(codec)]``, contiguous), returned."""
+        if not self.exact and not codec.exact and self._slices_fuse(run, buf, codec):
+            tk = _tk()
+            tk.dequantize_into(
+                tk.Packed.sliced(buf), groups=(run.stop - run.start) // self.group_size, bits=self.bits,
+                group_size=self.group_size, symmetric=self.symmetric, sources=sources, outputs=out.shape[0],
+                row_o=1, row_j=out.shape[0],
+                requantize=(tk.Packed.sliced(out), codec.bits, codec.symmetric, codec.rounding, None),
+                slices=self._slices(run, prefix, codec),
+            )
+            return out
+        for k, (a, b), (c0, c1), (e0, e1) in zip(range(run.first, run.first + run.count), run.bounds(), run.columns(self),
+                                                  run.columns(codec)):
+            self.decode_sum_encode(buf[:, c0:c1], b - a, sources=sources, codec=codec, seed=fold_seed(prefix, k),
+                                   out=out[:, e0:e1])
+        return out
+
+    def decode_sum_slices(self, buf: torch.Tensor, run: SliceRun, out: torch.Tensor) -> torch.Tensor:
+        """``out[a:b] = decode_sum(slice's columns of buf, b - a, finish=True)`` for each slice
+        ``[a, b)`` of ``run``; ``out``: float32 ``[run.end]`` (or longer), returned."""
+        if not self.exact and self._slices_fuse(run, buf):
+            tk = _tk()
+            hb = self.hadamard_block
+            span = out[run.start:run.stop]
+            tk.dequantize_into(
+                tk.Packed.sliced(buf), groups=(run.stop - run.start) // self.group_size, bits=self.bits,
+                group_size=self.group_size, symmetric=self.symmetric, sources=buf.shape[0], outputs=1, row_o=1,
+                row_j=1, out=span.view(1, -1), length=run.stop - run.start, inverse_block=hb,
+                slices=self._slices(run, 0),
+            )
+            return out
+        for (a, b), (c0, c1) in zip(run.bounds(), run.columns(self)):
+            out[a:b] = self.decode_sum(buf[:, c0:c1], b - a, finish=True)
+        return out
 
     def _sum_sources(
         self, buf: torch.Tensor, length: int, sources: int, *, finish: bool
