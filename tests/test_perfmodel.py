@@ -5,7 +5,9 @@ time in place of the FLOPs model, and its argument errors."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -222,15 +224,46 @@ def test_the_advisor_prices_each_exchange_the_rule_leaves_with_its_latency():
 # ----------------------------------------------------------------------------- the host on a GPU
 
 
-def _group_launches(preset: str, host_staged: bool) -> int:
-    colls = pm.step_collectives(preset, [1 << 22], 2, 4, gathers=0, host_staged=host_staged)
+def _group_launches(preset: str, host_staged: bool, counts=None) -> int:
+    from qsdp.perfmodel import launches as ln
+
+    colls = pm.step_collectives(preset, [1 << 22], 2, 4, gathers=0, host_staged=host_staged,
+                                counts=counts or ln.CENSUS)
     return sum(c.launches for c in colls if c.kind == "grads")
 
 
-def test_a_two_level_reduce_scatter_launches_per_group_and_per_slice_however_its_exchanges_travel():
-    assert _group_launches("zeropp", host_staged=False) == 6 + 9  # one rounding slice
+def test_at_c14eb26_a_two_level_reduce_scatter_launched_per_group_and_per_slice():
+    from qsdp.perfmodel import launches as ln
+
+    old = ln.AT_C14EB26
+    assert _group_launches("zeropp", host_staged=False, counts=old) == 6 + 9  # one rounding slice
     # eight slices: in several exchanges on GPUs, one on gloo; the same launches
-    assert _group_launches("sdp4bit", host_staged=False) == _group_launches("sdp4bit", host_staged=True) == 6 + 9 * 8
+    assert (_group_launches("sdp4bit", host_staged=False, counts=old)
+            == _group_launches("sdp4bit", host_staged=True, counts=old) == 6 + 9 * 8)
+
+
+def test_a_two_level_reduce_scatter_launches_per_group_and_per_exchange_whatever_its_slices():
+    # one exchange per hop where the host moves the bytes: the same launches for 1 and 8 slices
+    assert _group_launches("zeropp", host_staged=True) == _group_launches("sdp4bit", host_staged=True) == 8 + 3
+    # pipelined on GPUs: each exchange of the 8 slices of a 4M-element group adds its 3 kernels
+    sdp = pm.step_collectives("sdp4bit", [1 << 22], 2, 4, gathers=0)
+    exchanges = sum(1 for c in sdp if c.call == "two_level_slice")
+    assert exchanges > 1 and _group_launches("sdp4bit", host_staged=False) == 8 + 3 * exchanges
+
+
+def test_the_models_launch_counts_are_those_the_census_committed():
+    from qsdp.perfmodel import launches as ln
+
+    census = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/census.json").read_text())
+    rows = {(r["preset"], r["collective"]): r["launches"] for r in census["rows"]}
+    c = ln.CENSUS
+    assert rows["qsdp", "gather_direct"] == rows["zeropp", "gather_direct"] == c.per_call["quantized_gather"]
+    assert rows["sdp4bit", "gather_difference"] == c.per_call["difference_update"] + c.per_call["replica_fill"]
+    assert rows["qsdp", "reduce_scatter"] == c.per_call["one_level_reduce_scatter"]
+    for preset in ("sdp4bit", "zeropp"):  # one exchange per hop in the census (gloo's grouping)
+        assert rows[preset, "reduce_scatter"] == c.two_level(slices=8, first=True)
+    for preset in ("qsdp", "sdp4bit", "zeropp"):
+        assert rows[preset, "hsdp_all_reduce"] == sum(c.hsdp_all_reduce)
 
 
 def test_fsdps_collectives_launch_nothing_beyond_fsdp2s_own():

@@ -22,7 +22,7 @@ from ..comm.reduce_scatter import (exchange_groups, exchange_min_bytes, grad_cod
                                     real_elements, slice_bytes)
 from ..comm.weight_codec import weight_codec
 from ..config import QuantConfig, resolve_config
-from .launches import HSDP_ALL_REDUCE, LAUNCHES, two_level_launches
+from .launches import CENSUS, LaunchCounts
 
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
 
@@ -100,7 +100,7 @@ def _difference_gathers(layout: str, quant: Collective, plain: Collective, calls
 
 
 def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: int, grad_bytes: int,
-                      host_staged: bool = False) -> list[Collective]:
+                      host_staged: bool = False, counts: LaunchCounts = CENSUS) -> list[Collective]:
     """The gradient reduce-scatters (qsdp.comm.reduce_scatter) of one step, one per group, on
     ``d`` nodes x ``m`` ranks; ``host_staged``: gloo's (see :func:`step_collectives`)."""
     world = m * d
@@ -137,7 +137,7 @@ def _grad_collectives(cfg: QuantConfig, shard_sizes: Sequence[int], d: int, m: i
                 "grads", "a2a_intra", d * sum(hop1.row_nbytes(b - a) for a, b in slices), d * real, m - 1, 0,
                 quantize=world * width, dequantize=world * width, hp_bytes=grad_bytes,
                 hadamard=bool(hop1.hadamard_block and not hop1.exact), pipeline=gi, hop=1,
-                call="two_level_slice", launches=two_level_launches(len(group), first=j == 0),
+                call="two_level_slice", launches=counts.two_level(len(group), first=j == 0),
             ))
             out.append(Collective(
                 "grads", "a2a_inter", sum(hop2.row_nbytes(b - a) for a, b in slices), real, 0, d - 1,
@@ -157,6 +157,7 @@ def step_collectives(
     param_bytes: int = 2,
     grad_bytes: int = 4,
     host_staged: bool = False,
+    counts: LaunchCounts = CENSUS,
 ) -> list[Collective]:
     """Every collective one rank runs in one steady-state training step (after the warm-up step
     that establishes weight-difference replicas), for FSDP groups whose per-rank shard (the
@@ -171,7 +172,8 @@ def step_collectives(
     collectives run on gloo (``Hardware.host_staged``), where ``grads.pipeline_slices="auto"``
     sends a two-level reduce-scatter's slices in one exchange per hop (elsewhere as many
     exchanges as move ``grads.pipeline_min_bytes`` each, and for a slice count one per slice per
-    hop, as the comm objects do); the bytes are the same.
+    hop, as the comm objects do); the bytes are the same. ``counts``: each comm step's kernel
+    launches (``Collective.launches``; :mod:`qsdp.perfmodel.launches`).
     """
     cfg = resolve_config(config)
     if grad_bytes not in _DTYPES or param_bytes not in _DTYPES:
@@ -203,15 +205,15 @@ def step_collectives(
     if w.mode == "difference":  # one agreement per step: 2 int32 flags per group
         out.append(Collective("control", "allreduce", 8 * len(shard_sizes), 0, intra, inter, call="agreement"))
 
-    out += _grad_collectives(cfg, shard_sizes, d, m, grad_bytes, host_staged)
-    return [_launching(c) for c in out]
+    out += _grad_collectives(cfg, shard_sizes, d, m, grad_bytes, host_staged, counts)
+    return [_launching(c, counts) for c in out]
 
 
-def _launching(c: Collective) -> Collective:
+def _launching(c: Collective, counts: LaunchCounts) -> Collective:
     """``c`` with the launches of its comm step (a two-level exchange's are set where it is built)."""
     if c.call is None or c.call == "two_level_slice":
         return c
-    return dataclasses.replace(c, launches=LAUNCHES[c.call])
+    return dataclasses.replace(c, launches=counts.per_call[c.call])
 
 
 def _per_link(collectives: Sequence[Collective], amount: Callable[[Collective], int]) -> dict[str, dict[str, int]]:
@@ -299,7 +301,7 @@ def hsdp_collectives(
         codec = hsdp_codec(cfg.hsdp)
         length = chunk_len(s, d, codec)
         row = codec.row_nbytes(length)
-        first, second = HSDP_ALL_REDUCE
+        first, second = CENSUS.hsdp_all_reduce
         out.append(Collective("grads", "a2a_inter", row, length, 0, d - 1, quantize=d * length,
                               dequantize=d * length, hadamard=bool(codec.hadamard_block), launches=first))
         out.append(Collective("grads", "a2a_inter", row, length, 0, d - 1, quantize=length,

@@ -12,16 +12,18 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from .collectives import step_collectives
-from .launches import CODEC_SHARE_GROUPS, CODEC_SHARE_SHARD, CODEC_SHARE_WORLD, H200_CODEC_SHARE
+from .launches import AT_C14EB26, CODEC_SHARE_GROUPS, CODEC_SHARE_SHARD, CODEC_SHARE_WORLD, H200_CODEC_SHARE, LaunchCounts
 
 __all__ = ["step_launches", "launch_cost_us"]
 
 
 def step_launches(preset: str, shards: Sequence[int], nodes: int, ranks_per_node: int,
-                  gathers: Sequence[int]) -> int:
+                  gathers: Sequence[int], counts: LaunchCounts = AT_C14EB26) -> int:
     """Kernel launches the collectives of one step of ``preset`` add (the sum of
-    ``Collective.launches``), for groups of ``shards`` gathered ``gathers`` times."""
-    return sum(c.launches for c in step_collectives(preset, shards, nodes, ranks_per_node, gathers=list(gathers)))
+    ``Collective.launches``), for groups of ``shards`` gathered ``gathers`` times, counted as
+    ``counts`` says (by default those of the code the H200 measurement ran)."""
+    return sum(c.launches for c in step_collectives(preset, shards, nodes, ranks_per_node, gathers=list(gathers),
+                                                   counts=counts))
 
 
 def launch_cost_us(measured: Mapping[str, tuple[float, float]] = H200_CODEC_SHARE, preset: str = "sdp4bit",

@@ -6,33 +6,71 @@ GPU waits. The model prices that as the kernel launches of every collective's co
 kernels plus Triton kernels, the collectives themselves counted apart) times a host cost per
 launch (``Hardware.launch_us``), added to the step (:func:`qsdp.perfmodel.simulate_step`).
 
-The counts are data, here alone (:data:`LAUNCHES`, :data:`TWO_LEVEL_PER_SLICE`), to be replaced
-by a census of the launches when one is measured. The cost per launch of the H200 host
+The counts are data, here alone: :data:`CENSUS`, what ``qsdp bench census`` counts in the code
+as it is (the model's default), and :data:`AT_C14EB26`, the code the H200 measurement ran. The cost per launch of the H200 host
 (:data:`H200_LAUNCH_US`) is what :func:`qsdp.perfmodel.host_cost.launch_cost_us` finds in one
 measurement of ``qsdp bench codec-share`` on one H200 (:data:`H200_CODEC_SHARE`).
 """
 
 from __future__ import annotations
 
-# Kernel launches per call of each comm step (qsdp.perfmodel.CALLS) on the GPU path, beyond
-# FSDP2's own collective, counted by reading the CUDA path of qsdp.comm at commit c14eb26. A
-# two-level reduce-scatter: each rounding slice launches 3 Triton kernels and about 6 torch ops
-# (a gather of its columns, the wire's copies, the deliveries), about 15 for a zeropp group (one
-# slice) and about 80 for an sdp4bit one (eight): 6 per group and 9 per slice. A quantized gather encodes
-# and decodes (2 Triton kernels); a weight difference encodes the difference and adds the
-# decoded ones to the replica (2); a replica fill copies the node's rows into place (1); the
-# agreement is one all-reduce (and one host read, not a launch); a one-level reduce-scatter
-# encodes, decodes and sums, divides, copies out and checks the result for NaN/Inf (7); the
-# plain steps are FSDP2's collectives alone.
-LAUNCHES: dict[str, int] = {
-    "gather": 0, "quantized_gather": 2, "difference_update": 2, "replica_fill": 1, "agreement": 0,
-    "reduce_scatter": 0, "one_level_reduce_scatter": 7, "two_level_slice": 6,
-}
-TWO_LEVEL_PER_SLICE = 9
-# The quantized HSDP all-reduce (qsdp.comm.hsdp.ReplicaAllReduce), read as above: two copies
-# into the padded rows, the encode and the decode-sum-encode of the first phase (4), the decode
-# and the inverse Hadamard transform of the second (2).
-HSDP_ALL_REDUCE = (4, 2)
+from dataclasses import dataclass
+from typing import Mapping
+
+@dataclass(frozen=True)
+class LaunchCounts:
+    """Kernel launches per call of each comm step (``Collective.call``) on the GPU path, beyond
+    FSDP2's own collective (torch kernels plus Triton kernels; the collectives counted apart).
+
+    ``per_call``: by step; a two-level reduce-scatter launches ``two_level_group`` once per group,
+    ``two_level_exchange`` per exchange and ``two_level_slice`` per rounding slice; the quantized
+    HSDP all-reduce ``hsdp_all_reduce`` (first phase, second phase). ``source`` says where the
+    counts come from."""
+
+    source: str
+    per_call: Mapping[str, int]
+    two_level_group: int
+    two_level_exchange: int
+    two_level_slice: int
+    hsdp_all_reduce: tuple[int, int]
+
+    def two_level(self, slices: int, first: bool) -> int:
+        """Launches of one exchange of a two-level reduce-scatter carrying ``slices`` rounding
+        slices; ``first``: the group's first exchange, which also carries the group's own."""
+        return self.two_level_exchange + self.two_level_slice * slices + (self.two_level_group if first else 0)
+
+
+# The code the H200 measurement below ran (commit c14eb26), counted by reading its CUDA path: a
+# two-level reduce-scatter's rounding slice launched 3 Triton kernels and about 6 torch ops (a
+# gather of its columns, the wire's copies, the deliveries), about 15 for a zeropp group (one
+# slice) and about 80 for an sdp4bit one (eight): 6 per group and 9 per slice (`qsdp bench
+# census` on that tree later counted 15 and 89: the reading is 12% short for sdp4bit, so the
+# cost per launch derived from it is at most that much high). A quantized gather encodes and
+# decodes (2 Triton kernels); a weight difference encodes the difference and adds the decoded
+# ones to the replica (2); a replica fill copies the node's rows into place (1); the agreement
+# is one all-reduce (and one host read, not a launch); a one-level reduce-scatter 7; the plain
+# steps are FSDP2's collectives alone; the HSDP all-reduce two copies into the padded rows, the
+# encode and the decode-sum-encode of the first phase (4), the decode and the inverse Hadamard
+# transform of the second (2).
+AT_C14EB26 = LaunchCounts(
+    source="read from the CUDA path of commit c14eb26",
+    per_call={"gather": 0, "quantized_gather": 2, "difference_update": 2, "replica_fill": 1, "agreement": 0,
+              "reduce_scatter": 0, "one_level_reduce_scatter": 7},
+    two_level_group=6, two_level_exchange=0, two_level_slice=9, hsdp_all_reduce=(4, 2),
+)
+
+# The code as it is, counted by `qsdp bench census` (benchmarks/results/census.json; a test holds
+# these to it): the rounding slices of an exchange are a grid axis of one launch per codec step,
+# so a two-level reduce-scatter launches 8 torch kernels a group (the division into FSDP2's
+# output and the non-finite watch) and 3 Triton kernels an exchange, whatever its slices; a
+# one-level one 10; the HSDP all-reduce 3 (encode and decode-sum-encode, then decode with the
+# inverse transform).
+CENSUS = LaunchCounts(
+    source="qsdp bench census (benchmarks/results/census.json)",
+    per_call={"gather": 0, "quantized_gather": 2, "difference_update": 2, "replica_fill": 1, "agreement": 0,
+              "reduce_scatter": 0, "one_level_reduce_scatter": 10},
+    two_level_group=8, two_level_exchange=3, two_level_slice=0, hsdp_all_reduce=(2, 1),
+)
 
 # One rank (rank 0 of 2 x 4) of GPT gpt2-125m (13 FSDP groups: the root, gathered once, and 12
 # blocks, gathered twice), bf16, 8 x 1024 tokens, on one NVIDIA H200 (torch 2.11.0+cu130, commit
@@ -49,8 +87,3 @@ CODEC_SHARE_SHARD = 885_984
 # launch_cost_us() of the figures above, rounded to 0.1 us (tests/test_perfmodel.py recomputes it).
 H200_LAUNCH_US = 96.1
 
-
-def two_level_launches(slices: int, first: bool) -> int:
-    """Launches of one exchange of a two-level reduce-scatter carrying ``slices`` rounding
-    slices; ``first``: the group's first exchange, which also carries the group's own."""
-    return TWO_LEVEL_PER_SLICE * slices + (LAUNCHES["two_level_slice"] if first else 0)
