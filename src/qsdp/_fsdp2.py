@@ -158,3 +158,15 @@ def route_replicate_all_reduce_to_hook(module: nn.Module, noop_group: Any) -> No
         info = field(g, "mesh_info")
         field(info, "replicate_process_group")
         info.replicate_process_group = noop_group
+
+
+def at_end_of_backward(callback: Any) -> bool:
+    """Run ``callback`` once the backward now running ends (an autograd final callback, as
+    FSDP2's root post-backward is); ``False``, and nothing queued, outside a backward (a
+    pipeline schedule that runs FSDP2's post-backward itself)."""
+    engine = field(torch.autograd.Variable, "_execution_engine")
+    try:
+        field(engine, "queue_callback")(callback)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        return False
+    return True

@@ -280,11 +280,8 @@ def quantize_comms(
     The config is validated first and then compared across ranks with one collective; both
     raise :class:`qsdp.ConfigError` naming the problem before any data moves. A model whose comms
     are already qsdp's (``close()`` the first handle to replace them) or whose root was left out
-    of ``fully_shard`` while its blocks were sharded is refused, naming the fix; so is, for a
-    config that quantizes, a tensor-parallel split that divides a parameter unevenly (on every
-    rank, after the config agreement). ``set_gradient_divide_factor`` and the all-reduce hook
-    belong before this call: a factor set later is refused at the next reduction, and on the
-    native HSDP mesh a hook set later raises by the end of that backward. On one node
+    of ``fully_shard`` while its blocks were sharded is refused, naming the fix, as is an uneven
+    TP split under a quantizing config (docs/reliability.md, "The FSDP2 glue"). On one node
     (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
     """
     cfg = resolve_config(config, overrides)

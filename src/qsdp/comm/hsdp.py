@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._fsdp2 import at_end_of_backward
 from ..codecs.rng import derive_seed
 from ..config import HsdpComm, QuantConfig
 from .collectives import all_gather_flat
@@ -282,11 +283,9 @@ class NativeHsdpReduceScatter(_AcrossReplicas):
         self._check_hook_ran()
         self._awaiting_hook = True
         # The backward's last group has no later all-reduce to find a missing hook: check once
-        # the backward ends, before the optimizer can step on gradients not summed.
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._check_hook_ran)
-        except RuntimeError:  # not inside a backward: the next all-reduce checks
-            pass
+        # the backward ends, before the optimizer can step on gradients not summed (outside a
+        # backward, the next all-reduce checks).
+        at_end_of_backward(self._check_hook_ran)
 
     def _check_hook_ran(self) -> None:
         if self._awaiting_hook:
