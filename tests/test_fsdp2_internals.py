@@ -91,3 +91,31 @@ def test_the_flat_shard_row_is_read_parameter_by_parameter_with_its_tp_placement
     # a [7, 4] weight a TP rank, padded to [4, 4] a dp rank, and its bias [7] replicated, padded to 4.
     spans = [(3, True), (3, True), (12, False), (2, False), (16, False), (4, True)]
     assert run_world(_row_spans, 4, local_world_size=2) == [(spans, [])] * 4
+
+
+def _renamed(rank, world):
+    import pytest
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qsdp.comm.rank_alone import RankAloneGroup
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    fully_shard(model, mesh=mesh)
+    (group,) = _fsdp2.param_groups(model)
+    # A torch that renamed these fields: the objects are FSDP2's own, the fields gone.
+    del group.gradient_divide_factor
+    with pytest.raises(_fsdp2.Fsdp2Changed, match="FSDPParamGroup.gradient_divide_factor"):
+        _fsdp2.has_custom_divide_factor(model)
+    del group.mesh_info.replicate_process_group
+    with pytest.raises(_fsdp2.Fsdp2Changed, match="HSDPMeshInfo.replicate_process_group"):
+        _fsdp2.route_replicate_all_reduce_to_hook(model, RankAloneGroup())
+    return not hasattr(group.mesh_info, "replicate_process_group")
+
+
+def test_a_renamed_private_field_raises_naming_it_instead_of_reading_as_a_default():
+    # Read with a default, a renamed divide factor would read as unset and a renamed replicate
+    # group would be assigned as a new attribute FSDP2 never reads.
+    assert run_world(_renamed, 4, local_world_size=2) == [True] * 4

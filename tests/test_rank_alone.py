@@ -1,6 +1,6 @@
 """The one-rank group FSDP2's native HSDP all-reduce is routed to once qsdp's all-reduce across
-the replicas replaces it: it leaves the gradient as it is, launches nothing, and belongs to no
-world (``qsdp.comm.rank_alone``)."""
+the replicas replaces it: it leaves the gradient as it is, launches nothing, belongs to no
+world, and tells its caller when it is used (``qsdp.comm.rank_alone``)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _routed(rank, world, preset):
     import qsdp
     from qsdp import _fsdp2
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -50,12 +50,28 @@ def _routed(rank, world, preset):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     handle = qsdp.quantize_comms(model, preset)
-    routed = [g.mesh_info.replicate_process_group is RANK_ALONE
-              for m in model.modules() if isinstance(m, FSDPModule) for g in _fsdp2.param_groups(m)]
+    # Each group its own: it tells that group's comm when FSDP2's all-reduce arrives.
+    routed = [g.mesh_info.replicate_process_group is rs.rank_alone
+              for m, rs in zip(handle.modules, handle.reduce_scatters) for g in _fsdp2.param_groups(m)]
     handle.close()
     return routed
 
 
 def test_quantize_comms_on_a_native_hsdp_mesh_routes_every_groups_all_reduce_to_it():
     for routed in run_world(_routed, 4, "sdp4bit", local_world_size=2):
-        assert routed and all(routed)
+        assert routed == [True] * 3
+
+
+def test_its_all_reduce_tells_the_callback_it_was_given_and_passes_on_what_it_raises():
+    from qsdp.comm.rank_alone import RankAloneGroup
+
+    seen = []
+    group = RankAloneGroup(on_all_reduce=lambda: seen.append("all-reduce"))
+    dist.all_reduce(torch.ones(2), group=group)
+    assert seen == ["all-reduce"]
+
+    def refuse():
+        raise RuntimeError("no all-reduce expected")
+
+    with pytest.raises(RuntimeError, match="no all-reduce expected"):
+        dist.all_reduce(torch.ones(2), group=RankAloneGroup(on_all_reduce=refuse))

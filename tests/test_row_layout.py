@@ -3,9 +3,10 @@ each part whole codec units, and nothing else changed (qsdp.comm.row_layout)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from qsdp.comm.row_layout import RowLayout
+from qsdp.comm.row_layout import RowLayout, RowMismatch
 from qsdp.comm.wire import RowCodec
 
 # A block beside TP: a norm (replicated), a column-parallel weight and bias (this rank's TP
@@ -16,11 +17,17 @@ LENGTH = sum(n for n, _ in SPANS)
 
 def test_a_row_of_one_kind_keeps_fsdp2s_order_at_no_cost():
     x = torch.randn(3, LENGTH)
-    for spans in (None, [(LENGTH, True)], [(30, False), (LENGTH - 30, False)], [(5, True), (5, False)]):
+    for spans in (None, [(LENGTH, True)], [(30, False), (LENGTH - 30, False)], [(5, False), (5, False)]):
         layout = RowLayout.of(spans, LENGTH, unit=16)
         assert layout.identity and layout.wire_length == LENGTH
         assert layout.expand(x) is x
         assert torch.equal(layout.contract(torch.cat([x, x[:, :7]], dim=1)), x)
+
+
+def test_a_mixed_row_its_spans_do_not_describe_is_an_error_not_the_identity():
+    # The identity would quantize TP-replicated and TP-sharded values in one group.
+    with pytest.raises(RowMismatch, match="row of 63 elements.*hold 10.*set_reduce_scatter_unused_params"):
+        RowLayout.of([(5, True), (5, False)], LENGTH, unit=16)
 
 
 def test_replicated_parameters_come_first_and_each_part_is_whole_units():

@@ -69,8 +69,6 @@ def test_tp_replicated_parameters_stay_identical_on_3d(preset, native):
 
 
 def _uneven_tp(rank, world, preset):
-    import warnings
-
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -81,16 +79,16 @@ def _uneven_tp(rank, world, preset):
     model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 7 if preset != "even" else 8))
     parallelize_module(model, mesh["tp"], {"1": ColwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
+    try:
         handle = qsdp.quantize_comms(model, "sdp4bit" if preset == "even" else preset)
+    except qsdp.ConfigError as e:
+        return str(e)
     handle.close()
-    return [str(w.message) for w in seen if "unevenly" in str(w.message)]
+    return None
 
 
-def test_an_uneven_tensor_parallel_split_is_warned_about_once_under_a_quantizing_config():
-    warned = run_world(_uneven_tp, 4, "sdp4bit", local_world_size=2)
-    assert len(warned[0]) == 1 and "1.weight, 1.bias" in warned[0][0]
-    assert warned[1:] == [[]] * 3
-    assert run_world(_uneven_tp, 4, "fsdp", local_world_size=2) == [[]] * 4
-    assert run_world(_uneven_tp, 4, "even", local_world_size=2) == [[]] * 4
+def test_an_uneven_tensor_parallel_split_is_refused_on_every_rank_under_a_quantizing_config():
+    for message in run_world(_uneven_tp, 4, "sdp4bit", local_world_size=2):
+        assert message is not None and "splits 1.weight, 1.bias unevenly" in message
+    assert run_world(_uneven_tp, 4, "fsdp", local_world_size=2) == [None] * 4
+    assert run_world(_uneven_tp, 4, "even", local_world_size=2) == [None] * 4

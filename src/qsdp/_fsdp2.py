@@ -8,14 +8,31 @@ all-gathers and reduce-scatter run over (the mesh it shards over, and the smalle
 all-reduce across the replicas (one field is changed for that), nor lay out a group's flat
 shard parameter by parameter. They are read and changed here
 and nowhere else; ``tests/test_fsdp2_internals.py`` checks that these symbols still exist and
-behave so in the installed torch.
+behave so in the installed torch. Every field is read with :func:`field`: a torch that renamed
+one raises :class:`Fsdp2Changed` naming it, where a default would quietly change what qsdp does
+(a divide factor read as unset, a mesh read as 1-D).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+
+
+class Fsdp2Changed(RuntimeError):
+    """The installed torch's FSDP2 lacks private state qsdp reads or changes (renamed or removed)."""
+
+
+def field(obj: Any, name: str) -> Any:
+    """``obj.name``, or :class:`Fsdp2Changed` naming the field and the torch release."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise Fsdp2Changed(
+            f"qsdp relies on FSDP2's private {type(obj).__name__}.{name}, which torch {torch.__version__} does not "
+            "have: this qsdp does not support this torch release (see qsdp._fsdp2)") from None
 
 
 def fsdp_state(module: nn.Module) -> Any:
@@ -27,17 +44,24 @@ def param_groups(module: nn.Module) -> list[Any]:
     """The ``FSDPParamGroup`` objects of ``module``'s ``fully_shard`` call (none if it owns no
     parameter)."""
     state = fsdp_state(module)
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch releases with one group per state
-        group = state._fsdp_param_group
-        groups = [] if group is None else [group]
-    return list(groups)
+    if not hasattr(state, "_fsdp_param_groups"):  # torch releases with one group per state
+        group = field(state, "_fsdp_param_group")
+        return [] if group is None else [group]
+    return list(state._fsdp_param_groups)
+
+
+def gradient_divide_factor(module: nn.Module) -> float | None:
+    """The factor ``set_gradient_divide_factor`` set on ``module``'s groups (it sets every group
+    of the call alike), or ``None`` where it was not called. Read at every reduce-scatter to
+    refuse a factor set after ``quantize_comms``: one attribute read, no device work."""
+    groups = param_groups(module)
+    return field(groups[0], "gradient_divide_factor") if groups else None
 
 
 def has_custom_divide_factor(module: nn.Module) -> bool:
     """Whether ``set_gradient_divide_factor`` was called on ``module``'s group: FSDP2 then passes
     ``ReduceOp.PREMUL_SUM(1/factor)``, an op whose factor a custom reduce-scatter cannot read."""
-    return any(getattr(g, "gradient_divide_factor", None) is not None for g in param_groups(module))
+    return gradient_divide_factor(module) is not None
 
 
 def shard_groups(module: nn.Module) -> tuple[Any, Any] | None:
@@ -49,32 +73,39 @@ def shard_groups(module: nn.Module) -> tuple[Any, Any] | None:
     if not groups:
         return None
     g = groups[0]
-    post = getattr(g, "post_forward_mesh_info", None)
-    post_group = getattr(post, "shard_process_group", None)
-    main = g.mesh_info.shard_process_group
-    return main, (post_group if post is not None and post != g.mesh_info else None)
+    post = field(g, "post_forward_mesh_info")
+    main = field(field(g, "mesh_info"), "shard_process_group")
+    if post is None or post == g.mesh_info:
+        return main, None
+    return main, field(post, "shard_process_group")
 
 
 def all_gather_comms(module: nn.Module) -> list[Any]:
     """The all-gather comm objects ``module``'s parameter groups call now (FSDP2's default, or
     what ``set_custom_all_gather`` set): FSDP2 sets them but offers no getter."""
-    return [g._all_gather_comm for g in param_groups(module)]
+    return [field(g, "_all_gather_comm") for g in param_groups(module)]
 
 
-def shard_row_spans(module: nn.Module) -> list[tuple[int, bool]]:
+def shard_row_spans(module: nn.Module, with_gradients: bool = False) -> list[tuple[int, bool]]:
     """``(elements, replicated)`` of each parameter in the flat shard row FSDP2 all-gathers from
-    and reduce-scatters into for ``module``'s ``fully_shard`` call, in its order: the parameter's
-    padded shard (``padded_sharded_param_size``) and whether the parameter's values are the same
-    on every rank of the mesh's other dimensions (a plain tensor, or a DTensor whose own
-    placements, those it had before ``fully_shard``, are all ``Replicate``: a norm beside tensor
-    parallelism), as opposed to one rank's TP (or EP) shard. Empty for a module owning no
-    parameter."""
+    for ``module``'s ``fully_shard`` call, in its order: the parameter's padded shard
+    (``padded_sharded_param_size``) and whether the parameter's values are the same on every rank
+    of the mesh's other dimensions (a plain tensor, or a DTensor whose own placements, those it
+    had before ``fully_shard``, are all ``Replicate``: a norm beside tensor parallelism), as
+    opposed to one rank's TP (or EP) shard. Empty for a module owning no parameter.
+
+    ``with_gradients``: the row FSDP2 reduce-scatters into instead, which holds only the
+    parameters that have a gradient (``FSDPParamGroup.post_backward``): those that require one
+    (frozen parameters, e.g. a LoRA adapter's base weights, are left out), as long as each got
+    one this step."""
     spans = []
     for group in param_groups(module):
-        for fsdp_param in group.fsdp_params:
-            spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+        for fsdp_param in field(group, "fsdp_params"):
+            if with_gradients and not field(fsdp_param, "sharded_param").requires_grad:
+                continue
+            spec = field(fsdp_param, "_unsharded_dtensor_spec")
             replicated = spec is None or all(p.is_replicate() for p in spec.placements)
-            spans.append((fsdp_param.padded_sharded_param_size.numel(), replicated))
+            spans.append((field(fsdp_param, "padded_sharded_param_size").numel(), replicated))
     return spans
 
 
@@ -84,8 +115,8 @@ def unevenly_split_params(module: nn.Module) -> list[nn.Parameter]:
     divide the parameter's size along ``d``, so the TP ranks' shards differ in size."""
     found = []
     for group in param_groups(module):
-        for fsdp_param in group.fsdp_params:
-            spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+        for fsdp_param in field(group, "fsdp_params"):
+            spec = field(fsdp_param, "_unsharded_dtensor_spec")
             if spec is None:
                 continue
             shape = spec.tensor_meta.shape
@@ -102,9 +133,9 @@ def native_replicate_group(module: nn.Module) -> Any:
     groups = param_groups(module)
     if not groups:
         return None
-    info = groups[0].mesh_info
-    dim = getattr(info, "replicate_mesh_dim", None)
-    if dim is None or getattr(info, "shard_mesh_dim", None) is None:
+    info = field(groups[0], "mesh_info")
+    dim = field(info, "replicate_mesh_dim")
+    if dim is None or field(info, "shard_mesh_dim") is None:
         return None
     return info.mesh.get_group(dim)
 
@@ -118,6 +149,24 @@ def route_replicate_all_reduce_to_hook(module: nn.Module, noop_group: Any) -> No
     reduce-scatter, with no hook in between; every other use of the mesh (the DTensor
     placements, the state dict, the gradient accumulation of ``set_requires_all_reduce(False)``
     and the all-reduce hook that follows) stays FSDP2's. The divide factors FSDP2 derives from
-    the replicate group's size count this rank alone: the hook divides by the replicas."""
+    the replicate group's size count this rank alone: the hook divides by the replicas.
+
+    A torch that renamed the field raises here (an assignment would only add an attribute FSDP2
+    never reads); one that reads the group from elsewhere is caught at the first all-reduce:
+    ``noop_group`` then sees no call before the hook runs (:mod:`qsdp.comm.hsdp`)."""
     for g in param_groups(module):
-        g.mesh_info.replicate_process_group = noop_group
+        info = field(g, "mesh_info")
+        field(info, "replicate_process_group")
+        info.replicate_process_group = noop_group
+
+
+def at_end_of_backward(callback: Any) -> bool:
+    """Run ``callback`` once the backward now running ends (an autograd final callback, as
+    FSDP2's root post-backward is); ``False``, and nothing queued, outside a backward (a
+    pipeline schedule that runs FSDP2's post-backward itself)."""
+    engine = field(torch.autograd.Variable, "_execution_engine")
+    try:
+        field(engine, "queue_callback")(callback)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        return False
+    return True

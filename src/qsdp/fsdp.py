@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import warnings
@@ -16,8 +17,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.distributed.fsdp import FSDPModule
 
 from . import hsdp as _hsdp
-from ._fsdp2 import all_gather_comms, fsdp_state, has_custom_divide_factor, shard_groups, shard_row_spans, \
-    unevenly_split_params
+from ._fsdp2 import all_gather_comms, fsdp_state, gradient_divide_factor, has_custom_divide_factor, shard_groups, \
+    shard_row_spans, unevenly_split_params
 from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
 from .comm.base import GradReduceScatter, WeightAllGather
 from .comm.meter import METER, ByteMeter, Stats
@@ -279,15 +280,16 @@ def quantize_comms(
     The config is validated first and then compared across ranks with one collective; both
     raise :class:`qsdp.ConfigError` naming the problem before any data moves. A model whose comms
     are already qsdp's (``close()`` the first handle to replace them) or whose root was left out
-    of ``fully_shard`` while its blocks were sharded is refused, naming the fix. On one node
+    of ``fully_shard`` while its blocks were sharded is refused, naming the fix, as is an uneven
+    TP split under a quantizing config (docs/reliability.md, "The FSDP2 glue"). On one node
     (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
     """
     cfg = resolve_config(config, overrides)
     layout = _read_layout(module, group, replicate_group)
     _agree_on_config(module, cfg, layout)
+    _refuse_uneven_splits(module, cfg, layout)
     topology, post_topology = _node_topologies(cfg, layout)
     _warn_about_layout(cfg, topology, layout)
-    _warn_about_uneven_splits(module, cfg, layout)
     if layout.native is not None:
         _hsdp.broadcast_replicas(module, layout.native)
     replicas = layout.replicas
@@ -379,19 +381,22 @@ def _warn_about_layout(cfg: QuantConfig, topology: Topology, layout: _Layout) ->
         warnings.warn(spans, stacklevel=3)
 
 
-def _warn_about_uneven_splits(module: nn.Module, cfg: QuantConfig, layout: _Layout) -> None:
-    """Rank 0 warns once when TP splits a parameter unevenly under a config that quantizes: the
-    TP ranks' shard rows then differ in length, so the rounding of the parameters TP replicates
-    (laid out first, :mod:`qsdp.comm.row_layout`) is no longer the same on each of them."""
-    if dist.get_rank() != 0 or all(getattr(cfg, s).mode == "plain" for s in ("weights", "grads", "hsdp")):
+def _refuse_uneven_splits(module: nn.Module, cfg: QuantConfig, layout: _Layout) -> None:
+    """Raise :class:`ConfigError` when TP splits a parameter unevenly under a config that
+    quantizes: the TP ranks' shard rows then differ in length, so the parameters TP replicates
+    (laid out first, :mod:`qsdp.comm.row_layout`) would be rounded differently on each and drift
+    apart. Local: every rank of the model part reads the same global shapes and mesh sizes and,
+    after the config agreement, the same config, so every one of them raises, before any
+    collective that builds groups or moves data (a pipeline stage raises on its own ranks)."""
+    if all(getattr(cfg, s).mode == "plain" for s in ("weights", "grads", "hsdp")):
         return
     names = {id(p): n for n, p in module.named_parameters()}
     uneven = [names.get(id(p), "?") for members in layout.members_of for p in unevenly_split_params(members[0])]
     if uneven:
-        warnings.warn(f"qsdp: tensor parallelism splits {', '.join(uneven)} unevenly across its ranks, so their "
-                      "shard rows differ in length and the parameters TP replicates may be rounded differently "
-                      "on each and drift apart; pad those dimensions to a multiple of the TP degree",
-                      stacklevel=3)
+        raise ConfigError(f"config {cfg.name!r}: tensor parallelism splits {', '.join(uneven)} unevenly across its "
+                          "ranks, so their shard rows differ in length and the parameters TP replicates would be "
+                          "rounded differently on each and drift apart; pad those dimensions to a multiple of the "
+                          "TP degree, or use the fsdp preset")
 
 
 def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Module], label: str,
@@ -412,10 +417,12 @@ def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Mo
         rs = rs_cls(cfg, topology, i)
     else:
         rs = _hsdp.hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, layout.replicate_group)
-    # Beside TP, the group's TP-replicated parameters are quantized apart from its TP shards.
-    spans = shard_row_spans(m)
-    ag.use_row_spans(spans)
-    rs.use_row_spans(spans)
+    # Beside TP, the group's TP-replicated parameters are quantized apart from its TP shards;
+    # the reduce-scatter's row holds only the parameters that get a gradient.
+    ag.use_row_spans(shard_row_spans(m))
+    rs.use_row_spans(shard_row_spans(m, with_gradients=True))
+    # Read now and set up for below: a factor set later is refused at the next reduction.
+    rs.expect_divide_factor(functools.partial(gradient_divide_factor, m), f"group {i} ({label})")
     if has_custom_divide_factor(m):
         # FSDP2 would pass PREMUL_SUM(1/factor), whose factor a custom comm cannot read;
         # with SUM it applies the factor itself, before and after the reduce-scatter.

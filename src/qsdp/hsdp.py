@@ -39,7 +39,6 @@ from ._fsdp2 import has_custom_divide_factor, param_groups, route_replicate_all_
 from ._fsdp2 import native_replicate_group as read_replicate_group
 from .codecs.rng import derive_seed
 from .comm.hsdp import HsdpReduceScatter, NativeHsdpReduceScatter, ReplicaAllReduce
-from .comm.rank_alone import RANK_ALONE
 from .comm.topology import Topology
 from .config import ConfigError, QuantConfig, config_diff
 
@@ -245,15 +244,16 @@ def native_hsdp_reduce_scatter(
 ) -> NativeHsdpReduceScatter:
     """FSDP2's reduce-scatter comm for one FSDP module on FSDP2's native HSDP mesh: ``rs_cls``
     over the mesh's shard dimension; FSDP2's unquantized all-reduce across the replicas is
-    replaced by the module's all-reduce hook, qsdp's (see :class:`NativeHsdpReduceScatter`).
-    It replaces any all-reduce hook set before."""
+    replaced by the module's all-reduce hook, qsdp's (see :class:`NativeHsdpReduceScatter`,
+    which raises at the first backward if that hook is replaced afterwards). It replaces any
+    all-reduce hook set before."""
     # Each replica rounds its reduce-scatter with its own randomness, so that the replicas'
     # rounding errors are independent when they are summed.
     shard_config = dataclasses.replace(config, seed=derive_seed(config.seed, replicate_group.rank()))
     rs = NativeHsdpReduceScatter(rs_cls(shard_config, topology, comm_id),
                                  ReplicaAllReduce(config, replicate_group, comm_id),
                                  divide_replicas=not has_custom_divide_factor(module))
-    route_replicate_all_reduce_to_hook(module, RANK_ALONE)
+    route_replicate_all_reduce_to_hook(module, rs.rank_alone)
     module.set_all_reduce_hook(rs.hook)
     return rs
 

@@ -277,6 +277,33 @@ class GradReduceScatter(CommBase, ReduceScatter):
         super().__init__(config, topology, comm_id)
         self.calls = 0
         self._nonfinite: torch.Tensor | None = None
+        # How to read the group's gradient divide factor, the value read at attach time, and
+        # the group's name (expect_divide_factor).
+        self._divide_factor: tuple[Callable[[], float | None], float | None, str] | None = None
+
+    def expect_divide_factor(self, read: Callable[[], float | None], what: str) -> None:
+        """Refuse, at every later reduction, a gradient divide factor other than the one
+        ``read()`` returns now (FSDP2's ``set_gradient_divide_factor`` on the group ``what``):
+        qsdp set FSDP2's reduction up for that one (force-sum reduction, whether the division
+        across HSDP replicas is its own), so a factor set later would be applied on top of
+        qsdp's division or passed as an op no custom comm can read. One attribute read a call."""
+        self._divide_factor = (read, read(), what)
+
+    def check_settings(self) -> None:
+        """Raise naming the fix if a setting read at attach time has changed since."""
+        if self._divide_factor is None:
+            return
+        read, attached, what = self._divide_factor
+        now = read()
+        if now != attached:
+            raise RuntimeError(
+                f"qsdp: set_gradient_divide_factor({now}) was called on {what} after quantize_comms, which set "
+                f"FSDP2's reduction up for {'no factor' if attached is None else f'factor {attached}'}: call "
+                "set_gradient_divide_factor before quantize_comms (or close() the handle and quantize again)")
+
+    def check_group(self, group: dist.ProcessGroup) -> None:
+        self.check_settings()
+        super().check_group(group)
 
     @abstractmethod
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,

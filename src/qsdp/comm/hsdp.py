@@ -28,12 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._fsdp2 import at_end_of_backward
 from ..codecs.rng import derive_seed
 from ..config import HsdpComm, QuantConfig
 from .collectives import all_gather_flat
 from .base import GradReduceScatter
 from .meter import METER, ByteMeter
 from .reduce_scatter import _divisor
+from .rank_alone import RankAloneGroup
 from .row_layout import RowLayouts, Spans
 from .wire import RowCodec
 
@@ -193,6 +195,7 @@ class HsdpReduceScatter(_AcrossReplicas):
                 "so it was not summed across the replicas; do not replace the hook quantize_comms set "
                 "(FSDPModule.set_all_reduce_hook)"
             )
+        self.check_settings()
         shard_divisor = _divisor(op, group.size())
         self.inner(output_tensor, input_tensor, group, dist.ReduceOp.SUM)
         self._pending = (output_tensor, shard_divisor)
@@ -203,6 +206,7 @@ class HsdpReduceScatter(_AcrossReplicas):
         the reduce-scatter's ``output``. For a shard group of one rank FSDP2 skips the
         reduce-scatter and hands over the local gradient shard (divided only by a custom divide
         factor)."""
+        self.check_settings()
         pending, self._pending = self._pending, None
         if self.topology.world_size == 1:
             shard_divisor = 1
@@ -241,7 +245,7 @@ class NativeHsdpReduceScatter(_AcrossReplicas):
     ``inner`` (a reduce-scatter over the mesh's shard dimension) is called by FSDP2 with the op
     it chose (``AVG``: divide by the shard group; ``SUM`` with a custom divide factor or fp16,
     where FSDP2 divides itself). FSDP2's own all-reduce runs over a group of this rank alone that launches
-    nothing (:data:`qsdp.comm.rank_alone.RANK_ALONE`,
+    nothing (:attr:`rank_alone`, a :class:`qsdp.comm.rank_alone.RankAloneGroup`,
     :func:`qsdp._fsdp2.route_replicate_all_reduce_to_hook`), so it keeps accumulating the
     reduce-scatters of ``set_requires_all_reduce(False)`` micro-batches itself and calls
     :meth:`hook` once with their sum; the hook sums across the replicas as ``config.hsdp``
@@ -252,21 +256,60 @@ class NativeHsdpReduceScatter(_AcrossReplicas):
     reduce dtype in place, ``AVG`` or ``SUM`` as FSDP2's native HSDP runs it, so the ``fsdp``
     preset equals native HSDP bit for bit. Quantized: :class:`ReplicaAllReduce` on the fp32
     value, divided in fp32 before the cast back.
+
+    The hook is then the only sum across the replicas, so its absence would go unnoticed: the
+    replicas would train apart. :attr:`rank_alone`, the group FSDP2's all-reduce is routed to,
+    tells this comm on the host when FSDP2 all-reduces; FSDP2 calls the hook right after, in
+    the same call. An all-reduce not followed by the hook before the next one or the end of
+    the backward (the hook was replaced: ``set_all_reduce_hook`` after ``quantize_comms``), or
+    a hook that no all-reduce of that group preceded (FSDP2 all-reduced over the real replicate
+    group itself: a torch that reads the group from another field), raises naming the cause.
+    Host-side flags only: nothing is read from the device.
     """
 
     def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce,
                  divide_replicas: bool = True) -> None:
         super().__init__(inner, all_reduce)
         self.divide_replicas = divide_replicas
+        self.rank_alone = RankAloneGroup(on_all_reduce=self._all_reduce_routed)
+        self.name = f"group {inner.comm_id}"
+        self._awaiting_hook = False  # FSDP2 all-reduced over rank_alone; its hook is next
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
+        self.check_settings()
         self.inner(output_tensor, input_tensor, group, op)
         return None
+
+    def _all_reduce_routed(self) -> None:
+        """FSDP2's all-reduce across the replicas reached :attr:`rank_alone`: the hook is next."""
+        self._check_hook_ran()
+        self._awaiting_hook = True
+        # The backward's last group has no later all-reduce to find a missing hook: check once
+        # the backward ends, before the optimizer can step on gradients not summed (outside a
+        # backward, the next all-reduce checks).
+        at_end_of_backward(self._check_hook_ran)
+
+    def _check_hook_ran(self) -> None:
+        if self._awaiting_hook:
+            self._awaiting_hook = False
+            raise RuntimeError(
+                f"qsdp native HSDP: {self.name}: FSDP2 all-reduced across the replicas but qsdp's all-reduce hook "
+                "did not run, so the gradients were not summed across the replicas, which would train apart: the "
+                "hook quantize_comms set was replaced (FSDPModule.set_all_reduce_hook after quantize_comms); qsdp's "
+                "hook is the only sum across the replicas: set no other all-reduce hook on this model")
 
     def hook(self, output: torch.Tensor) -> None:
         """FSDP2's all-reduce hook, on its all-reduce stream: ``output`` (the shard of the
         reduce dtype, ``[n]``) becomes its average (or sum) across the replicas, in place."""
+        if not self._awaiting_hook:
+            raise RuntimeError(
+                f"qsdp native HSDP: {self.name}: the all-reduce hook ran, but FSDP2's own all-reduce across the "
+                "replicas did not go to the one-rank group qsdp routed it to: FSDP2 summed the replicas itself "
+                "and qsdp would sum them again; this torch release reads the replicate group from elsewhere than "
+                "qsdp._fsdp2.route_replicate_all_reduce_to_hook changes, and this qsdp does not support it")
+        self._awaiting_hook = False
+        self.check_settings()
         if output.is_cuda:
             # Allocated on the reduce-scatter stream; FSDP2 keeps it alive only until the event it
             # recorded before this hook, so tell the allocator this stream still uses it.
@@ -296,3 +339,7 @@ class NativeHsdpReduceScatter(_AcrossReplicas):
         chunk = -(-n // d)
         # Metered as the direct algorithm the quantized path runs: a chunk to every peer, twice.
         reduce.byte_meter.record("grads", "inter", 2 * (d - 1) * chunk * output.element_size(), 2 * (d - 1) * chunk)
+
+    def reset(self) -> None:
+        super().reset()
+        self._awaiting_hook = False

@@ -7,11 +7,16 @@ collective kernel per FSDP group per step on FSDP2's all-reduce stream. This gro
 own ``ProcessGroup`` subclassed in Python, with no backend: its all-reduce leaves the tensor as
 it is and returns work that is already complete, so nothing is launched, synced or allocated.
 It belongs to no world: it survives a destroyed and re-made default group.
+
+Each FSDP group of a native HSDP model gets a group of its own, made with ``on_all_reduce``: a
+host-side callback that tells qsdp FSDP2's all-reduce did come here (and not over the real
+replicate group), so that the all-reduce hook that must follow it can be checked for.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,12 +47,18 @@ class _Done(dist.Work):
 class RankAloneGroup(dist.ProcessGroup):
     """Rank 0 of a group of size 1. Only ``allreduce`` is provided: FSDP2 all-reduces with SUM
     or AVG, each of which over one rank is the tensor itself. torch refuses any other
-    collective on it (the group is not registered in any world), naming the group."""
+    collective on it (the group is not registered in any world), naming the group.
 
-    def __init__(self) -> None:
+    ``on_all_reduce``: called (on the host, before the work is returned) at every all-reduce;
+    what it raises reaches the caller of the all-reduce."""
+
+    def __init__(self, on_all_reduce: Callable[[], None] | None = None) -> None:
         super().__init__(0, 1)
+        self.on_all_reduce = on_all_reduce
 
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        if self.on_all_reduce is not None:
+            self.on_all_reduce()
         return _Done(tensors)
 
     def getBackendName(self) -> str:

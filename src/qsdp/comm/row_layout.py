@@ -14,6 +14,10 @@ on every TP rank. The rounding seeds, the exchanges and the codecs are those of 
 of that length, so TP peers whose shards have equal sizes (even TP splits) round their
 replicated values identically. A row without such a mix (no TP, or only one kind in the group)
 keeps FSDP2's order: its layout is the identity and costs nothing.
+
+The all-gather's row holds every parameter of the group, the reduce-scatter's only those with a
+gradient (frozen parameters are left out), so the two comms get their own spans. A mixed row
+the spans do not describe is an error, never the identity.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ from typing import Sequence
 import torch
 
 Spans = Sequence[tuple[int, bool]]
+
+
+class RowMismatch(RuntimeError):
+    """A shard row that mixes TP-replicated and TP-sharded parameters, and that its group's
+    parameters do not describe."""
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -51,12 +60,22 @@ class RowLayout:
     def of(cls, spans: Spans | None, length: int, unit: int, device: torch.device | str = "cpu") -> "RowLayout":
         """The layout of a row of ``length`` elements whose parameters are ``spans`` (``(elements,
         replicated)`` in row order, :func:`qsdp._fsdp2.shard_row_spans`), parts padded to
-        multiples of ``unit``; the identity when the row does not mix the two kinds or the spans
-        do not describe it (a tensor subclass's own all-gather inputs)."""
+        multiples of ``unit``; the identity when the row does not mix the two kinds.
+
+        Spans that mix the kinds but do not add up to ``length`` raise :class:`RowMismatch`:
+        the identity would put replicated and TP-sharded values in one quantization group, so
+        the TP ranks would round the replicated ones differently and train apart."""
         spans = list(spans or ())
         kinds = {rep for n, rep in spans if n}
-        if len(kinds) < 2 or sum(n for n, _ in spans) != length:
+        if len(kinds) < 2:
             return cls(length, length, ((0, length, length),))
+        if (total := sum(n for n, _ in spans)) != length:
+            raise RowMismatch(
+                f"qsdp: FSDP2 passed a shard row of {length} elements, but the group's parameters, which mix "
+                f"TP-replicated and TP-sharded ones, hold {total}; quantized as one row, the TP-replicated values "
+                "would be rounded differently on each TP rank and drift apart. A parameter that requires a gradient "
+                "got none this backward: call set_reduce_scatter_unused_params(True) on the module (FSDP2 then "
+                "reduces a zero gradient for it), or set requires_grad=False on it before quantize_comms")
         starts, at = [], 0
         for n, _ in spans:
             starts.append(at)
@@ -96,7 +115,8 @@ class RowLayout:
 
 @dataclass
 class RowLayouts:
-    """One comm's layouts: the spans of its FSDP group (set once when it is attached) and the
+    """One comm's layouts: the spans of its FSDP group's row (set once when it is attached: all
+    parameters for an all-gather, those requiring a gradient for a reduce-scatter) and the
     layout of each (length, unit, device) it has met, built once."""
 
     spans: Spans | None = None
