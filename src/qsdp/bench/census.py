@@ -33,7 +33,6 @@ import inspect
 import math
 import sys
 from collections import Counter
-from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 import torch
@@ -44,6 +43,7 @@ from ..codecs.dispatch import use_triton
 from ..comm.all_gather import DifferenceAllGather, QuantizedAllGather
 from ..comm.difference import replica_layout
 from ..comm.hsdp import ReplicaAllReduce
+from ..comm.rank_alone import CompletedWork
 from ..comm.reduce_scatter import QuantizedReduceScatter, grad_codec, pipeline_slices_bounds
 from ..comm.topology import Topology
 from ..comm.versions import ChangeTracker
@@ -180,23 +180,6 @@ def counting() -> Iterator[Tally]:
 # ----------------------------------------------------------------------------- the emulated wire
 
 
-class _Done(dist.Work):
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        super().__init__()
-        self._tensors = tensors
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        done: torch.futures.Future = torch.futures.Future()
-        done.set_result(self._tensors)
-        return done
-
-
 class CensusGroup(dist.ProcessGroup):
     """Rank ``rank`` of a group of ``size`` whose peers all send what this rank sends; each call
     is counted in the active :class:`Tally` and its send buffer hashed into ``wire``."""
@@ -222,29 +205,29 @@ class CensusGroup(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         with self._wire("all_to_all", input):
             output.copy_(input)
-        return _Done([output])
+        return CompletedWork([output])
 
     def all_gather_single(self, output, input, opts=None):
         with self._wire("all_gather", input):
             output.view(self.size(), -1).copy_(input.reshape(1, -1).clone())
-        return _Done([output])
+        return CompletedWork([output])
 
     _allgather_base = all_gather_single
 
     def reduce_scatter_single(self, output, input, opts=None):
         with self._wire("reduce_scatter", input):
             output.copy_(input.view(self.size(), -1)[self.rank()])
-        return _Done([output])
+        return CompletedWork([output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def allreduce(self, tensors, opts=None):
         with self._wire("all_reduce", tensors[0]):
             pass
-        return _Done(tensors)
+        return CompletedWork(tensors)
 
     def barrier(self, opts=None):
-        return _Done([])
+        return CompletedWork([])
 
     def getBackendName(self) -> str:
         return BACKEND

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 
-class _Done(dist.Work):
-    """Work that completed when it was made (there was nothing to do)."""
+class CompletedWork(dist.Work):
+    """Work that completed when it was made (there was nothing to do, or it was done at once)."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         super().__init__()
@@ -59,7 +59,7 @@ class RankAloneGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
         if self.on_all_reduce is not None:
             self.on_all_reduce()
-        return _Done(tensors)
+        return CompletedWork(tensors)
 
     def getBackendName(self) -> str:
         return "qsdp-rank-alone"
