@@ -467,7 +467,7 @@ def save_checkpoint(
         write_digests(tmp, finite, writer.digests)
     except NotShared as e:
         shutil.rmtree(tmp, ignore_errors=True)  # this rank's view of it: nothing is left behind
-        raise CheckpointError(f"cannot save checkpoint {final}: {e}") from None
+        raise CheckpointError(str(e)) from None
     dist.barrier()
     if rank == 0:
         if final.exists():  # a checkpoint of the same step from a run that did not reach `latest`
@@ -497,7 +497,12 @@ def _agree(problem: str | None, device: torch.device) -> None:
     """Collective over the world: when any rank found ``problem`` (a checkpoint that cannot be
     used, as that rank sees it), every rank raises one :class:`CheckpointError` with the lowest
     such rank's message (naming the rank where not every rank found the same). One all-reduce
-    when no rank found anything: no rank raises while the others wait in a later collective."""
+    when no rank found anything: no rank raises while the others wait in a later collective.
+    Without a process group (a misuse the load would meet later) the problem is raised as is."""
+    if not dist.is_initialized():
+        if problem is not None:
+            raise CheckpointError(problem)
+        return
     flag = torch.tensor([int(problem is not None)], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not int(flag.item()):
@@ -541,6 +546,8 @@ def _verify_before_load(path: Path, device: torch.device) -> None:
     try:
         verify_digests(path, device)
     except DigestMismatch as e:
+        if e.reason == "cannot be read":  # an I/O error, not damage: keeps its kind, a restart retries it
+            raise OSError(f"checkpoint {path}: {e}") from None
         raise CheckpointError(f"checkpoint {path} is damaged: {e}{_previous(path.parent, _step_of(path))}") from None
 
 

@@ -50,15 +50,11 @@ METADATA_GLOBALS = frozenset({
 
 class UnsafeItem(Exception):
     """A checkpoint file or item that is not plain data (unpickling it could run code), or not a
-    pickle at all; the message names it and why."""
-
-    def __init__(self, what: str, problem: str) -> None:
-        super().__init__(f"{what} {problem}")
-        self.what = what
+    pickle at all; the message names it and why. (One argument: DCP sends it to every rank.)"""
 
 
 def _refused(what: str, detail: str) -> UnsafeItem:
-    return UnsafeItem(what, f"is not plain data ({detail}); refused: unpickling it could run code")
+    return UnsafeItem(f"{what} is not plain data ({detail}); refused: unpickling it could run code")
 
 
 def refusal_reason(error: BaseException) -> str:
@@ -93,9 +89,9 @@ class PlainDataReader(FileSystemReader):
         except MemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - in memory: any other failure is the bytes' own
-            raise UnsafeItem(name, f"cannot be read as DCP metadata ({type(e).__name__}: {e})") from None
+            raise UnsafeItem(f"{name} cannot be read as DCP metadata ({type(e).__name__}: {e})") from None
         if not isinstance(metadata, Metadata):
-            raise UnsafeItem(name, f"holds a {type(metadata).__name__}, not DCP metadata")
+            raise UnsafeItem(f"{name} holds a {type(metadata).__name__}, not DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -114,7 +110,7 @@ class PlainDataLoadPlanner(DefaultLoadPlanner):
         except (MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as e:  # noqa: BLE001 - in memory: any other failure is the bytes' own
-            raise UnsafeItem(f"item {fqn}", f"cannot be read as a torch.save pickle ({type(e).__name__}: {e})") from None
+            raise UnsafeItem(f"item {fqn} cannot be read as a torch.save pickle ({type(e).__name__}: {e})") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
