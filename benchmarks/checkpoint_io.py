@@ -11,8 +11,8 @@ of ``--dim``), then, ``--repeats`` times in turn, on every rank:
 - ``load``: :func:`~qsdp.train.integrity.verify_digests` (every file hashed again, shared by the
   ranks) then DCP's load through qsdp's plain-data reader and planner, against DCP's own load.
 
-Each time is the slowest rank's (a barrier before and after), the median over the repeats is
-reported with ``overhead_pct`` = digests / without - 1. The files are written with fsync (DCP's
+Each time is the slowest rank's (a barrier before and after); every other repeat runs the kinds
+with digests first. The median over the repeats is reported with ``overhead_pct`` = digests / without - 1. The files are written with fsync (DCP's
 default) and read back from the page cache, as a resume soon after a save reads them.
 
 ``--json`` prints one JSON object; ``--save FILE`` also writes it with ``meta`` (command, torch
@@ -87,15 +87,16 @@ def _worker(gb: float, dim: int, repeats: int, root: str) -> dict[str, Any] | No
             dcp.save(state, storage_writer=writer)
             write_digests(hashed, True, writer.digests)
 
-        times["save"].append(_timed(lambda: dcp.save(state, checkpoint_id=str(plain))))
-        times["save_digests"].append(_timed(save_digests))
-
         def load_digests() -> None:
             verify_digests(hashed, cpu)
             dcp.load(state, storage_reader=PlainDataReader(str(hashed)), planner=PlainDataLoadPlanner())
 
-        times["load"].append(_timed(lambda: dcp.load(state, checkpoint_id=str(plain))))
-        times["load_digests"].append(_timed(load_digests))
+        runs = [("save", lambda: dcp.save(state, checkpoint_id=str(plain))), ("save_digests", save_digests),
+                ("load", lambda: dcp.load(state, checkpoint_id=str(plain))), ("load_digests", load_digests)]
+        if r % 2:  # every other repeat with digests first: neither kind always follows the other
+            runs = [runs[1], runs[0], runs[3], runs[2]]
+        for kind, fn in runs:
+            times[kind].append(_timed(fn))
         dist.barrier()
         if rank == 0:
             size = sum(f.stat().st_size for f in plain.iterdir())
