@@ -16,7 +16,8 @@ with digests first. The median over the repeats is reported with ``overhead_pct`
 default) and read back from the page cache, as a resume soon after a save reads them.
 
 ``--json`` prints one JSON object; ``--save FILE`` also writes it with ``meta`` (command, torch
-version, date, device).
+version, date, device, and the machine's 1-minute load average before and after: SHA-256 is CPU
+work, so on a machine busy with other processes the digests' share grows).
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from qsdp.launch import launch_local
     from qsdp.results import emit, meta
 
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     root = tempfile.mkdtemp(prefix="qsdp-ckpt-io-", dir=args.dir)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
@@ -146,8 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {**_summary(raw), "nproc": args.nproc}
+    # Other processes on the machine slow both kinds, hashing (CPU) more than fsync (disk).
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     result["meta"] = meta("checkpoint_io", list(argv) if argv is not None else sys.argv[1:], "cpu (gloo)",
-                          program=PROG)
+                          program=PROG, load_average_1min=[load_before, load_after])
     return emit(result, as_json=args.json, save=args.save, format_text=_text)
 
 
