@@ -30,8 +30,11 @@ rank that takes part: the replicas' agreement runs over each FSDP group's own ra
 group, then its HSDP replicas), the rest over the world.
 
 A load first checks every file against ``digests.json`` (the ranks share the hashing), then
-loads, then checks that the model and optimizer state are finite; a damaged checkpoint is one
-:class:`CheckpointError` naming the file (or tensor) and the previous complete checkpoint.
+loads, reading every non-tensor item and DCP's ``.metadata`` as plain data only
+(:mod:`qsdp.train.plain_data`: nothing in a checkpoint runs code), then checks that the model
+and optimizer state are finite; a damaged checkpoint is one :class:`CheckpointError` naming the
+file (or item, or tensor) and the previous complete checkpoint, raised on every rank together
+(what a rank checks alone is agreed in one all-reduce first). Any other failure keeps its type.
 
 Loaded into the same layout, everything is restored and the run continues bit for bit (with
 other ranks per node too: a rank loads the rows its nodes make it hold); each rank reads its
@@ -470,18 +473,25 @@ def save_checkpoint(
         raise CheckpointError(str(e)) from None
     dist.barrier()
     if rank == 0:
-        if final.exists():  # a checkpoint of the same step from a run that did not reach `latest`
-            old = root / (name + ".old.tmp")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync_dir(root)
-        make_latest(final)
-        if keep > 0:
-            _rotate(root, step, keep)
+        _publish(tmp, final, step, keep)
     dist.barrier()
     return final
+
+
+def _publish(tmp: Path, final: Path, step: int, keep: int) -> None:
+    """Rank 0, once every rank's files are written and hashed: give the checkpoint its name,
+    make it ``latest``, rotate."""
+    root = final.parent
+    if final.exists():  # a checkpoint of the same step from a run that did not reach `latest`
+        old = root / (final.name + ".old.tmp")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    make_latest(final)
+    if keep > 0:
+        _rotate(root, step, keep)
 
 
 def _short(e: BaseException) -> str:
