@@ -460,7 +460,7 @@ def save_checkpoint(
     state = {"model": merged(model_sds), "optim": merged(optim_sds), "qsdp_replicas": _replica_state(parts, handles),
              "rank_state": {str(rank): _rank_blob(handles)}}
     writer = DigestingWriter(tmp)  # hashes each file as it writes it
-    dcp.save(state, storage_writer=writer)
+    dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
     if rank == 0:
         _write_json(tmp / META_FILE, {**meta, "step": step})
         _write_json(tmp / COMMS_FILE, comms)
