@@ -38,6 +38,7 @@ from qsdp.train.args import (
     PeerError,
     TrainArgs,
 )
+from qsdp.train.checkpoint import PeerLoadError
 from qsdp.train.data import TOKENIZER_KINDS
 from qsdp.train.launcher import EXIT_USAGE, UsageError, WorkerFailure, run_training
 from qsdp.train.launcher import quiet_elastic_logs as _quiet_elastic_logs  # noqa: F401 - compatibility
@@ -45,6 +46,7 @@ from qsdp.train.launcher import root_cause as _root_cause  # noqa: F401 - compat
 from qsdp.train.metrics import METRICS_FILE
 from qsdp.train.model import MODEL_SIZES
 from qsdp.train.plots import plot_runs
+from qsdp.train.runtime import first_to_report
 from qsdp.usage import PROG, UsageParser, number
 
 __all__ = ["main", "run_training", "BENCHMARKS"]
@@ -81,25 +83,56 @@ def _error(message: str) -> None:
     sys.stderr.flush()
 
 
-def _traceback_file(error: BaseException) -> str | None:
-    """Write ``error``'s traceback to a new file; its path (None if nothing could be written)."""
+def _traceback_file(error: BaseException, out: str | None = None) -> str | None:
+    """Write ``error``'s traceback to a file, in the run's directory ``out`` when there is one
+    (``error.txt``; ``error-rank{R}.txt`` for a rank under torchrun), else (or if that cannot be
+    written) a new temporary file; its path, or None if nothing could be written."""
+    text = (f"qsdp {qsdp.__version__}: {' '.join(sys.argv)}\n"
+            + "".join(traceback.format_exception(type(error), error, error.__traceback__)))
+    if out is not None:
+        name = f"error-rank{os.environ.get('RANK', '0')}.txt" if under_torchrun() else "error.txt"
+        try:
+            path = Path(out) / name
+            path.write_text(text, encoding="utf-8")
+            return str(path)
+        except OSError:
+            pass
     try:
         fd, path = tempfile.mkstemp(prefix="qsdp-traceback-", suffix=".txt")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(f"qsdp {qsdp.__version__}: {' '.join(sys.argv)}\n")
-            f.write("".join(traceback.format_exception(type(error), error, error.__traceback__)))
+            f.write(text)
         return path
     except OSError:
         return None
 
 
-def _unexpected(error: BaseException) -> int:
-    """A failure no check foresaw: one line with the path of the full traceback, exit code 1."""
-    path = _traceback_file(error)
+def _unexpected(error: BaseException, out: str | None = None) -> int:
+    """A failure no check foresaw: one line with the path of the full traceback, exit code 1
+    (the traceback itself on stderr when no file could be written)."""
+    path = _traceback_file(error, out)
     where = f" (traceback: {path})" if path else ""
     message = str(error).strip().splitlines()
-    _error(f"unexpected {type(error).__name__}{': ' + message[0] if message else ''}{where}")
+    _report(f"unexpected {type(error).__name__}{': ' + message[0] if message else ''}{where}", always=True)
+    if path is None:
+        sys.stderr.write("".join(traceback.format_exception(type(error), error, error.__traceback__)))
+        sys.stderr.flush()
     return 1
+
+
+def _report(message: str, always: bool = False) -> None:
+    """Print one error line. Outside torchrun: as it is. Under torchrun, once the job's process
+    group existed: the first rank of the job to fail prints it with its rank (whichever node it
+    is on; ``always``: every rank prints its own), the others stay quiet; before that (every rank
+    checks the same inputs): local rank 0 only, one line a node."""
+    if not under_torchrun():
+        _error(message)
+        return
+    first = first_to_report()
+    if first is None:
+        if always or os.environ.get("LOCAL_RANK", "0") == "0":
+            _error(message)
+    elif first or always:
+        _error(f"rank {os.environ.get('RANK', '?')}: {message}")
 
 
 def _add_run_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> None:
@@ -320,38 +353,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             _error(e.code)
             return EXIT_USAGE
         return int(e.code or 0)
-    # Under torchrun every rank validates the same inputs: one line per node, not per rank.
-    speak = not under_torchrun() or os.environ.get("LOCAL_RANK", "0") == "0"
+    out = getattr(ns, "out", None) if getattr(ns, "command", None) == "train" else None
     try:
         return ns.func(ns)
     except (UsageError, *USER_ERRORS) as e:
-        if speak:
-            _error(str(e))
+        _report(str(e))
         return EXIT_USAGE
     except WorkerFailure as e:
         _error(str(e))
+        if e.traceback:  # its traceback file could not be written: the traceback itself
+            sys.stderr.write(e.traceback)
+            sys.stderr.flush()
         return e.code
-    except PeerError:
+    except (PeerError, PeerLoadError):
         return 1  # under torchrun: the rank that failed first reports the cause
     except (NonFiniteGradientError, CollectiveTimeoutError) as e:  # under torchrun: a run-time stop
-        if speak:
-            _error(f"rank {os.environ.get('RANK', '0')}: {type(e).__name__}: {e}")
+        _report(f"{type(e).__name__}: {e}")
         return 1
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
     except SystemExit as e:  # a message, or an exit code with its message already printed
         if isinstance(e.code, str):
-            if speak:
-                _error(e.code)
+            _report(e.code)
             return EXIT_USAGE
         return int(e.code or 0)
     except Exception as e:
         if type(e).__name__ == "SignalException":  # the elastic launcher's (SIGTERM, SIGINT)
             _error(f"interrupted ({e})")
             return 130
-        return _unexpected(e)
-
+        return _unexpected(e, out)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,8 +30,11 @@ rank that takes part: the replicas' agreement runs over each FSDP group's own ra
 group, then its HSDP replicas), the rest over the world.
 
 A load first checks every file against ``digests.json`` (the ranks share the hashing), then
-loads, then checks that the model and optimizer state are finite; a damaged checkpoint is one
-:class:`CheckpointError` naming the file (or tensor) and the previous complete checkpoint.
+loads, reading every non-tensor item and DCP's ``.metadata`` as plain data only
+(:mod:`qsdp.train.plain_data`: nothing in a checkpoint runs code), then checks that the model
+and optimizer state are finite; a damaged checkpoint is one :class:`CheckpointError` naming the
+file (or item, or tensor) and the previous complete checkpoint, raised on every rank together
+(what a rank checks alone is agreed in one all-reduce first). Any other failure keeps its type.
 
 Loaded into the same layout, everything is restored and the run continues bit for bit (with
 other ranks per node too: a rank loads the rows its nodes make it hold); each rank reads its
@@ -55,6 +58,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -69,12 +73,23 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from qsdp.config import config_diff
 
+from .digest_writer import DigestingWriter
 from .files import atomic_write, fsync_dir
-from .integrity import DIGEST_FILE, DigestMismatch, nonfinite_state, state_verified, verify_digests, write_digests
+from .integrity import (
+    DIGEST_FILE,
+    DigestMismatch,
+    NotShared,
+    nonfinite_state,
+    read_digests,
+    state_verified,
+    verify_digests,
+    write_digests,
+)
 from .parts import ModelParts, merged
+from .plain_data import PlainDataLoadPlanner, PlainDataReader, UnsafeItem, refusal_reason
 
 __all__ = [
-    "CheckpointError", "CHECKPOINT_DIR", "LATEST_FILE", "META_FILE", "COMMS_FILE",
+    "CheckpointError", "PeerLoadError", "CHECKPOINT_DIR", "LATEST_FILE", "META_FILE", "COMMS_FILE",
     "checkpoint_root", "step_dirname", "latest_checkpoint", "named_checkpoint", "complete_checkpoints",
     "read_meta", "save_checkpoint", "load_checkpoint", "make_latest",
 ]
@@ -268,8 +283,13 @@ def _rank_blob(handles: list[Any]) -> bytes:
 
 def _unpack(blob: bytes, device: torch.device) -> dict[str, Any]:
     """A rank blob; anything but tensors and plain numbers (a pickle that would run code) is
-    refused by ``weights_only=True``."""
-    return torch.load(io.BytesIO(blob), map_location=device, weights_only=True) if blob else {}
+    refused by ``weights_only=True`` (``pickle.UnpicklingError``)."""
+    if not isinstance(blob, bytes):
+        raise pickle.UnpicklingError(f"a {type(blob).__name__}, not bytes")
+    unpacked = torch.load(io.BytesIO(blob), map_location=device, weights_only=True) if blob else {}
+    if not isinstance(unpacked, dict):
+        raise pickle.UnpicklingError(f"a {type(unpacked).__name__}, not a dict")
+    return unpacked
 
 
 def _continued_counters(states: list[Any]) -> Any:
@@ -394,7 +414,7 @@ def _load_replicas(path: Path, stored: dict[str, Any], parts: list[torch.nn.Modu
             wanted[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
     # DCP's load is collective over the world: every rank calls it when any rank has rows to read.
     if not _same_everywhere(not wanted, device):
-        dcp.load({"qsdp_replicas": wanted}, checkpoint_id=str(path))
+        _dcp_load({"qsdp_replicas": wanted}, path)
     for ag, k, ok in plan:
         ag.load_replica_rows({row: wanted[key] for row, key in k.items()} if ok else None)
 
@@ -455,26 +475,39 @@ def save_checkpoint(
     model_sds, optim_sds = job.state_dicts()
     state = {"model": merged(model_sds), "optim": merged(optim_sds), "qsdp_replicas": _replica_state(parts, handles),
              "rank_state": {str(rank): _rank_blob(handles)}}
-    dcp.save(state, checkpoint_id=str(tmp))
+    writer = DigestingWriter(tmp)  # hashes each file as it writes it
+    dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
     if rank == 0:
         _write_json(tmp / META_FILE, {**meta, "step": step})
         _write_json(tmp / COMMS_FILE, comms)
-    # Collective: every rank's files are on disk and hashed before the checkpoint gets its name.
-    write_digests(tmp, finite)
+    # Collective: every rank's files are on disk and hashed before the checkpoint gets its name,
+    # and rank 0 sees them all (else every rank raises: a checkpoint rank 0 would name but not hold).
+    try:
+        write_digests(tmp, finite, writer.digests)
+    except NotShared as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # this rank's view of it: nothing is left behind
+        raise CheckpointError(str(e)) from None
     dist.barrier()
     if rank == 0:
-        if final.exists():  # a checkpoint of the same step from a run that did not reach `latest`
-            old = root / (name + ".old.tmp")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync_dir(root)
-        make_latest(final)
-        if keep > 0:
-            _rotate(root, step, keep)
+        _publish(tmp, final, step, keep)
     dist.barrier()
     return final
+
+
+def _publish(tmp: Path, final: Path, step: int, keep: int) -> None:
+    """Rank 0, once every rank's files are written and hashed: give the checkpoint its name,
+    make it ``latest``, rotate."""
+    root = final.parent
+    if final.exists():  # a checkpoint of the same step from a run that did not reach `latest`
+        old = root / (final.name + ".old.tmp")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    make_latest(final)
+    if keep > 0:
+        _rotate(root, step, keep)
 
 
 def _short(e: BaseException) -> str:
@@ -486,21 +519,132 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
+def _agree(problem: str | None, device: torch.device) -> None:
+    """Collective over the world: when any rank found ``problem`` (a checkpoint that cannot be
+    used, as that rank sees it), every rank raises one :class:`CheckpointError` with the lowest
+    such rank's message (naming the rank where not every rank found the same). One all-reduce
+    when no rank found anything: no rank raises while the others wait in a later collective.
+    Without a process group (a misuse the load would meet later) the problem is raised as is."""
+    if not dist.is_initialized():
+        if problem is not None:
+            raise CheckpointError(problem)
+        return
+    flag = torch.tensor([int(problem is not None)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not int(flag.item()):
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem)
+    found = [(r, p) for r, p in enumerate(everyone) if p is not None]
+    rank, first = found[0]
+    if len(found) < len(everyone) or len({p for _, p in found}) > 1:
+        first = f"rank {rank}: {first}"
+    raise CheckpointError(first)
+
+
+def _local_problem(check: Any) -> str | None:
+    """``check()``'s :class:`CheckpointError` message, or ``None`` when it passed."""
+    try:
+        check()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
 def _verify_before_load(path: Path, device: torch.device) -> None:
     """Collective: ``path`` is a complete checkpoint whose every file matches the digest written
     at save, or every rank raises the same :class:`CheckpointError` naming the file and the
-    previous complete checkpoint."""
-    if not (path / META_FILE).exists() and checkpoint_root(path).is_dir():
-        raise CheckpointError(f"{path} is a run directory, not a checkpoint: pass latest_checkpoint({str(path)!r}) "
-                              f"(a directory under {checkpoint_root(path)})")
-    _require_complete(path)
+    previous complete checkpoint. What a rank checks alone (the files are there, the digest list
+    is readable) is agreed before the digests' all-reduce, so a rank that does not see the
+    checkpoint (storage not shared) makes every rank raise, none wait for the timeout."""
+    def visible() -> None:
+        if not (path / META_FILE).exists() and checkpoint_root(path).is_dir():
+            raise CheckpointError(f"{path} is a run directory, not a checkpoint: pass "
+                                  f"latest_checkpoint({str(path)!r}) (a directory under {checkpoint_root(path)})")
+        _require_complete(path)
+        try:
+            read_digests(path)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {path / DIGEST_FILE}: {e}"
+                                  f"{_previous(path.parent, _step_of(path))}") from None
+
+    _agree(_local_problem(visible), device)
     try:
         verify_digests(path, device)
     except DigestMismatch as e:
+        if e.reason == "cannot be read":  # an I/O error, not damage: keeps its kind, a restart retries it
+            raise OSError(f"checkpoint {path}: {e}") from None
         raise CheckpointError(f"checkpoint {path} is damaged: {e}{_previous(path.parent, _step_of(path))}") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path / DIGEST_FILE}: {e}"
-                              f"{_previous(path.parent, _step_of(path))}") from None
+
+
+def _read_descriptions(path: Path, device: torch.device,
+                       handles: list[Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Collective: ``trainer.json``, ``comms.json`` and DCP's metadata of the (verified)
+    checkpoint, each read by every rank; a rank that cannot read one, a format this qsdp does
+    not read, comms of another config than ``handles``' or a ``.metadata`` that is not plain
+    data makes every rank raise together."""
+    read: list[Any] = []
+
+    def describe() -> None:
+        meta, comms = read_meta(path), _read_json(path / COMMS_FILE)
+        _require_format(path, comms, handles)
+        try:
+            stored = PlainDataReader(str(path)).read_metadata().state_dict_metadata
+        except UnsafeItem as e:
+            raise CheckpointError(f"checkpoint {path}: {e}{_previous(path.parent, _step_of(path))}") from None
+        except OSError as e:
+            raise CheckpointError(f"cannot read {path / '.metadata'}: {e}") from None
+        read[:] = [meta, comms, stored]
+
+    _agree(_local_problem(describe), device)
+    return read[0], read[1], read[2]
+
+
+class PeerLoadError(RuntimeError):
+    """Raised on the ranks whose own part of a checkpoint load went well when another rank's
+    failed for a reason that is not the checkpoint's (an I/O error, out of memory, a bug): a
+    consequence; that rank raises its own error, with its type and traceback."""
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` reading every non-tensor item and the metadata as plain data only
+    (:mod:`qsdp.train.plain_data`). A failure is, on every rank: a :class:`CheckpointError`
+    when the checkpoint is at fault (an item that is not plain data) or does not fit the state
+    (DCP's planning: a missing key, another shape); otherwise, the failing rank's own error
+    on that rank, with its type (an I/O error, out of memory: retried by a restart), and a
+    :class:`PeerLoadError` naming it on the others."""
+    try:
+        dcp.load(state, storage_reader=PlainDataReader(str(path)), planner=PlainDataLoadPlanner())
+    except CheckpointException as e:
+        failures = sorted(e.failures.items())
+        unsafe = [exc for _, (exc, _) in failures if isinstance(exc, UnsafeItem)]
+        if unsafe:
+            raise CheckpointError(f"checkpoint {path}: {unsafe[0]}{_previous(path.parent, _step_of(path))}") from None
+        if e.args and e.args[0] == "plan":
+            raise CheckpointError(f"checkpoint {path} does not fit the state loaded into it: {_short(e)}") from None
+        own = e.failures.get(dist.get_rank())
+        if own is not None:
+            error = own[0]
+            error.add_note(f"while loading checkpoint {path} (rank {dist.get_rank()})")
+            raise error from None
+        raise PeerLoadError(f"cannot load checkpoint {path}: {_short(e)}") from None
+
+
+def _blob_problem(blob: bytes, handles: list[Any], device: torch.device) -> tuple[dict[str, Any], str | None]:
+    """This rank's blob unpacked, or why it cannot be used (not plain data, another shape)."""
+    try:
+        unpacked = _unpack(blob, device)
+    except pickle.UnpicklingError as e:
+        return {}, f"its rank blob is not plain data ({refusal_reason(e)}); refused: unpickling it could run code"
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except (RuntimeError, ValueError, EOFError) as e:  # in memory: the bytes' own fault
+        return {}, f"its rank blob cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    comms, rng = unpacked.get("comms"), unpacked.get("rng")
+    if (not isinstance(comms, list) or len(comms) != len(handles) or not isinstance(rng, dict)
+            or not isinstance(rng.get("torch"), torch.Tensor) or "python" not in rng):
+        return {}, "its rank blob is not one comm state a model part and an RNG state"
+    return unpacked, None
 
 
 def load_checkpoint(
@@ -522,46 +666,43 @@ def load_checkpoint(
     (pipeline stages): lists of the parts, their optimizers and their handles, as
     :func:`save_checkpoint` took.
 
-    Before anything is loaded, every file is checked against the digests written at save; after
-    the load, the model and optimizer state are checked finite. Either failure, like a
-    missing file, is a :class:`CheckpointError` naming the file (or tensor) and the previous
-    complete checkpoint.
+    Before anything is loaded, every file is checked against the digests written at save; every
+    non-tensor item (the rank blobs, optimizer ``param_groups`` entries) and DCP's metadata are
+    read as plain data only, never by a full unpickler; after the load, the model and optimizer
+    state are checked finite. A checkpoint that fails any of these, like a missing file, is a
+    :class:`CheckpointError` on every rank naming the file (or item, or tensor) and the
+    previous complete checkpoint. Anything else (an I/O error, out of memory, a collective's
+    error) keeps its type on the rank where it happened (:class:`PeerLoadError` on the others
+    where it happened inside DCP's load).
     """
     path = Path(path)
     job = ModelParts.of(model, optimizer, handle)
     parts, handles = job.parts, job.handles
     _verify_before_load(path, device)
-    meta = read_meta(path)
-    comms = _read_json(path / COMMS_FILE)
-    _require_format(path, comms, handles)
+    meta, comms, stored = _read_descriptions(path, device, handles)
     rank = dist.get_rank()
     keys = job.state_dicts()
     state: dict[str, Any] = {"model": merged(keys[0]), "optim": merged(keys[1])}
-    try:
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        # Only this rank's own blob, and only where every rank's counters and RNG continue as
-        # they were (agreed: the replicas' groups must all load, or all re-establish).
-        own = _same_everywhere(comms.get("layout") == _layout(handles) and f"rank_state.{rank}" in stored, device)
-        if own:
-            state["rank_state"] = {str(rank): b""}
-        dcp.load(state, checkpoint_id=str(path))
-        job.load_state_dicts(state["model"], state["optim"], keys)
-        where = nonfinite_state(parts, job.optimizers, device)
-        if where is not None:
-            raise CheckpointError(f"checkpoint {path} holds non-finite values ({where})"
-                                  f"{_previous(path.parent, _step_of(path))}")
-        if own:
-            blob = _unpack(state["rank_state"][str(rank)], device)
-            for h, comm_state in zip(handles, blob["comms"], strict=True):
-                h.load_state_dict(comm_state)  # after the parameters: see its doc
-            _set_rng_state(blob["rng"])
-            _load_replicas(path, stored, parts, handles, device)
-        else:
-            _continue_on_another_layout(comms.get("continued"), handles)
-    except CheckpointError:
-        raise
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
-        raise CheckpointError(f"cannot load checkpoint {path}: {_short(e)}") from None
+    # Only this rank's own blob, and only where every rank's counters and RNG continue as
+    # they were (agreed: the replicas' groups must all load, or all re-establish).
+    own = _same_everywhere(comms.get("layout") == _layout(handles) and f"rank_state.{rank}" in stored, device)
+    if own:
+        state["rank_state"] = {str(rank): b""}
+    _dcp_load(state, path)
+    job.load_state_dicts(state["model"], state["optim"], keys)
+    where = nonfinite_state(parts, job.optimizers, device)
+    if where is not None:
+        raise CheckpointError(f"checkpoint {path} holds non-finite values ({where})"
+                              f"{_previous(path.parent, _step_of(path))}")
+    if own:
+        blob, problem = _blob_problem(state["rank_state"][str(rank)], handles, device)
+        _agree(problem and f"checkpoint {path}: {problem}{_previous(path.parent, _step_of(path))}", device)
+        for h, comm_state in zip(handles, blob["comms"], strict=True):
+            h.load_state_dict(comm_state)  # after the parameters: see its doc
+        _set_rng_state(blob["rng"])
+        _load_replicas(path, stored, parts, handles, device)
+    else:
+        _continue_on_another_layout(comms.get("continued"), handles)
     return meta
 
 

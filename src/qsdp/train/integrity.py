@@ -8,8 +8,11 @@ model and optimizer state are finite.
      "files": {".metadata": {"sha256": "...", "bytes": 1234}, "__0_0.distcp": {...}, ...}}
 
 Every file of the checkpoint but ``digests.json`` itself is listed. Each rank hashes the DCP
-files it wrote itself (``__{rank}_*``, still in the page cache), rank 0 the rest (``.metadata``,
-``trainer.json``, ``comms.json``), and rank 0 writes the list. At load, the files are split
+files it writes while writing them (no extra read: :mod:`qsdp.train.digest_writer`) and sends
+the digests to rank 0, which alone lists the directory, once: it hashes what no rank reported
+(``trainer.json``, ``comms.json``, written by itself), checks that it sees every file every rank
+wrote (storage that is not shared is found at the first save, naming the rank and the path), and
+writes the list. At load, the files are split
 round-robin over the ranks, each rank hashes its part, and one all-reduce agrees on the first
 file that is missing, has another size or another digest, so every rank raises the same error.
 
@@ -25,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,12 +36,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["DIGEST_FILE", "DigestMismatch", "file_digest", "write_digests", "read_digests", "verify_digests",
+__all__ = ["DIGEST_FILE", "DigestMismatch", "NotShared", "file_digest", "write_digests", "read_digests", "verify_digests",
            "nonfinite_state", "state_verified"]
 
 DIGEST_FILE = "digests.json"
 _CHUNK = 1 << 20
-_RANK_FILE = re.compile(r"^__(\d+)[_.]")
 # Why a file failed, in the order an all-reduce MIN prefers them.
 _REASONS = ("is missing", "cannot be read", "has another size than at save",
             "does not match its digest (sha256) written at save")
@@ -63,35 +64,44 @@ def file_digest(path: str | os.PathLike) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
-def _writer(name: str) -> int:
-    """The rank that hashes ``name`` at save: DCP's per-rank files their writer's, others 0's."""
-    m = _RANK_FILE.match(name)
-    return int(m.group(1)) if m else 0
+class NotShared(Exception):
+    """Rank 0 does not see a file another rank wrote into the checkpoint: the ranks' storage is
+    not one shared directory. The message names the rank, the file and where it went."""
 
 
-def write_digests(directory: str | os.PathLike, state_finite: bool) -> None:
-    """Collective, after every file of the checkpoint in ``directory`` was written: hash them
-    (each rank its own) and write ``digests.json`` on rank 0."""
+def write_digests(directory: str | os.PathLike, state_finite: bool, written: dict[str, dict[str, Any]]) -> None:
+    """Collective, after every file of the checkpoint in ``directory`` was written: write
+    ``digests.json`` on rank 0. ``written``: the files this rank wrote, with their digests
+    (hashed as they were written: :class:`qsdp.train.digest_writer.DigestingWriter`). Rank 0
+    alone lists the directory, once; it hashes the files no rank reported (its own JSON files)
+    and checks that it sees every file every rank wrote: :class:`NotShared` on every rank
+    otherwise, and no digest list is written."""
     directory, rank = Path(directory), dist.get_rank()
-    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != DIGEST_FILE)
-    mine = {}
-    for name in names:
-        if _writer(name) == rank:
-            digest, size = file_digest(directory / name)
-            mine[name] = {"sha256": digest, "bytes": size}
     parts: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
-    dist.gather_object(mine, parts if rank == 0 else None, dst=0)
+    dist.gather_object((str(directory), written), parts if rank == 0 else None, dst=0)
+    verdict: list[Any] = [None]
     if rank == 0:
-        files = {name: entry for part in parts for name, entry in part.items()}
-        missing = [n for n in names if n not in files]
-        for name in missing:  # a file no rank claimed (another writer's naming): rank 0 hashes it
-            digest, size = file_digest(directory / name)
-            files[name] = {"sha256": digest, "bytes": size}
-        with open(directory / DIGEST_FILE, "w", encoding="utf-8") as f:
-            json.dump({"algorithm": "sha256", "state_finite": bool(state_finite),
-                       "files": dict(sorted(files.items()))}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        names = {e.name for e in os.scandir(directory) if e.is_file() and e.name != DIGEST_FILE}
+        files: dict[str, Any] = {}
+        for r, (where, entries) in enumerate(parts):
+            unseen = sorted(set(entries) - names)
+            if unseen and verdict[0] is None:
+                verdict[0] = (f"the checkpoint's storage is not shared: rank 0 does not see {unseen[0]}, which rank "
+                              f"{r} wrote into {Path(where) / unseen[0]}; every rank must save into one directory "
+                              "that all of them share (--out on a file system every node mounts)")
+            files.update(entries)
+        if verdict[0] is None:
+            for name in sorted(names - files.keys()):  # rank 0's own JSON files, or another writer's
+                digest, size = file_digest(directory / name)
+                files[name] = {"sha256": digest, "bytes": size}
+            with open(directory / DIGEST_FILE, "w", encoding="utf-8") as f:
+                json.dump({"algorithm": "sha256", "state_finite": bool(state_finite),
+                           "files": dict(sorted(files.items()))}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise NotShared(verdict[0])
 
 
 def read_digests(directory: str | os.PathLike) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from qsdp.launch import launch_local, under_torchrun
 from qsdp.train.args import USER_ERRORS, PeerError, TrainArgs, validate_args
+from qsdp.train.checkpoint import PeerLoadError
 from qsdp.train.data import load_corpus
 from qsdp.train.files import atomic_write
 from qsdp.train.loop import train_worker
@@ -44,11 +45,12 @@ class UsageError(Exception):
 
 
 class WorkerFailure(Exception):
-    """The workers failed; ``code`` is the exit code, the message the root cause."""
+    """The workers failed; ``code`` is the exit code, the message the root cause;
+    ``traceback`` the root cause's traceback where no file could hold it (else ``None``)."""
 
-    def __init__(self, message: str, code: int = 1) -> None:
+    def __init__(self, message: str, code: int = 1, traceback: str | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.traceback = code, traceback
 
 
 def check_writable(out: str) -> None:
@@ -188,7 +190,7 @@ def _worker_entry(args: TrainArgs, plan: Plan, error_dir: str) -> dict[str, Any]
         record = {
             "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e),
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-            "user": isinstance(e, USER_ERRORS), "secondary": isinstance(e, PeerError),
+            "user": isinstance(e, USER_ERRORS), "secondary": isinstance(e, (PeerError, PeerLoadError)),
             "traceback": traceback.format_exc(),
         }
         with contextlib.suppress(OSError):
@@ -330,12 +332,13 @@ def _peers(records: list[dict[str, Any]]) -> str:
 def _record_failure(first: dict[str, Any], out: str) -> WorkerFailure:
     if first["user"]:
         return WorkerFailure(first["message"], EXIT_USAGE)
-    where = ""
-    with contextlib.suppress(OSError):
+    message = f"rank {first['rank']}: {first['type']}: {first['message']}"
+    try:
         path = Path(out) / "error.txt"
         path.write_text(first["traceback"], encoding="utf-8")
-        where = f" (traceback: {path})"
-    return WorkerFailure(f"rank {first['rank']}: {first['type']}: {first['message']}{where}")
+    except OSError:  # the traceback still reaches the terminal
+        return WorkerFailure(message, traceback=first["traceback"] or None)
+    return WorkerFailure(f"{message} (traceback: {path})")
 
 
 def launch(args: TrainArgs, plan: Plan, max_restarts: int = 0) -> dict[str, Any]:

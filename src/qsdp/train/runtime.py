@@ -19,9 +19,36 @@ import torch.distributed as dist
 
 from qsdp.train.args import PeerError, TrainArgs, TrainError
 
-__all__ = ["init_process_group", "run_device", "device_name", "rank0_first"]
+__all__ = ["init_process_group", "run_device", "device_name", "rank0_first", "first_to_report"]
 
 T = TypeVar("T")
+
+# The job's key-value store, kept past the process group's end: a rank's error reaches the
+# command line after the group is destroyed, and the store decides which rank reports first.
+_joined, _job_store = False, None
+_FIRST_ERROR_KEY = "qsdp/first_error"
+_CLAIM_TIMEOUT = datetime.timedelta(seconds=5)
+
+
+def _keep_store(store: dist.Store | None) -> None:
+    global _joined, _job_store
+    _joined, _job_store = True, store
+
+
+def first_to_report() -> bool | None:
+    """Whether this rank is the first of its job to report an error (one counter in the job's
+    store, so one line reaches the user's terminal whichever rank failed); ``None`` when this
+    process never joined a job's process group (every rank then checks the same inputs), and
+    ``True`` when the store cannot be reached (the error is printed rather than lost)."""
+    if not _joined:
+        return None
+    if _job_store is None:
+        return True
+    try:
+        _job_store.set_timeout(_CLAIM_TIMEOUT)
+        return _job_store.add(_FIRST_ERROR_KEY, 1) == 1
+    except Exception:  # noqa: BLE001 - the store's host is gone: say it here
+        return True
 
 
 def _local_gpu() -> int:
@@ -49,10 +76,17 @@ def init_process_group(args: TrainArgs) -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                               is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"qsdp/attempt_{attempt}", store),
-                                rank=rank, world_size=world, timeout=timeout)
+        prefixed = dist.PrefixStore(f"qsdp/attempt_{attempt}", store)
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+        _keep_store(prefixed)
     else:
         dist.init_process_group(backend, timeout=timeout)
+        # torch keeps no public handle on the store it made for the group: its private getter,
+        # read once here (without it, errors are printed by every rank instead).
+        try:
+            _keep_store(dist.distributed_c10d._get_default_store())
+        except (AttributeError, RuntimeError, ValueError):
+            _keep_store(None)
 
 
 def run_device(args: TrainArgs, created_group: bool) -> torch.device:
