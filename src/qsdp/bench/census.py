@@ -292,6 +292,36 @@ def _inputs(shard: int, world: int, seed: int, dtype: torch.dtype) -> torch.Tens
     return torch.randn(world * shard, generator=gen).to(dtype)
 
 
+def _difference_step_calls(cfg: QuantConfig, topo: Topology, shard: int, groups: int, calls: int,
+                           dtype: torch.dtype) -> list[Tally]:
+    """The tallies of a training step's weight-difference gathers, ``calls`` steps after the first."""
+    world = topo.world_size
+    tallies: list[Tally] = []
+    # A training step's gathers: an optimizer step changed every group's parameters, so the
+    # first gather agrees on the changes over the group (one host read for all the groups).
+    tracker = ChangeTracker()
+    comms = [DifferenceAllGather(cfg, topo, i, tracker) for i in range(groups)]
+    params = [_inputs(shard, 1, 1000 * i, dtype) for i in range(groups)]
+    for i, (comm, p) in enumerate(zip(comms, params)):
+        comm.track([p], f"group {i}")
+    for c in range(calls + 1):
+        if c > 0:
+            tracker.before_optimizer_step()
+            for i, p in enumerate(params):
+                p.copy_(_inputs(shard, 1, 1000 * i + c, dtype))
+            tracker.after_optimizer_step()
+        for i, comm in enumerate(comms):
+            out = torch.empty(world * shard, dtype=dtype)
+            shard_in = out.view(world, shard)[topo.rank]
+            shard_in.copy_(params[i])
+            with counting() as tally:
+                comm(out, shard_in, topo.group)
+            tally.wire.update(out.view(torch.uint8).numpy().tobytes())
+            if c > 0:
+                tallies.append(tally)
+    return tallies
+
+
 def _run_calls(cfg: QuantConfig, collective: str, topo: Topology, shard: int, groups: int, calls: int,
                dtype: torch.dtype) -> list[Tally]:
     """``calls`` calls of ``collective`` on each of ``groups`` FSDP groups (comm ids 0..groups-1),
@@ -325,29 +355,7 @@ def _run_calls(cfg: QuantConfig, collective: str, topo: Topology, shard: int, gr
                     tallies.append(tally)
         return tallies
     if collective == "gather_difference_step":
-        # A training step's gathers: an optimizer step changed every group's parameters, so the
-        # first gather agrees on the changes over the group (one host read for all the groups).
-        tracker = ChangeTracker()
-        comms = [DifferenceAllGather(cfg, topo, i, tracker) for i in range(groups)]
-        params = [_inputs(shard, 1, 1000 * i, dtype) for i in range(groups)]
-        for i, (comm, p) in enumerate(zip(comms, params)):
-            comm.track([p], f"group {i}")
-        for c in range(calls + 1):
-            if c > 0:
-                tracker.before_optimizer_step()
-                for i, p in enumerate(params):
-                    p.copy_(_inputs(shard, 1, 1000 * i + c, dtype))
-                tracker.after_optimizer_step()
-            for i, comm in enumerate(comms):
-                out = torch.empty(world * shard, dtype=dtype)
-                shard_in = out.view(world, shard)[topo.rank]
-                shard_in.copy_(params[i])
-                with counting() as tally:
-                    comm(out, shard_in, topo.group)
-                tally.wire.update(out.view(torch.uint8).numpy().tobytes())
-                if c > 0:
-                    tallies.append(tally)
-        return tallies
+        return _difference_step_calls(cfg, topo, shard, groups, calls, dtype)
     if collective == "hsdp_all_reduce":
         comms = [ReplicaAllReduce(cfg, topo.group, i) for i in range(groups)]
         for c in range(calls):

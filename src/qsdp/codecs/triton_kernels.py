@@ -305,6 +305,70 @@ def _load_values(x_row, y_row, e, L, X_KIND: tl.constexpr, Y_KIND: tl.constexpr,
     return v
 
 
+@triton.jit
+def _slice_at(k, SG, G, SW, code_off, GS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
+    """Rounding slice k of a row of G groups in slices of SG, packed SW bytes a slice from
+    code_off: (its groups, its first element, its code bytes, and where its codes, scales and zero
+    points start: code_off of the codes in bytes, the others in fp32 words)."""
+    G = tl.minimum(SG, G - k * SG)
+    span = (k * SG).to(tl.int64) * GS
+    NCB = G * (GS * BITS // 8)
+    at = code_off + k.to(tl.int64) * SW
+    scale_off = at // 4
+    return G, span, NCB, at + G * (4 if SYMMETRIC else 8), scale_off, scale_off + G
+
+
+@triton.jit
+def _quantize_chunked(x_row, y_row, codes_row, gstart, gmask, cols, L, NC, NCB, row_start, g_idx, key32,
+                      GS: tl.constexpr, BG: tl.constexpr, GPP: tl.constexpr, NCH: tl.constexpr,
+                      BITS: tl.constexpr, SYMMETRIC: tl.constexpr, ROUNDING: tl.constexpr,
+                      HB: tl.constexpr, HB_LOG: tl.constexpr, X_KIND: tl.constexpr, Y_KIND: tl.constexpr):
+    """_quantize_kernel's group larger than a tile (one a program, GPP == 1): statistics over its
+    chunks, then a second pass computes and stores the codes; returns (scale, zero)."""
+    PB: tl.constexpr = 8 // BITS
+    if SYMMETRIC:
+        lo = tl.zeros([GPP], tl.float32)
+        hi = tl.zeros([GPP], tl.float32)
+    else:
+        lo = tl.full([GPP], float("inf"), tl.float32)
+        hi = tl.full([GPP], float("-inf"), tl.float32)
+    nan = tl.zeros([GPP], tl.int32)
+    for ch in range(NCH):
+        cc = ch * BG + cols
+        e = gstart[:, None] + cc[None, :]
+        v = _load_values(x_row, y_row, e, L, X_KIND, Y_KIND, GPP, BG, HB, HB_LOG)
+        clo, chi, cnan = _stats(v, (cc < GS)[None, :], SYMMETRIC)
+        lo = tl.minimum(lo, clo)
+        hi = tl.maximum(hi, chi)
+        nan = tl.maximum(nan, cnan)
+    scale, zero = _scale_zero(lo, hi, nan, BITS, SYMMETRIC)
+    for ch in range(NCH):
+        cc = ch * BG + cols
+        e = gstart[:, None] + cc[None, :]
+        v = _load_values(x_row, y_row, e, L, X_KIND, Y_KIND, GPP, BG, HB, HB_LOG)
+        c = _codes(v, scale, zero, row_start + e, g_idx, key32, BITS, SYMMETRIC, ROUNDING)
+        c = tl.where(e < NC, c, 0)
+        _store_codes(codes_row, c, (gstart + ch * BG) // PB, gmask, GS - ch * BG, NCB, GPP, BG, BITS)
+    return scale, zero
+
+
+@triton.jit
+def _requantize_store(acc, cols, e, g, gmask, first_group, key32, codes_row, scales_row, zeros_row, NCB,
+                      GS: tl.constexpr, BG: tl.constexpr, GPP: tl.constexpr, BITS: tl.constexpr,
+                      SYMMETRIC: tl.constexpr, ROUNDING: tl.constexpr):
+    """_dequantize_kernel's MODE 1: the summed tile ``acc`` quantized again with the same groups
+    into a packed row (its codes, scales and zero points at ``*_row``); ``first_group`` is the
+    output row's first group index, where its random indices start."""
+    PB: tl.constexpr = 8 // BITS
+    lo, hi, nan = _stats(acc, (cols < GS)[None, :], SYMMETRIC)
+    scale, zero = _scale_zero(lo, hi, nan, BITS, SYMMETRIC)
+    c = _codes(acc, scale, zero, first_group * GS + e, first_group + g, key32, BITS, SYMMETRIC, ROUNDING)
+    _store_codes(codes_row, c, g.to(tl.int64) * (GS // PB), gmask, GS, NCB, GPP, BG, BITS)
+    tl.store(scales_row + g, scale, mask=gmask)
+    if not SYMMETRIC:
+        tl.store(zeros_row + g, zero, mask=gmask)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -334,15 +398,9 @@ def _quantize_kernel(
     if SLICED:
         # Rebind the row's bounds and places to the slice's: the code below is the unsliced one.
         k = tl.program_id(2)
-        G = tl.minimum(SG, G - k * SG)
-        span = (k * SG).to(tl.int64) * GS
+        G, span, NCB, code_off, scale_off, zero_off = _slice_at(k, SG, G, SW, code_off, GS, BITS, SYMMETRIC)
         L = L - span
         NC = G * GS
-        NCB = G * (GS * BITS // 8)
-        at = code_off + k.to(tl.int64) * SW
-        code_off = at + G * (4 if SYMMETRIC else 8)
-        scale_off = at // 4
-        zero_off = scale_off + G
         key32 = _slice_key(key.to(tl.uint32, bitcast=True), slice0 + k, KEY_TERM)
         x_row = x_ptr + src * x_rs + span
         y_row = y_ptr + src * y_rs + span
@@ -367,31 +425,9 @@ def _quantize_kernel(
         c = tl.where(e < NC, c, 0)
         _store_codes(codes_row, c, gstart // PB, gmask, GS, NCB, GPP, BG, BITS)
     else:
-        # One group per program (GPP == 1), larger than a tile: statistics over its chunks,
-        # then a second pass computes and stores the codes.
-        if SYMMETRIC:
-            lo = tl.zeros([GPP], tl.float32)
-            hi = tl.zeros([GPP], tl.float32)
-        else:
-            lo = tl.full([GPP], float("inf"), tl.float32)
-            hi = tl.full([GPP], float("-inf"), tl.float32)
-        nan = tl.zeros([GPP], tl.int32)
-        for ch in range(NCH):
-            cc = ch * BG + cols
-            e = gstart[:, None] + cc[None, :]
-            v = _load_values(x_row, y_row, e, L, X_KIND, Y_KIND, GPP, BG, HB, HB_LOG)
-            clo, chi, cnan = _stats(v, (cc < GS)[None, :], SYMMETRIC)
-            lo = tl.minimum(lo, clo)
-            hi = tl.maximum(hi, chi)
-            nan = tl.maximum(nan, cnan)
-        scale, zero = _scale_zero(lo, hi, nan, BITS, SYMMETRIC)
-        for ch in range(NCH):
-            cc = ch * BG + cols
-            e = gstart[:, None] + cc[None, :]
-            v = _load_values(x_row, y_row, e, L, X_KIND, Y_KIND, GPP, BG, HB, HB_LOG)
-            c = _codes(v, scale, zero, row_start + e, g_idx, key32, BITS, SYMMETRIC, ROUNDING)
-            c = tl.where(e < NC, c, 0)
-            _store_codes(codes_row, c, (gstart + ch * BG) // PB, gmask, GS - ch * BG, NCB, GPP, BG, BITS)
+        scale, zero = _quantize_chunked(x_row, y_row, codes_row, gstart, gmask, cols, L, NC, NCB, row_start, g_idx,
+                                        key32, GS, BG, GPP, NCH, BITS, SYMMETRIC, ROUNDING, HB, HB_LOG,
+                                        X_KIND, Y_KIND)
     tl.store(scales_ptr + scale_off + row * scale_rs + g, scale, mask=gmask)
     if not SYMMETRIC:
         tl.store(zeros_ptr + zero_off + row * scale_rs + g, zero, mask=gmask)
@@ -418,20 +454,12 @@ def _dequantize_kernel(
     o = tl.program_id(1).to(tl.int64) + row0
     if SLICED:
         k = tl.program_id(2)
-        G = tl.minimum(SG, G - k * SG)
-        span = (k * SG).to(tl.int64) * GS
+        # The requantized layout first: _slice_at takes the row's G, before the slice's rebinds it.
+        q_g, q_span, q_NCB, q_code_off, q_scale_off, q_zero_off = _slice_at(
+            k, SG, G, Q_SW, q_code_off, GS, Q_BITS, Q_SYMMETRIC)
+        G, span, NCB, code_off, scale_off, zero_off = _slice_at(k, SG, G, SW, code_off, GS, BITS, SYMMETRIC)
         L_OUT = L_OUT - span
         out_ptr = out_ptr + span
-        NCB = G * (GS * BITS // 8)
-        at = code_off + k.to(tl.int64) * SW
-        code_off = at + G * (4 if SYMMETRIC else 8)
-        scale_off = at // 4
-        zero_off = scale_off + G
-        q_NCB = G * (GS * Q_BITS // 8)
-        q_at = q_code_off + k.to(tl.int64) * Q_SW
-        q_code_off = q_at + G * (4 if Q_SYMMETRIC else 8)
-        q_scale_off = q_at // 4
-        q_zero_off = q_scale_off + G
         key32 = _slice_key(key.to(tl.uint32, bitcast=True), slice0 + k, KEY_TERM)
     else:
         key32 = key.to(tl.uint32, bitcast=True)
@@ -460,16 +488,9 @@ def _dequantize_kernel(
             acc = _widen(tl.load(ptr, mask=m, other=0), OUT_KIND) + acc
         tl.store(ptr, _to_kind(acc, OUT_KIND), mask=m)
     else:
-        Q_PB: tl.constexpr = 8 // Q_BITS
-        lo, hi, nan = _stats(acc, (cols < GS)[None, :], Q_SYMMETRIC)
-        scale, zero = _scale_zero(lo, hi, nan, Q_BITS, Q_SYMMETRIC)
-        c = _codes(acc, scale, zero, o * G * GS + e, o * G + g, key32,
-                   Q_BITS, Q_SYMMETRIC, Q_ROUNDING)
-        _store_codes(q_codes_ptr + q_code_off + o * q_code_rs, c, g.to(tl.int64) * (GS // Q_PB), gmask, GS,
-                     q_NCB, GPP, BG, Q_BITS)
-        tl.store(q_scales_ptr + q_scale_off + o * q_scale_rs + g, scale, mask=gmask)
-        if not Q_SYMMETRIC:
-            tl.store(q_zeros_ptr + q_zero_off + o * q_scale_rs + g, zero, mask=gmask)
+        _requantize_store(acc, cols, e, g, gmask, o * G, key32, q_codes_ptr + q_code_off + o * q_code_rs,
+                          q_scales_ptr + q_scale_off + o * q_scale_rs, q_zeros_ptr + q_zero_off + o * q_scale_rs,
+                          q_NCB, GS, BG, GPP, Q_BITS, Q_SYMMETRIC, Q_ROUNDING)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -719,12 +740,7 @@ def dequantize_into(
         key = 0 if slices is not None else _rounding_key(seed, qround)
         q_ncb, mode = q.ncb, 1
         out_arg, out_rs, kind = src.scales, 0, 0
-    if slices is None:
-        sliced, count, sg, sw, q_sw, first = {}, 1, groups, 0, 0, 0
-    else:
-        count, sg, sw, q_sw, first = slices.count, slices.groups, slices.nbytes, slices.q_nbytes, slices.first
-        sliced = dict(SLICED=True, KEY_TERM=_key_term(requantize[3]) if requantize else 0)
-        key = _key_arg(slices.prefix) if requantize else 0
+    sliced, count, sg, sw, q_sw, first, key = _dequantize_slices(slices, groups, requantize, key)
     for row0 in range(0, outputs, _MAX_GRID_ROWS):
         grid = (triton.cdiv(sg, gpp) * nch, min(_MAX_GRID_ROWS, outputs - row0), count)
         _launch(
@@ -737,6 +753,17 @@ def dequantize_into(
             HB_LOG=hb.bit_length() - 1 if hb else 0, MODE=mode, OUT_KIND=kind, ADD=add, **qkw,
             num_warps=_warps(gpp * bg), **sliced, **_LAUNCH,
         )
+
+
+def _dequantize_slices(slices: Slices | None, groups: int, requantize: tuple | None, key: int):
+    """``_dequantize_kernel``'s slice arguments: (constexprs, slice count, groups a slice, packed
+    bytes a slice, requantized bytes a slice, first slice, key), the key the slices' prefix when
+    they requantize."""
+    if slices is None:
+        return {}, 1, groups, 0, 0, 0, key
+    sliced = dict(SLICED=True, KEY_TERM=_key_term(requantize[3]) if requantize else 0)
+    key = _key_arg(slices.prefix) if requantize else 0
+    return sliced, slices.count, slices.groups, slices.nbytes, slices.q_nbytes, slices.first, key
 
 
 # ----------------------------------------------------------------------------- codec entry points

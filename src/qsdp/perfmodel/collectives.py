@@ -172,8 +172,7 @@ def step_collectives(
     collectives run on gloo (``Hardware.host_staged``), where ``grads.pipeline_slices="auto"``
     sends a two-level reduce-scatter's slices in one exchange per hop (elsewhere as many
     exchanges as move ``grads.pipeline_min_bytes`` each, and for a slice count one per slice per
-    hop, as the comm objects do); the bytes are the same. ``counts``: each comm step's kernel
-    launches (``Collective.launches``; :mod:`qsdp.perfmodel.launches`).
+    hop, as the comm objects do); the bytes are the same. ``counts``: each step's launches.
     """
     cfg = resolve_config(config)
     if grad_bytes not in _DTYPES or param_bytes not in _DTYPES:
