@@ -112,6 +112,19 @@ def test_a_byte_flipped_inside_a_payload_is_refused_naming_the_file_and_the_prev
     assert [m["mine"] for m in run_world(_load, 2, str(named_checkpoint(out, "step_00000002")), timeout=90)] == [2, 2]
 
 
+def test_a_file_the_digest_list_leaves_out_is_refused_even_when_it_is_damaged(good, tmp_path):
+    out = _copy(good, tmp_path)
+    step3 = out / CHECKPOINT_DIR / step_dirname(3)
+    damaged = _flip_a_byte_inside_a_weight(step3)
+    digests = json.loads((step3 / DIGEST_FILE).read_text())
+    del digests["files"][damaged.name]  # as anyone who can write the folder can
+    (step3 / DIGEST_FILE).write_text(json.dumps(digests))
+    for message in run_world(_load, 2, str(step3), timeout=90):
+        assert message == (f"checkpoint {step3} is damaged: {damaged.name} is not listed in {DIGEST_FILE}, which "
+                           "lists every file of a checkpoint; the previous complete checkpoint is step_00000002 "
+                           "(qsdp train: --resume-from step_00000002)")
+
+
 def test_a_rank_blob_that_would_run_code_is_refused(tmp_path, monkeypatch):
     """A checkpoint from an untrusted source whose rank blob is a pickle that calls ``open``
     (digests rewritten to match: a consistent rewrite is not detected) is refused when the

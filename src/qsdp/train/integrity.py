@@ -13,8 +13,10 @@ the digests to rank 0, which alone lists the directory, once: it hashes what no 
 (``trainer.json``, ``comms.json``, written by itself), checks that it sees every file every rank
 wrote (storage that is not shared is found at the first save, naming the rank and the path), and
 writes the list. At load, the files are split
-round-robin over the ranks, each rank hashes its part, and one all-reduce agrees on the first
-file that is missing, has another size or another digest, so every rank raises the same error.
+round-robin over the ranks, each rank hashes its part, rank 0 lists the directory once (a file
+the list leaves out is refused: it could be damaged unseen), and one all-reduce agrees on the
+first file that is missing, has another size or another digest, so every rank raises the same
+error.
 
 ``state_finite``: whether every floating-point tensor of the saved model and optimizer state was
 finite. Rotation keeps the newest checkpoint where it is ``true`` (:mod:`qsdp.train.checkpoint`).
@@ -140,12 +142,21 @@ def _check_file(path: Path, entry: dict[str, Any]) -> int | None:
 def verify_digests(directory: str | os.PathLike, device: torch.device) -> None:
     """Collective: raise :class:`DigestMismatch` on every rank when a file listed in
     ``digests.json`` is missing, has another size or another digest (each rank hashes every
-    ``world``-th file; one all-reduce on ``device``). ``digests.json`` must be readable."""
+    ``world``-th file), or when the directory holds a file the list leaves out (rank 0 lists the
+    directory, once): a list that omits a file would let that file be damaged unseen. One
+    all-reduce on ``device`` (and a broadcast of the unlisted name where there is one).
+    ``digests.json`` must be readable."""
     directory = Path(directory)
     files = read_digests(directory)["files"]
     names = sorted(files)
     rank, world = dist.get_rank(), dist.get_world_size()
-    worst = len(names) * len(_REASONS)  # "nothing wrong" sorts after every failure
+    unlisted_code = len(names) * len(_REASONS)  # after every listed file's failure
+    worst = unlisted_code + 1  # "nothing wrong" sorts after everything
+    unlisted: list[Any] = [None]
+    if rank == 0:
+        extra = sorted(e.name for e in os.scandir(directory) if e.name != DIGEST_FILE and e.name not in files)
+        if extra:
+            unlisted[0], worst = extra[0], unlisted_code
     for index in range(rank, len(names), world):
         reason = _check_file(directory / names[index], files[names[index]])
         if reason is not None:
@@ -154,9 +165,12 @@ def verify_digests(directory: str | os.PathLike, device: torch.device) -> None:
     code = torch.tensor([worst], dtype=torch.int64, device=device)
     dist.all_reduce(code, op=dist.ReduceOp.MIN)
     found = int(code.item())
-    if found < len(names) * len(_REASONS):
+    if found < unlisted_code:
         index, reason = divmod(found, len(_REASONS))
         raise DigestMismatch(names[index], _REASONS[reason])
+    if found == unlisted_code:
+        dist.broadcast_object_list(unlisted, src=0)
+        raise DigestMismatch(str(unlisted[0])[:80], f"is not listed in {DIGEST_FILE}, which lists every file of a checkpoint")
 
 
 def _local(tensor: Any) -> torch.Tensor | None:
