@@ -52,7 +52,7 @@ def test_a_preset_without_a_codec_trains_once_the_others_with_and_without_the_ke
 
 def test_the_gpu_tests_list_the_skipped_ones_with_their_reasons():
     command = gpu_smoke.gpu_tests_command()
-    assert command[1:3] == ["-m", "pytest"] and "-rs" in command
+    assert command[1:3] == ["-m", "pytest"] and "-rfEs" in command
     assert command[command.index("-m", 3) + 1] == "gpu"
 
 

@@ -103,10 +103,19 @@ def shard_row_spans(module: nn.Module, with_gradients: bool = False) -> list[tup
         for fsdp_param in field(group, "fsdp_params"):
             if with_gradients and not field(fsdp_param, "sharded_param").requires_grad:
                 continue
-            spec = field(fsdp_param, "_unsharded_dtensor_spec")
+            spec = _dtensor_spec(fsdp_param)
             replicated = spec is None or all(p.is_replicate() for p in spec.placements)
             spans.append((field(fsdp_param, "padded_sharded_param_size").numel(), replicated))
     return spans
+
+
+def _dtensor_spec(fsdp_param: Any) -> Any:
+    """The ``DTensorSpec`` a TP/EP parameter had before ``fully_shard``, ``None`` for a plain one.
+    torch 2.13 keeps it in ``_unsharded_dtensor_spec`` (``None`` for a plain parameter); older releases
+    (torch 2.11) in ``_tp_spec``, set only where ``is_dtensor``."""
+    if hasattr(fsdp_param, "_unsharded_dtensor_spec"):
+        return fsdp_param._unsharded_dtensor_spec
+    return field(fsdp_param, "_tp_spec") if field(fsdp_param, "is_dtensor") else None
 
 
 def unevenly_split_params(module: nn.Module) -> list[nn.Parameter]:
@@ -116,7 +125,7 @@ def unevenly_split_params(module: nn.Module) -> list[nn.Parameter]:
     found = []
     for group in param_groups(module):
         for fsdp_param in field(group, "fsdp_params"):
-            spec = field(fsdp_param, "_unsharded_dtensor_spec")
+            spec = _dtensor_spec(fsdp_param)
             if spec is None:
                 continue
             shape = spec.tensor_meta.shape

@@ -262,7 +262,7 @@ def run_stages(args: argparse.Namespace, out: Path, log=_flushed) -> tuple[list[
 def gpu_tests_command() -> list[str]:
     """pytest on the ``gpu`` tests, listing the skipped ones with their reasons (``-rs``): a
     test that needs more GPUs than the machine has says how many."""
-    return [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", *gpu_test_files()]
+    return [sys.executable, "-m", "pytest", "-q", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider", *gpu_test_files()]
 
 
 def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:

@@ -3,7 +3,7 @@ no extra read and no directory listing on the ranks that wrote it (:mod:`qsdp.tr
 
 DCP writes each file front to back (``tell`` for the offsets, ``write`` for the bytes). A thread
 reads each file right behind the writer, from the page cache, and hashes it: the hashing runs
-while DCP writes and ``fsync``\ s instead of after it. A stream that is ever moved elsewhere
+while DCP writes and syncs each file, not after it. A stream that is ever moved elsewhere
 (``seek``) or that the thread cannot read is hashed again from the file when it closes, so a
 digest is always the file's.
 """
