@@ -38,6 +38,20 @@ def test_two_level_reduce_scatter_of_one_rank_equals_the_checks_emulation(preset
     assert torch.equal(RankReduceScatter(cfg, D, M, rank, comm_id=1)(x), expected)
 
 
+@pytest.mark.parametrize("slices, exchanges", [("auto", 1), (4, 4)])
+def test_one_ranks_two_level_reduce_scatter_encodes_once_per_exchange_as_the_comm_does(slices, exchanges):
+    # "auto" rounds in 8 slices that travel in one exchange where the host moves the bytes (CPU
+    # tensors); a slice count sends each slice alone. Each exchange is one encode call for all
+    # its slices, as in QuantizedReduceScatter, not one per rounding slice.
+    cfg = resolve_config("sdp4bit", {"grads.pipeline_slices": slices, "grads.pipeline_min_slice": 1})
+    reduce = RankReduceScatter(cfg, D, M, 0, comm_id=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        reduce(_grads(8192))
+    names = Counter(e.name for e in prof.events())
+    assert names["qsdp.codec.hadamard_quantize"] == exchanges
+    assert names["qsdp.codec.dequantize_requantize"] == exchanges
+
+
 def test_one_level_reduce_scatter_of_one_rank_equals_the_checks_emulation():
     cfg, x, rank = _nearest("qsdp"), _grads(3000), 2
     expected = emulate.reduce_scatter(x.expand(WORLD, WORLD, -1), cfg, M, comm_id=2, call=1)[rank]

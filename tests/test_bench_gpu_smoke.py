@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,16 @@ def test_the_gpu_tests_list_the_skipped_ones_with_their_reasons():
     command = gpu_smoke.gpu_tests_command()
     assert command[1:3] == ["-m", "pytest"] and "-rfEs" in command
     assert command[command.index("-m", 3) + 1] == "gpu"
+
+
+def test_a_stage_stopped_at_its_timeout_keeps_what_it_printed_in_its_log(tmp_path):
+    script = "import sys, time; print('test_a PASSED', flush=True); time.sleep(60)"
+    stage = gpu_smoke._run(gpu_smoke.Stage("gpu tests", [sys.executable, "-c", script]), 5,
+                           log_to=tmp_path / "pytest-gpu.log")
+    assert stage.returncode == 124 and not stage.passed
+    log = (tmp_path / "pytest-gpu.log").read_text()
+    assert "test_a PASSED" in log and log.endswith("timed out after 5 s")
+    assert stage.output_tail == log  # text, not the bytes TimeoutExpired carries
 
 
 def test_the_line_printed_as_a_stage_ends_names_it_its_seconds_and_how_it_ended():

@@ -47,8 +47,9 @@ def _option(command: Command, name: str) -> str:
 
 def test_budgets_give_what_was_measured_on_the_h200_at_least_twice_its_time(tmp_path):
     measured = gpu_report.MEASURED_S
-    assert measured == {"codec-share": 51.2, "gpu tests": 57.4}  # benchmarks/results/gpu/h200-c14eb26
-    assert next(s for s in STAGES if s.name == "codec-share").budget_s >= 2 * measured["codec-share"]
+    assert measured == {"codec-share": 51.2, "gpu tests": 57.4, "kernels": 76.0}  # benchmarks/results/gpu/h200-*
+    for stage in ("codec-share", "kernels"):
+        assert next(s for s in STAGES if s.name == stage).budget_s >= 2 * measured[stage]
     (smoke,) = next(s for s in STAGES if s.name == "test-gpu").commands(Context(tmp_path))
     assert float(_option(smoke, "--stage-timeout")) >= 2 * measured["gpu tests"]
 

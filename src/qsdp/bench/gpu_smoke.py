@@ -111,8 +111,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _run(stage: Stage, timeout: float, env: dict[str, str] | None = None, stdout_to: Path | None = None) -> Stage:
-    """Run the stage's command (output captured; stdout saved to ``stdout_to`` when given)."""
+def _text(out: str | bytes | None) -> str:
+    # TimeoutExpired carries bytes even from a text-mode run
+    return out.decode("utf-8", "replace") if isinstance(out, bytes) else (out or "")
+
+
+def _run(stage: Stage, timeout: float, env: dict[str, str] | None = None, stdout_to: Path | None = None,
+         log_to: Path | None = None) -> Stage:
+    """Run the stage's command (output captured; stdout saved to ``stdout_to`` when given and the
+    command passed; stdout and stderr to ``log_to`` when given, whatever the outcome: a command
+    stopped at its timeout leaves what it printed until then)."""
     started = time.perf_counter()
     try:
         proc = subprocess.run(stage.command, capture_output=True, text=True, timeout=timeout,
@@ -123,9 +131,11 @@ def _run(stage: Stage, timeout: float, env: dict[str, str] | None = None, stdout
             stdout_to.write_text(proc.stdout, encoding="utf-8")
     except subprocess.TimeoutExpired as e:
         stage.returncode = 124
-        output = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout:g} s"
+        output = f"{_text(e.stdout)}{_text(e.stderr)}\ntimed out after {timeout:g} s"
     stage.seconds = time.perf_counter() - started
-    stage.output_tail = output[-TAIL_CHARS:] if isinstance(output, str) else str(output)[-TAIL_CHARS:]
+    if log_to is not None:
+        log_to.write_text(output, encoding="utf-8")
+    stage.output_tail = output[-TAIL_CHARS:]
     return stage
 
 
@@ -246,7 +256,7 @@ def run_stages(args: argparse.Namespace, out: Path, log=_flushed) -> tuple[list[
         log(stage_line(stage))
 
     if "tests" not in skip:
-        ran(_run(Stage("gpu tests", gpu_tests_command()), args.stage_timeout))
+        ran(_run(Stage("gpu tests", gpu_tests_command()), args.stage_timeout, log_to=out / "pytest-gpu.log"))
     for name in ("kernels", "codecs"):
         if name not in skip:
             ran(_bench_stage(name, out, args.stage_timeout))
@@ -260,9 +270,12 @@ def run_stages(args: argparse.Namespace, out: Path, log=_flushed) -> tuple[list[
 
 
 def gpu_tests_command() -> list[str]:
-    """pytest on the ``gpu`` tests, listing the skipped ones with their reasons (``-rs``): a
-    test that needs more GPUs than the machine has says how many."""
-    return [sys.executable, "-m", "pytest", "-q", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider", *gpu_test_files()]
+    """pytest on the ``gpu`` tests: a line per test as it ends (a run stopped at its timeout
+    still says how far it got), the failures and the skipped tests with their reasons
+    (``-rfEs``: a test that needs more GPUs than the machine has says how many), the slowest
+    tests, and the stacks of a test that runs past 90 s (``faulthandler_timeout``)."""
+    return [sys.executable, "-m", "pytest", "-v", "-rfEs", "--durations=15", "-o", "faulthandler_timeout=90",
+            "-m", "gpu", "-p", "no:cacheprovider", *gpu_test_files()]
 
 
 def gpu_test_files(tests: Path = ROOT / "tests") -> list[str]:

@@ -28,7 +28,8 @@ from torch.profiler import record_function
 
 from ..codecs.rng import derive_seed
 from ..comm.difference import replica_layout
-from ..comm.reduce_scatter import destination_major, grad_codec, pipeline_slices_bounds
+from ..comm.reduce_scatter import TwoHopPlan, grad_codec, pipelines_exchanges
+from ..comm.row_layout import RowLayout
 from ..comm.topology import Topology
 from ..comm.weight_codec import weight_codec
 from ..comm.wire import sum_rows
@@ -140,6 +141,7 @@ class RankReduceScatter:
         # at the first call and reused (a new one per call would add a host-to-device copy,
         # blocking on a GPU, that the real path does not make).
         self.topology = Topology.contiguous(nodes, ranks_per_node, rank)
+        self._plans: dict[tuple, TwoHopPlan] = {}
 
     def _seed(self, *parts: int) -> int:
         return derive_seed(self.cfg.seed, self.comm_id, self.calls, self.rank, *parts)
@@ -163,23 +165,40 @@ class RankReduceScatter:
         return self._two_hops(grads)
 
     def _two_hops(self, grads: torch.Tensor) -> torch.Tensor:
-        g, d, m = self.cfg.grads, self.d, self.m
-        world, s = grads.shape
-        hop1 = grad_codec(g, g.bits_intra, grads.dtype)
-        hop2 = grad_codec(g, g.bits_inter, torch.float32)
-        lp = hop1.padded_len(s)
-        out = torch.empty(lp, dtype=torch.float32, device=grads.device)
+        """The exchanges of :meth:`QuantizedReduceScatter._two_hops` with their codec calls: the
+        rounding slices of an exchange encoded, requantized and decoded by one call each."""
+        d, m = self.d, self.m
+        s = grads.shape[1]
+        plan = self._plan(grads)
+        hop1, hop2 = plan.hop1, plan.hop2
+        out = torch.empty(plan.lp, dtype=torch.float32, device=grads.device)
         order = self.topology.exchange_index(grads.device)
-        for k, (a, b) in enumerate(pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)):
+        prefix1, prefix2 = self._seed(4), self._seed(5)
+        for run in plan.runs:
             with _codec(_encode_step(hop1)):
-                send = hop1.encode(destination_major(grads, order, a, b), seed=self._seed(4, k))
+                send = torch.empty(grads.shape[0], run.nbytes(hop1), dtype=torch.uint8, device=grads.device)
+                hop1.encode_slices(grads, run, prefix=prefix1, out=send, order=order)
             # hop 1 inside the node: every local peer's D rows for this local rank
             recv = _peers(send[self.local * d:(self.local + 1) * d], m)
             with _codec("dequantize_requantize"):
-                partial = hop1.decode_sum_encode(recv, b - a, sources=m, codec=hop2, seed=self._seed(5, k))
+                send2 = torch.empty(d, run.nbytes(hop2), dtype=torch.uint8, device=grads.device)
+                hop1.decode_sum_encode_slices(recv, run, sources=m, codec=hop2, prefix=prefix2, out=send2)
             # hop 2 between nodes: every node's partial sum of this node's row
-            recv2 = _peers(partial[self.node:self.node + 1], d)
+            recv2 = _peers(send2[self.node:self.node + 1], d)
             with _codec("dequantize_accumulate"):
-                out[a:b] = hop2.decode_sum(recv2, b - a, finish=True)
+                hop2.decode_sum_slices(recv2, run, out)
         with _codec("dequantize_accumulate"):
-            return out[:s] / world
+            return out[:s] / grads.shape[0]
+
+    def _plan(self, grads: torch.Tensor) -> TwoHopPlan:
+        """The comm's plan for this shape, built once: its exchanges as NCCL would group them on
+        a GPU (one per hop where the host moves the bytes: CPU tensors)."""
+        key = (tuple(grads.shape), grads.dtype, str(grads.device))
+        if key not in self._plans:
+            host_moves_bytes = not pipelines_exchanges(grads.device.type, "nccl")
+            self._plans[key] = TwoHopPlan.of(self.cfg.grads, grads, self.d, self._layout, host_moves_bytes)
+        return self._plans[key]
+
+    @staticmethod
+    def _layout(length: int, unit: int, device: torch.device) -> RowLayout:
+        return RowLayout.of(None, length, unit, device)

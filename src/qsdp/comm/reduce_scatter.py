@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -79,7 +79,7 @@ class QuantizedReduceScatter(GradReduceScatter):
 
     def __init__(self, config: QuantConfig, topology: Topology, comm_id: int) -> None:
         super().__init__(config, topology, comm_id)
-        self._plans: dict[tuple, _TwoHopPlan] = {}
+        self._plans: dict[tuple, TwoHopPlan] = {}
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
@@ -157,15 +157,15 @@ class QuantizedReduceScatter(GradReduceScatter):
                 hop2.decode_sum_slices(recv2, runs[i], out)
         return layout.contract(out)
 
-    def _plan(self, x: torch.Tensor) -> "_TwoHopPlan":
+    def _plan(self, x: torch.Tensor) -> "TwoHopPlan":
         """The two-level plan of a gradient shaped as ``x`` (built once per shape and device:
         the same every call)."""
         key = (tuple(x.shape), x.dtype, str(x.device))
         if key not in self._plans:
-            self._plans[key] = _TwoHopPlan.build(self, x)
+            self._plans[key] = TwoHopPlan.build(self, x)
         return self._plans[key]
 
-    def _intra_exchange(self, x: torch.Tensor, plan: "_TwoHopPlan", run: SliceRun, order: torch.Tensor,
+    def _intra_exchange(self, x: torch.Tensor, plan: "TwoHopPlan", run: SliceRun, order: torch.Tensor,
                         prefix: int) -> tuple[torch.Tensor, Any]:
         """Hop 1 of the slices of ``run``: each encoded with its own seed into its columns of one
         send buffer (rows in destination-major order: :func:`destination_major`), one
@@ -180,7 +180,7 @@ class QuantizedReduceScatter(GradReduceScatter):
         self.meter("grads", d * send.shape[1], d * plan.real[run], (m - 1, 0))
         return recv, work
 
-    def _inter_exchange(self, recv: torch.Tensor, plan: "_TwoHopPlan", run: SliceRun,
+    def _inter_exchange(self, recv: torch.Tensor, plan: "TwoHopPlan", run: SliceRun,
                         prefix: int) -> tuple[torch.Tensor, Any]:
         """Hop 2 of the slices of ``run``: each one's columns of the intra-node receive buffer
         summed and requantized with its own seed into its columns of one send buffer, one
@@ -196,7 +196,7 @@ class QuantizedReduceScatter(GradReduceScatter):
 
 
 @dataclass(frozen=True)
-class _TwoHopPlan:
+class TwoHopPlan:
     """What a two-level reduce-scatter of one gradient shape does, fixed by its config, sizes
     and groups: the codecs of both hops, the row layout, the padded row length ``lp``, the
     runs of rounding slices that travel together, and the real (not padding) elements of each."""
@@ -209,18 +209,24 @@ class _TwoHopPlan:
     real: dict
 
     @classmethod
-    def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor) -> "_TwoHopPlan":
-        topo, g = comm.topology, comm.config.grads
+    def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor) -> "TwoHopPlan":
+        topo = comm.topology
+        host_moves_bytes = not all(pipelines_exchanges(x.device.type, dist.get_backend(grp))
+                                   for grp in (topo.intra_group, topo.inter_group))
+        return cls.of(comm.config.grads, x, topo.nodes, comm.layouts.get, host_moves_bytes)
+
+    @classmethod
+    def of(cls, g: GradComm, x: torch.Tensor, nodes: int, layout_of: Callable[..., RowLayout],
+           host_moves_bytes: bool) -> "TwoHopPlan":
+        """The plan of ``x`` (``[world, s]``) over ``nodes`` nodes; ``layout_of(s, unit, device)``
+        gives the row layout; ``host_moves_bytes``: :func:`pipelines_exchanges` is false for a hop."""
         world, s = x.shape
         hop1 = grad_codec(g, g.bits_intra, x.dtype)
         hop2 = grad_codec(g, g.bits_inter, torch.float32)
-        layout = comm.layouts.get(s, math.lcm(hop1.unit, hop2.unit), x.device)
+        layout = layout_of(s, math.lcm(hop1.unit, hop2.unit), x.device)
         lp = hop1.padded_len(layout.wire_length)
         bounds = pipeline_slices_bounds(lp, hop1, g.rounding_slices, g.pipeline_min_slice)
-        host_moves_bytes = not all(pipelines_exchanges(x.device.type, dist.get_backend(grp))
-                                   for grp in (topo.intra_group, topo.inter_group))
-        groups = exchange_groups(slice_bytes(hop1, hop2, bounds, world, topo.nodes),
-                                 exchange_min_bytes(g, host_moves_bytes))
+        groups = exchange_groups(slice_bytes(hop1, hop2, bounds, world, nodes), exchange_min_bytes(g, host_moves_bytes))
         per = bounds[0][1] - bounds[0][0]
         runs = tuple(SliceRun(r.start, len(r), per, lp) for r in groups)
         real = {run: sum(layout.real_elements(a, b) for a, b in run.bounds()) for run in runs}
