@@ -39,6 +39,19 @@ def _round_up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
 
 
+def _unused_gradient_fix() -> str:
+    """What a parameter that got no gradient in a step can do about it, in the installed torch
+    (torch 2.11's ``FSDPModule`` has no ``set_reduce_scatter_unused_params``; 2.13's has)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    frozen = "set requires_grad=False on it before quantize_comms"
+    if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        return ("call set_reduce_scatter_unused_params(True) on the module (FSDP2 then reduces a zero gradient "
+                f"for it), or {frozen}")
+    return (f"give it a gradient in every step (torch {torch.__version__}'s FSDP2 has no "
+            f"set_reduce_scatter_unused_params, torch 2.13's has), or {frozen}")
+
+
 @dataclass(frozen=True)
 class RowLayout:
     """The map between a shard row of ``length`` elements (FSDP2's order) and the codec's row of
@@ -74,8 +87,7 @@ class RowLayout:
                 f"qsdp: FSDP2 passed a shard row of {length} elements, but the group's parameters, which mix "
                 f"TP-replicated and TP-sharded ones, hold {total}; quantized as one row, the TP-replicated values "
                 "would be rounded differently on each TP rank and drift apart. A parameter that requires a gradient "
-                "got none this backward: call set_reduce_scatter_unused_params(True) on the module (FSDP2 then "
-                "reduces a zero gradient for it), or set requires_grad=False on it before quantize_comms")
+                f"got none this backward: {_unused_gradient_fix()}")
         starts, at = [], 0
         for n, _ in spans:
             starts.append(at)
