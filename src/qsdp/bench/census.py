@@ -295,7 +295,6 @@ def _inputs(shard: int, world: int, seed: int, dtype: torch.dtype) -> torch.Tens
 def _difference_step_calls(cfg: QuantConfig, topo: Topology, shard: int, groups: int, calls: int,
                            dtype: torch.dtype) -> list[Tally]:
     """The tallies of a training step's weight-difference gathers, ``calls`` steps after the first."""
-    world = topo.world_size
     tallies: list[Tally] = []
     # A training step's gathers: an optimizer step changed every group's parameters, so the
     # first gather agrees on the changes over the group (one host read for all the groups).
@@ -311,15 +310,23 @@ def _difference_step_calls(cfg: QuantConfig, topo: Topology, shard: int, groups:
                 p.copy_(_inputs(shard, 1, 1000 * i + c, dtype))
             tracker.after_optimizer_step()
         for i, comm in enumerate(comms):
-            out = torch.empty(world * shard, dtype=dtype)
-            shard_in = out.view(world, shard)[topo.rank]
-            shard_in.copy_(params[i])
-            with counting() as tally:
-                comm(out, shard_in, topo.group)
-            tally.wire.update(out.view(torch.uint8).numpy().tobytes())
+            tally = _gather_call(comm, topo, params[i], dtype)
             if c > 0:
                 tallies.append(tally)
     return tallies
+
+
+def _gather_call(comm: Any, topo: Topology, values: torch.Tensor, dtype: torch.dtype) -> Tally:
+    """One gather of ``values`` (this rank's shard) through ``comm``, counted, with its output's
+    bytes hashed."""
+    shard = values.numel()
+    out = torch.empty(topo.world_size * shard, dtype=dtype)
+    shard_in = out.view(topo.world_size, shard)[topo.rank]
+    shard_in.copy_(values)
+    with counting() as tally:
+        comm(out, shard_in, topo.group)
+    tally.wire.update(out.view(torch.uint8).numpy().tobytes())
+    return tally
 
 
 def _run_calls(cfg: QuantConfig, collective: str, topo: Topology, shard: int, groups: int, calls: int,
@@ -345,12 +352,7 @@ def _run_calls(cfg: QuantConfig, collective: str, topo: Topology, shard: int, gr
         comms = [cls(cfg, topo, i) for i in range(groups)]
         for c in range(calls + 1):
             for i, comm in enumerate(comms):
-                out = torch.empty(world * shard, dtype=dtype)
-                shard_in = out.view(world, shard)[topo.rank]
-                shard_in.copy_(_inputs(shard, 1, 1000 * i + c, dtype))
-                with counting() as tally:
-                    comm(out, shard_in, topo.group)
-                tally.wire.update(out.view(torch.uint8).numpy().tobytes())
+                tally = _gather_call(comm, topo, _inputs(shard, 1, 1000 * i + c, dtype), dtype)
                 if c > 0:
                     tallies.append(tally)
         return tallies
