@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install test test-all test-gpu gpu-report gpu-wheels demo clean
+.PHONY: install test test-all test-floor test-gpu gpu-report gpu-wheels demo clean
 
 # The package with its train extra (what the demo needs: corpus, plots, progress bar), then the
 # dev extra on top (what the tests need; it includes train and bench).
@@ -27,6 +27,22 @@ test: $(VENV)/.dev
 
 test-all: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The oldest torch the package accepts (pyproject: torch>=2.11), on the tests of the code that reads
+# FSDP2's private state or calls its newer API (qsdp/_fsdp2.py and its users). PyPI has no CPU build
+# of torch 2.11 for Linux: this takes its CUDA build (about 4.6 GB in .venv-floor), which runs on a
+# CPU; not part of `make test`.
+FLOOR_TORCH := torch==2.11.0
+FLOOR_TESTS := tests/test_fsdp2_internals.py tests/test_glue_guards.py tests/test_hsdp.py \
+	tests/test_native_hsdp.py tests/test_tp_replicas.py
+.venv-floor/.installed: pyproject.toml
+	test -x .venv-floor/bin/python || $(PYTHON) -m venv .venv-floor
+	.venv-floor/bin/python -m pip install -q --disable-pip-version-check "$(FLOOR_TORCH)" numpy pytest pytest-timeout hypothesis
+	.venv-floor/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $@
+
+test-floor: .venv-floor/.installed
+	.venv-floor/bin/python -m pytest -q -m "not slow and not gpu" -p no:cacheprovider $(FLOOR_TESTS)
 
 # On a CUDA machine where torch, triton and pytest are already installed and no package registry
 # is reachable: this checkout installed into that Python as it is (no extras: the smoke needs
