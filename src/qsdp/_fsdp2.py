@@ -40,6 +40,13 @@ def fsdp_state(module: nn.Module) -> Any:
     return module._get_fsdp_state()  # type: ignore[operator]
 
 
+def has_run(module: nn.Module) -> bool:
+    """Whether FSDP2 has run ``module``'s ``fully_shard`` call: its lazy init, at the first
+    forward through the root (``FSDPState._lazy_init``), sets ``_is_root`` from ``None`` to
+    ``True`` on the root's state and to ``False`` on every other state under it."""
+    return field(fsdp_state(module), "_is_root") is not None
+
+
 def param_groups(module: nn.Module) -> list[Any]:
     """The ``FSDPParamGroup`` objects of ``module``'s ``fully_shard`` call (none if it owns no
     parameter)."""
