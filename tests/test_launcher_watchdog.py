@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from qsdp.train.metrics import METRICS_FILE, read_metrics
+from qsdp.train.metrics import read_metrics, read_summary
 from qsdp.train.watchdog import StoppedWorkerWatch, pid_path, stopped_by
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "waitid"), reason="needs waitid (POSIX)")
@@ -116,6 +116,35 @@ def _env(tmp_path_factory, monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+def _stop_rank_1_after(steps: int, out: Path, launcher_files: Path) -> tuple[threading.Thread, dict]:
+    """A thread that sends SIGSTOP to rank 1's first worker once ``steps`` steps are logged in
+    ``out``; the dict gets its pid and the time (monotonic) of the stop."""
+    stop: dict[str, float | int] = {}
+
+    def run() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            try:  # files being written read as not there yet
+                if len(read_metrics(out)) < steps:
+                    continue
+                pid = int(next(launcher_files.glob("qsdp-errors-*")).joinpath(pid_path("", 1, 0)).read_text())
+            except (OSError, ValueError, StopIteration):
+                continue
+            os.kill(pid, signal.SIGSTOP)
+            stop.update(pid=pid, at=time.monotonic())
+            return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, stop
+
+
+def _train_argv(corpus: str, out: Path, *more: str) -> list[str]:
+    return ["train", "--preset", "sdp4bit", "--nproc", "2", "--batch-size", "4", "--seq-len", "32", "--data", corpus,
+            "--out", str(out), "--eval-every", "0", "--eval-batches", "2", "--no-progress", *more]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_worker_stopped_with_sigstop_ends_the_run_within_the_timeout_naming_its_rank(tmp_path, corpus, capsys,
@@ -130,28 +159,8 @@ def test_a_worker_stopped_with_sigstop_ends_the_run_within_the_timeout_naming_it
     out = tmp_path / "run"
     # The launcher's own files (each worker's pid among them) go to a temporary directory: this one.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    stop: dict[str, float | int] = {}
-
-    def stop_rank_1() -> None:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            time.sleep(0.1)
-            try:  # files being written read as not there yet
-                if len(read_metrics(out)) < 2:
-                    continue
-                pid = int(next(tmp_path.glob("qsdp-errors-*")).joinpath(pid_path("", 1, 0)).read_text())
-            except (OSError, ValueError, StopIteration):
-                continue
-            os.kill(pid, signal.SIGSTOP)
-            stop.update(pid=pid, at=time.monotonic())
-            return
-
-    stopper = threading.Thread(target=stop_rank_1, daemon=True)
-    stopper.start()
-    argv = ["train", "--preset", "sdp4bit", "--nproc", "2", "--batch-size", "4", "--seq-len", "32",
-            "--data", corpus, "--out", str(out), "--steps", "100", "--eval-every", "0", "--eval-batches", "2",
-            "--no-progress", "--timeout", str(timeout)]
-    assert main(argv) == 1
+    stopper, stop = _stop_rank_1_after(2, out, tmp_path)
+    assert main(_train_argv(corpus, out, "--steps", "100", "--timeout", str(timeout))) == 1
     ended = time.monotonic()
     stopper.join()
     assert stop, "rank 1's worker was not found"
@@ -162,3 +171,23 @@ def test_a_worker_stopped_with_sigstop_ends_the_run_within_the_timeout_naming_it
                         r"[0-9.]+ s, longer than the timeout \(10 s, --timeout\): its peers' collectives could not "
                         r"complete; the launcher killed it", lines[0]), lines[0]
     assert not Path(f"/proc/{stop['pid']}").exists()  # killed and reaped, nothing left behind
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_worker_stopped_with_sigstop_is_restarted_under_max_restarts_as_after_a_crash(tmp_path, corpus,
+                                                                                        monkeypatch):
+    """With `--max-restarts 1` and a checkpoint every 2 steps, rank 1 stopped after step 3: the
+    group restarts from step 2 and the run ends done, every step logged."""
+    from qsdp.cli import main
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stopper, stop = _stop_rank_1_after(3, out, tmp_path)
+    assert main(_train_argv(corpus, out, "--steps", "8", "--ckpt-every", "2", "--max-restarts", "1",
+                            "--timeout", "10")) == 0
+    stopper.join()
+    assert stop, "rank 1's worker was not found"
+    summary = read_summary(out)
+    assert (summary["restarts"], summary["start_step"], summary["steps"]) == (1, 2, 8)
+    assert not Path(f"/proc/{stop['pid']}").exists()
