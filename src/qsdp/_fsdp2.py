@@ -2,11 +2,11 @@
 
 FSDP2's public API sets a custom comm or a divide factor per module but cannot say which
 modules share one parameter group (``fully_shard([norm, output])`` makes two ``FSDPModule``
-objects over one group), whether a divide factor was set, or which process groups a group's
-all-gathers and reduce-scatter run over (the mesh it shards over, and the smaller one of
-``reshard_after_forward=<int>``), nor let the all-reduce hook replace native HSDP's
-all-reduce across the replicas (one field is changed for that), nor lay out a group's flat
-shard parameter by parameter. They are read and changed here
+objects over one group), whether FSDP2 already ran a model (its lazy init), whether a divide
+factor was set, or which process groups a group's all-gathers and reduce-scatter run over (the
+mesh it shards over, and the smaller one of ``reshard_after_forward=<int>``), nor let the
+all-reduce hook replace native HSDP's all-reduce across the replicas (one field is changed for
+that), nor lay out a group's flat shard parameter by parameter. They are read and changed here
 and nowhere else; ``tests/test_fsdp2_internals.py`` checks that these symbols still exist and
 behave so in the installed torch. Every field is read with :func:`field`: a torch that renamed
 one raises :class:`Fsdp2Changed` naming it, where a default would quietly change what qsdp does

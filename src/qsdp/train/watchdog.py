@@ -55,7 +55,9 @@ def _record_path(directory: Path, rank: int, attempt: int) -> Path:
 
 def stopped_by(pid: int) -> str | None:
     """The signal that keeps ``pid``, a child of this process, stopped now (``'SIGSTOP'``), or
-    ``None``: running, exited, or not a child of this process."""
+    ``None``: running, exited, or not a child of this process (or no ``waitid`` here to tell)."""
+    if not hasattr(os, "waitid") or not hasattr(os, "WSTOPPED"):
+        return None
     try:
         status = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
