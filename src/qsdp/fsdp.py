@@ -285,11 +285,10 @@ def quantize_comms(
 
     The config is validated first and then compared across ranks with one collective; both
     raise :class:`qsdp.ConfigError` naming the problem before any data moves. A model whose comms
-    are already qsdp's (``close()`` the first handle to replace them), one FSDP2 already ran
-    forward on its own comms, or one whose root was left out
-    of ``fully_shard`` while its blocks were sharded is refused, naming the fix, as is an uneven
-    TP split under a quantizing config (docs/reliability.md, "The FSDP2 glue"). On one node
-    (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
+    are already qsdp's (``close()`` the first handle to replace them), one FSDP2 already ran, or one
+    whose root ``fully_shard`` left out while its blocks were sharded is refused, naming the fix, as
+    is an uneven TP split under a quantizing config (docs/reliability.md, "The FSDP2 glue"). On one
+    node (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
     """
     cfg = resolve_config(config, overrides)
     layout = _read_layout(module, group, replicate_group)
