@@ -41,6 +41,22 @@ def test_the_all_gather_comm_a_module_calls_is_readable():
     assert run_world(_custom_comm_is_read_back, 2) == [(True, ["PlainAllGather"])] * 2
 
 
+def _lazy_init_seen(rank, world):
+    import torch
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fully_shard(model[0])
+    fully_shard(model)
+    before = [_fsdp2.has_run(model), _fsdp2.has_run(model[0])]
+    model(torch.ones(2, 8))
+    return before, [_fsdp2.has_run(model), _fsdp2.has_run(model[0])]
+
+
+def test_whether_fsdp2_has_run_a_model_is_readable():
+    # FSDP2's lazy init runs at the first forward through the root, for the root and its children.
+    assert run_world(_lazy_init_seen, 2) == [([False, False], [True, True])] * 2
+
+
 def _native_all_reduce_routed(rank, world):
     import torch
     import torch.distributed as dist
@@ -112,6 +128,9 @@ def _renamed(rank, world):
     del group.mesh_info.replicate_process_group
     with pytest.raises(_fsdp2.Fsdp2Changed, match="HSDPMeshInfo.replicate_process_group"):
         _fsdp2.route_replicate_all_reduce_to_hook(model, RankAloneGroup())
+    del _fsdp2.fsdp_state(model)._is_root
+    with pytest.raises(_fsdp2.Fsdp2Changed, match="FSDPState._is_root"):
+        _fsdp2.has_run(model)
     return not hasattr(group.mesh_info, "replicate_process_group")
 
 

@@ -257,3 +257,40 @@ def test_an_uneven_tp_split_on_a_stage_without_rank_0_is_refused_on_each_of_its_
     messages = run_world(_uneven_stage, 4, local_world_size=2)
     assert messages[:2] == [None, None]
     assert all(m is not None and "splits 1.weight, 1.bias unevenly" in m for m in messages[2:])
+
+
+# ------------------------------------------------------------------ quantize_comms once training started
+
+def _quantized_after_a_step(rank, world):
+    model = fm.build()
+    fm.train(model, 1, rank)  # one step on FSDP2's own comms
+    try:
+        qsdp.quantize_comms(model, "sdp4bit")
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_quantize_comms_after_a_training_step_is_refused_naming_the_first_forward():
+    assert run_world(_quantized_after_a_step, 2) == [
+        "quantize_comms after the model's first forward (FSDP2 already ran it with its own comms): call "
+        "quantize_comms after fully_shard and before the first forward"] * 2
+
+
+def _requantized_after_training(rank, world):
+    model = fm.build()
+    first = qsdp.quantize_comms(model, "sdp4bit")
+    fm.train(model, 1, rank)
+    before = first.comm_stats()
+    first.close()
+    second = qsdp.quantize_comms(model, "qsdp")
+    losses = fm.train(model, 1, rank)
+    return before["weights"]["total"]["bytes"], first.comm_stats(), second.comm_stats(), losses
+
+
+def test_a_trained_model_takes_new_comms_after_close_and_they_carry_its_traffic():
+    """The way to change a model's comms once it trained: close() the handle, quantize again."""
+    for first_step, first_after, second, losses in run_world(_requantized_after_training, 2):
+        assert first_step > 0 and first_after["weights"]["total"]["bytes"] == 0
+        assert second["weights"]["total"]["bytes"] > 0 and second["grads"]["total"]["bytes"] > 0
+        assert all(torch.isfinite(torch.tensor(losses)))

@@ -2,11 +2,11 @@
 
 FSDP2's public API sets a custom comm or a divide factor per module but cannot say which
 modules share one parameter group (``fully_shard([norm, output])`` makes two ``FSDPModule``
-objects over one group), whether a divide factor was set, or which process groups a group's
-all-gathers and reduce-scatter run over (the mesh it shards over, and the smaller one of
-``reshard_after_forward=<int>``), nor let the all-reduce hook replace native HSDP's
-all-reduce across the replicas (one field is changed for that), nor lay out a group's flat
-shard parameter by parameter. They are read and changed here
+objects over one group), whether FSDP2 already ran a model (its lazy init), whether a divide
+factor was set, or which process groups a group's all-gathers and reduce-scatter run over (the
+mesh it shards over, and the smaller one of ``reshard_after_forward=<int>``), nor let the
+all-reduce hook replace native HSDP's all-reduce across the replicas (one field is changed for
+that), nor lay out a group's flat shard parameter by parameter. They are read and changed here
 and nowhere else; ``tests/test_fsdp2_internals.py`` checks that these symbols still exist and
 behave so in the installed torch. Every field is read with :func:`field`: a torch that renamed
 one raises :class:`Fsdp2Changed` naming it, where a default would quietly change what qsdp does
@@ -38,6 +38,13 @@ def field(obj: Any, name: str) -> Any:
 def fsdp_state(module: nn.Module) -> Any:
     """The ``FSDPState`` shared by every module that one ``fully_shard`` call wrapped."""
     return module._get_fsdp_state()  # type: ignore[operator]
+
+
+def has_run(module: nn.Module) -> bool:
+    """Whether FSDP2 has run ``module``'s ``fully_shard`` call: its lazy init, at the first
+    forward through the root (``FSDPState._lazy_init``), sets ``_is_root`` from ``None`` to
+    ``True`` on the root's state and to ``False`` on every other state under it."""
+    return field(fsdp_state(module), "_is_root") is not None
 
 
 def param_groups(module: nn.Module) -> list[Any]:

@@ -17,8 +17,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.distributed.fsdp import FSDPModule
 
 from . import hsdp as _hsdp
-from ._fsdp2 import all_gather_comms, fsdp_state, gradient_divide_factor, has_custom_divide_factor, shard_groups, \
-    shard_row_spans, unevenly_split_params
+from ._fsdp2 import all_gather_comms, fsdp_state, gradient_divide_factor, has_custom_divide_factor, has_run, \
+    shard_groups, shard_row_spans, unevenly_split_params
 from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
 from .comm.base import GradReduceScatter, WeightAllGather
 from .comm.meter import METER, ByteMeter, Stats
@@ -220,14 +220,20 @@ def _no_fsdp2_module(module: nn.Module) -> ValueError:
 def _refuse_misuse(module: nn.Module, fsdp_modules: list[nn.Module]) -> None:
     """Raise naming the fix for a model that quantize_comms would set up wrongly without a word:
     one whose comms are already qsdp's (the second handle would take them over, and the first
-    one's meter would read 0), or a root that ``fully_shard`` left out while its children are
+    one's meter would read 0), one that FSDP2 already ran forward with its own comms (steps in
+    flight would mix comms; ``close()`` on a handle and quantizing again stays the way to change
+    a trained model's comms), or a root that ``fully_shard`` left out while its children are
     sharded (its own parameters would be neither sharded nor reduced across ranks)."""
-    current = next((c for m in fsdp_modules for c in all_gather_comms(m)
-                    if isinstance(c, WeightAllGather) and not c.closed), None)
+    comms = [c for m in fsdp_modules for c in all_gather_comms(m) if isinstance(c, WeightAllGather)]
+    current = next((c for c in comms if not c.closed), None)
     if current is not None:
         raise RuntimeError(
             f"quantize_comms was already called on this model (its {current.config.name!r} comms are attached): "
             "call close() on the handle it returned before quantizing again")
+    if not comms and any(has_run(m) for m in fsdp_modules):  # run, and never through a handle's close()
+        raise RuntimeError(
+            "quantize_comms after the model's first forward (FSDP2 already ran it with its own comms): call "
+            "quantize_comms after fully_shard and before the first forward")
     if isinstance(module, FSDPModule):
         return
     names = {id(m): n for n, m in module.named_modules()}
@@ -279,10 +285,10 @@ def quantize_comms(
 
     The config is validated first and then compared across ranks with one collective; both
     raise :class:`qsdp.ConfigError` naming the problem before any data moves. A model whose comms
-    are already qsdp's (``close()`` the first handle to replace them) or whose root was left out
-    of ``fully_shard`` while its blocks were sharded is refused, naming the fix, as is an uneven
-    TP split under a quantizing config (docs/reliability.md, "The FSDP2 glue"). On one node
-    (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
+    are already qsdp's (``close()`` the first handle to replace them), one FSDP2 already ran, or one
+    whose root ``fully_shard`` left out while its blocks were sharded is refused, naming the fix, as
+    is an uneven TP split under a quantizing config (docs/reliability.md, "The FSDP2 glue"). On one
+    node (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
     """
     cfg = resolve_config(config, overrides)
     layout = _read_layout(module, group, replicate_group)

@@ -5,7 +5,8 @@ Local workers are started by torch's elastic launcher (the machinery behind ``to
 c10d rendezvous on a free local port; with ``max_restarts`` it restarts them after a failure and
 a restarted group resumes from the run's last checkpoint. A failure inside the workers becomes
 one :class:`WorkerFailure` naming the root cause (the first rank that failed), not a traceback
-from every rank.
+from every rank. A worker stopped by a signal (SIGSTOP) for longer than ``--timeout`` is killed
+and named as that root cause (:mod:`qsdp.train.watchdog`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from qsdp.train.data import load_corpus
 from qsdp.train.files import atomic_write
 from qsdp.train.loop import train_worker
 from qsdp.train.preflight import Plan, preflight, prepare_dataset, require_packages
+from qsdp.train.watchdog import StoppedWorkerWatch, pid_path
 
 __all__ = ["UsageError", "WorkerFailure", "EXIT_USAGE", "run_training", "launch", "plan_run",
            "check_writable", "quiet_elastic_logs", "root_cause", "final_error"]
@@ -179,12 +181,12 @@ def _worker_entry(args: TrainArgs, plan: Plan, error_dir: str) -> dict[str, Any]
         # The elastic agent restarts on any failure; this one would fail the same way again
         # (--max-restarts is for crashes): end at once, and the launcher reports the error.
         return None
-    rank, attempt = os.environ.get("RANK", "-1"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-    with contextlib.suppress(OSError):  # for the launcher's DeathWatch: how this process ends
-        atomic_write(Path(error_dir) / f"rank{rank}.attempt{attempt}.pid", lambda f: f.write(str(os.getpid()).encode()))
+    rank, attempt = int(os.environ.get("RANK", "-1")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    with contextlib.suppress(OSError):  # for the launcher's watches: how this process ends, whether it is stopped
+        atomic_write(pid_path(error_dir, rank, attempt), lambda f: f.write(str(os.getpid()).encode()))
     try:
         summary = train_worker(args, plan)
-        return summary if int(os.environ.get("RANK", "0")) == 0 else None
+        return summary if rank == 0 else None
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
         rank = int(os.environ.get("RANK", "-1"))
         record = {
@@ -288,7 +290,8 @@ class DeathWatch:
 
 def root_cause(error_dir: Path, failures: dict[int, Any], out: str,
                deaths: dict[tuple[int, int], tuple[int, str | None, int | None]] | None = None) -> WorkerFailure:
-    """The failure to report, of the last attempt: the first rank's own error record; else the
+    """The failure to report, of the last attempt: the first rank's own error record (a rank stopped
+    by a signal counts from when the launcher first saw it stopped, before its peers' timeouts); else the
     rank that died first without one (killed, or an exit code of its own), as ``deaths``
     (:class:`DeathWatch`) or the elastic agent's ``failures`` saw it, before the peers that then
     lost their connection to it; else the first record."""
@@ -330,6 +333,8 @@ def _peers(records: list[dict[str, Any]]) -> str:
 
 
 def _record_failure(first: dict[str, Any], out: str) -> WorkerFailure:
+    if first.get("stopped"):  # the launcher's StoppedWorkerWatch wrote it: one line, no traceback
+        return WorkerFailure(first["message"])
     if first["user"]:
         return WorkerFailure(first["message"], EXIT_USAGE)
     message = f"rank {first['rank']}: {first['type']}: {first['message']}"
@@ -353,7 +358,7 @@ def launch(args: TrainArgs, plan: Plan, max_restarts: int = 0) -> dict[str, Any]
     error_dir = Path(tempfile.mkdtemp(prefix="qsdp-errors-"))
     watch = DeathWatch(error_dir)
     try:
-        with quiet_elastic_logs(), watch:
+        with quiet_elastic_logs(), watch, StoppedWorkerWatch(error_dir, args.timeout_s):
             results = launch_local(_worker_entry, nproc, args, plan, str(error_dir), max_restarts=max_restarts)
         if final_error(error_dir) is not None:  # the restart ended at once: report what it would repeat
             raise root_cause(error_dir, {}, args.out)

@@ -1,0 +1,140 @@
+"""Finding a local worker that was stopped (SIGSTOP), within about the collective timeout, by rank.
+
+A stopped rank answers no collective. Its peers only see a collective that times out, and the
+elastic agent, told of their exit, sends it SIGTERM, which a stopped process never acts on: the
+job then waited for the agent's own deadline (30 s) before its SIGKILL, and the error named the
+peer whose collective timed out.
+
+The launcher, the workers' parent and not stopped itself, sees the stop: ``waitid(WSTOPPED |
+WNOWAIT)`` reports a child stopped by a signal without taking the report from anyone.
+:class:`StoppedWorkerWatch` looks at every worker ten times per timeout; a worker seen stopped
+at every look for longer than the timeout gets a failure record (its rank, pid and host, and the
+signal) where the workers write theirs, and is then killed with SIGKILL, which a stopped process
+cannot ignore: the job ends, or restarts under ``--max-restarts``, as after a crash. A worker
+that is slow but running (a long first step, a checkpoint save, a compile, a wait in a collective)
+is never stopped, so never taken for one: its peers' collective timeout stays the bound for it.
+
+A heartbeat from a thread of each worker was tried first and dropped: a worker's threads can all
+be held for seconds while it runs (a live rank 0 went 5.7 s without a beat, under ``--timeout 5``
+on a loaded machine, before its first step), so a missing beat does not tell a stopped rank from
+a busy one. Only the local launcher can watch this way: under ``torchrun`` the ranks are not its
+children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from qsdp.train.files import atomic_write
+
+__all__ = ["StoppedWorkerWatch", "look_interval", "pid_path"]
+
+
+def look_interval(timeout_s: float) -> float:
+    """Seconds between two looks of the watch: ten per timeout, at most one a second."""
+    return min(1.0, timeout_s / 10)
+
+
+def pid_path(directory: str | Path, rank: int, attempt: int) -> Path:
+    """Where a launched worker writes its pid (the launcher's watches read it)."""
+    return Path(directory) / f"rank{rank}.attempt{attempt}.pid"
+
+
+def _record_path(directory: Path, rank: int, attempt: int) -> Path:
+    # Matches the launcher's ``rank*.json`` records; its own name, so a rank's record is never replaced.
+    return directory / f"rank{rank}.attempt{attempt}.stopped.json"
+
+
+def stopped_by(pid: int) -> str | None:
+    """The signal that keeps ``pid``, a child of this process, stopped now (``'SIGSTOP'``), or
+    ``None``: running, exited, or not a child of this process (or no ``waitid`` here to tell)."""
+    if not hasattr(os, "waitid") or not hasattr(os, "WSTOPPED"):
+        return None
+    try:
+        status = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if status is None or status.si_code != os.CLD_STOPPED:
+        return None
+    try:
+        return signal.Signals(status.si_status).name
+    except ValueError:
+        return f"signal {status.si_status}"
+
+
+class StoppedWorkerWatch:
+    """In the launcher, for the workers whose pid files are in ``directory``
+    (``rank{R}.attempt{A}.pid``): a worker stopped by a signal at every look for longer than
+    ``timeout_s`` gets a failure record naming it and is killed. Times are the launcher's own
+    monotonic clock; a look that comes late (the launcher itself was stopped, as by Ctrl-Z on the
+    job, and continued with its workers) starts every count again. ``stopped``:
+    ``(attempt, rank) -> record`` of each worker it killed."""
+
+    def __init__(self, directory: str | Path, timeout_s: float) -> None:
+        self.directory, self.timeout_s = Path(directory), timeout_s
+        self.interval_s = look_interval(timeout_s)
+        self.host = socket.gethostname()
+        self.stopped: dict[tuple[int, int], dict[str, Any]] = {}
+        self._since: dict[tuple[int, int], tuple[float, float]] = {}  # seen stopped since (monotonic, wall)
+        self._last_look: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="qsdp-stopped-worker-watch", daemon=True)
+
+    def __enter__(self) -> "StoppedWorkerWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.look()
+
+    def look(self) -> None:
+        """One look at every worker."""
+        now, wall = time.monotonic(), time.time()
+        if self._last_look is not None and now - self._last_look > self.timeout_s / 2:
+            self._since.clear()  # this process did not run in between: what it saw before says nothing
+        self._last_look = now
+        for path in self.directory.glob("rank*.attempt*.pid"):
+            rank, attempt = (int(x) for x in path.name[4:-4].split(".attempt"))
+            key = (attempt, rank)
+            if key in self.stopped:
+                continue
+            try:
+                pid = int(path.read_text())
+            except (OSError, ValueError):  # not written yet
+                continue
+            how = stopped_by(pid)
+            if how is None:
+                self._since.pop(key, None)
+                continue
+            since = self._since.setdefault(key, (now, wall))
+            if now - since[0] > self.timeout_s:
+                self._kill(rank, attempt, pid, how, now - since[0], since[1])
+
+    def _kill(self, rank: int, attempt: int, pid: int, how: str, stopped_s: float, since: float) -> None:
+        record = {
+            "rank": rank, "attempt": attempt, "time": since, "type": "RankStopped", "user": False,
+            "secondary": False, "stopped": True, "pid": pid, "host": self.host, "traceback": "",
+            "message": (f"rank {rank} (pid {pid} on host {self.host!r}) was stopped by {how} for {stopped_s:.1f} s, "
+                        f"longer than the timeout ({self.timeout_s:g} s, --timeout): its peers' collectives could not "
+                        "complete; the launcher killed it"),
+        }
+        # The record first: the job's end, which the kill starts, reports it.
+        with contextlib.suppress(OSError):
+            atomic_write(_record_path(self.directory, rank, attempt),
+                         lambda f: f.write(json.dumps(record).encode("utf-8")))
+        self.stopped[(attempt, rank)] = record
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,193 @@
+"""A local worker stopped by a signal (SIGSTOP) is found by the launcher within about the
+collective timeout, named and killed; a worker that runs, however busy, is never taken for one.
+
+The watch (:mod:`qsdp.train.watchdog`) runs on real processes here: children of the test, as
+the workers are the launcher's, stopped or not; and a real ``qsdp train --nproc 2`` whose rank 1
+gets SIGSTOP from outside, as a user (or a debugger) would send it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from qsdp.train.metrics import read_metrics, read_summary
+from qsdp.train.watchdog import StoppedWorkerWatch, pid_path, stopped_by
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "waitid"), reason="needs waitid (POSIX)")
+
+def _worker(directory: Path, rank: int) -> subprocess.Popen:
+    """A child (it sleeps: running or not is what counts), with its pid where a launched worker
+    of ``rank`` writes it."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pid_path(directory, rank, 0).write_text(str(child.pid))
+    return child
+
+
+def _stop(child: subprocess.Popen) -> None:
+    os.kill(child.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while stopped_by(child.pid) is None and time.monotonic() < deadline:  # the kernel stops it at once, mostly
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_worker_is_killed_within_the_timeout_and_named(tmp_path):
+    timeout = 1.0
+    child = _worker(tmp_path, 3)
+    with StoppedWorkerWatch(tmp_path, timeout) as watch:
+        stopped = time.monotonic()
+        _stop(child)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+        found = time.monotonic() - stopped
+    # The timeout, plus at most two looks of the watch (and this machine's load).
+    assert timeout < found < timeout + 2, found
+    record = json.loads((tmp_path / "rank3.attempt0.stopped.json").read_text())
+    assert watch.stopped == {(0, 3): record}
+    assert (record["rank"], record["pid"], record["user"], record["secondary"]) == (3, child.pid, False, False)
+    assert re.fullmatch(rf"rank 3 \(pid {child.pid} on host '[^']+'\) was stopped by SIGSTOP for [0-9.]+ s, longer "
+                        r"than the timeout \(1 s, --timeout\): its peers' collectives could not complete; the "
+                        r"launcher killed it", record["message"]), record["message"]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_runs_or_is_stopped_for_less_than_the_timeout_is_left_alone(tmp_path):
+    timeout = 1.0
+    running, paused = _worker(tmp_path, 0), _worker(tmp_path, 1)
+    try:
+        with StoppedWorkerWatch(tmp_path, timeout) as watch:
+            _stop(paused)
+            time.sleep(timeout / 2)
+            os.kill(paused.pid, signal.SIGCONT)
+            time.sleep(2 * timeout)
+            assert watch.stopped == {}
+        assert running.poll() is None and paused.poll() is None
+    finally:
+        for child in (running, paused):
+            child.kill()
+            child.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_look_that_comes_late_starts_the_count_again(tmp_path):
+    """The launcher stopped with its workers (Ctrl-Z on the job) and continued: its workers'
+    time stopped before then is not counted, though one of them is still stopped at its first look."""
+    timeout = 1.0
+    child = _worker(tmp_path, 0)
+    try:
+        _stop(child)
+        watch = StoppedWorkerWatch(tmp_path, timeout)
+        watch.look()
+        time.sleep(1.5 * timeout)  # the launcher did not look for longer than the timeout
+        late = time.time()
+        watch.look()
+        assert watch.stopped == {} and child.poll() is None
+        while not watch.stopped and time.time() - late < 5 * timeout:
+            time.sleep(0.2 * timeout)
+            watch.look()
+        # Killed, counted from the late look.
+        assert list(watch.stopped) == [(0, 0)] and child.wait(timeout=30) == -signal.SIGKILL
+        assert watch.stopped[(0, 0)]["time"] >= late
+        assert time.time() - late > timeout
+    finally:
+        child.kill()
+        child.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the real command line
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _stop_rank_1_after(steps: int, out: Path, launcher_files: Path) -> tuple[threading.Thread, dict]:
+    """A thread that sends SIGSTOP to rank 1's first worker once ``steps`` steps are logged in
+    ``out``; the dict gets its pid and the time (monotonic) of the stop."""
+    stop: dict[str, float | int] = {}
+
+    def run() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            try:  # files being written read as not there yet
+                if len(read_metrics(out)) < steps:
+                    continue
+                pid = int(next(launcher_files.glob("qsdp-errors-*")).joinpath(pid_path("", 1, 0)).read_text())
+            except (OSError, ValueError, StopIteration):
+                continue
+            os.kill(pid, signal.SIGSTOP)
+            stop.update(pid=pid, at=time.monotonic())
+            return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, stop
+
+
+def _train_argv(corpus: str, out: Path, *more: str) -> list[str]:
+    return ["train", "--preset", "sdp4bit", "--nproc", "2", "--batch-size", "4", "--seq-len", "32", "--data", corpus,
+            "--out", str(out), "--eval-every", "0", "--eval-batches", "2", "--no-progress", *more]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_worker_stopped_with_sigstop_ends_the_run_within_the_timeout_naming_its_rank(tmp_path, corpus, capsys,
+                                                                                      monkeypatch):
+    """Rank 1 of `qsdp train --nproc 2 --timeout 10` gets SIGSTOP after step 2: the run ends
+    (exit 1) about the timeout later with one line naming rank 1 and its pid. It took the
+    timeout plus the elastic agent's 30 s wait for a SIGTERM the stopped process never acted
+    on, and named rank 0, whose collective timed out."""
+    from qsdp.cli import main
+
+    timeout = 10
+    out = tmp_path / "run"
+    # The launcher's own files (each worker's pid among them) go to a temporary directory: this one.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stopper, stop = _stop_rank_1_after(2, out, tmp_path)
+    assert main(_train_argv(corpus, out, "--steps", "100", "--timeout", str(timeout))) == 1
+    ended = time.monotonic()
+    stopper.join()
+    assert stop, "rank 1's worker was not found"
+    assert ended - stop["at"] < timeout + 5, ended - stop["at"]
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("qsdp:")]
+    assert len(lines) == 1, lines
+    assert re.fullmatch(rf"qsdp: error: rank 1 \(pid {stop['pid']} on host '[^']+'\) was stopped by SIGSTOP for "
+                        r"[0-9.]+ s, longer than the timeout \(10 s, --timeout\): its peers' collectives could not "
+                        r"complete; the launcher killed it", lines[0]), lines[0]
+    assert not Path(f"/proc/{stop['pid']}").exists()  # killed and reaped, nothing left behind
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_worker_stopped_with_sigstop_is_restarted_under_max_restarts_as_after_a_crash(tmp_path, corpus,
+                                                                                        monkeypatch):
+    """With `--max-restarts 1` and a checkpoint every 2 steps, rank 1 stopped after step 3: the
+    group restarts from step 2 and the run ends done, every step logged."""
+    from qsdp.cli import main
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stopper, stop = _stop_rank_1_after(3, out, tmp_path)
+    assert main(_train_argv(corpus, out, "--steps", "8", "--ckpt-every", "2", "--max-restarts", "1",
+                            "--timeout", "10")) == 0
+    stopper.join()
+    assert stop, "rank 1's worker was not found"
+    summary = read_summary(out)
+    assert (summary["restarts"], summary["start_step"], summary["steps"]) == (1, 2, 8)
+    assert not Path(f"/proc/{stop['pid']}").exists()
