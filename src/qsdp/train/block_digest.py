@@ -58,6 +58,14 @@ class BlockDigest:
         end = min(offset + view.nbytes, self.size)
         first = -(-offset // BLOCK)
         last = end // BLOCK if end < self.size else self.count  # exclusive; the short last block ends at size
+        if first >= last:
+            return
+        if not any(self._done[first:last]):  # the usual case: one slice assignment for the run
+            ends = [min((i + 1) * BLOCK, self.size) - offset for i in range(first, last)]
+            self._digests[16 * first:16 * last] = b"".join(
+                _hash(view[i * BLOCK - offset:e]) for i, e in zip(range(first, last), ends))
+            self._done[first:last] = b"\x01" * (last - first)
+            return
         for i in range(first, last):
             if not self._done[i]:
                 start = i * BLOCK

@@ -35,9 +35,9 @@ class _HashingStream:
     them, and holds no copy of the data (what the writer passes may be freed once ``write``
     returns)."""
 
-    def __init__(self, raw: Any, path: Path) -> None:
-        self.raw, self.path = raw, path
-        self.hasher, self.hashed, self.exact = new_hasher(), 0, True
+    def __init__(self, raw: Any, path: Path, algorithm: str) -> None:
+        self.raw, self.path, self.algorithm = raw, path, algorithm
+        self.hasher, self.hashed, self.exact = new_hasher(algorithm), 0, True
         self._handed, self._closed = 0, False  # bytes handed to the OS; whether the writer is done
         self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._hash_behind, name="qsdp-digest", daemon=True)
@@ -85,21 +85,21 @@ class _HashingStream:
             self.exact = False  # hashed from the file once it is complete instead
 
     def digest(self) -> dict[str, Any]:
-        """``{WRITTEN: digest, "bytes": size}`` of the file, once the writer has closed it."""
+        """``{algorithm: digest, "bytes": size}`` of the file, once the writer has closed it."""
         with self._ready:
             self._closed = True
             self._ready.notify()
         self._thread.join()
         if self.exact and self.hashed == self._handed:
-            return {WRITTEN: self.hasher.hexdigest(), "bytes": self.hashed}
-        digest, size = file_digest(self.path)
-        return {WRITTEN: digest, "bytes": size}
+            return {self.algorithm: self.hasher.hexdigest(), "bytes": self.hashed}
+        digest, size = file_digest(self.path, self.algorithm)
+        return {self.algorithm: digest, "bytes": size}
 
 
 class _DigestingFileSystem(FileSystem):
-    def __init__(self, digests: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, digests: dict[str, dict[str, Any]], algorithm: str) -> None:
         super().__init__()
-        self.digests = digests
+        self.digests, self.algorithm = digests, algorithm
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -108,7 +108,7 @@ class _DigestingFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as raw:
-            stream = _HashingStream(raw, Path(path))
+            stream = _HashingStream(raw, Path(path), self.algorithm)
             try:
                 yield stream
             finally:
@@ -129,9 +129,10 @@ class _DigestingFileSystem(FileSystem):
 
 class DigestingWriter(FileSystemWriter):
     """``FileSystemWriter`` whose ``digests`` map every file this rank wrote (its name in the
-    checkpoint directory) to ``{"xxh3-128-64k": ..., "bytes": ...}`` (:data:`qsdp.train.integrity.WRITTEN`)."""
+    checkpoint directory) to ``{algorithm: digest, "bytes": size}``; ``algorithm``: by default
+    what a save writes (:data:`qsdp.train.integrity.WRITTEN`)."""
 
-    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+    def __init__(self, path: str | os.PathLike, *, algorithm: str = WRITTEN, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.digests: dict[str, dict[str, Any]] = {}
-        self.fs = _DigestingFileSystem(self.digests)
+        self.fs = _DigestingFileSystem(self.digests, algorithm)

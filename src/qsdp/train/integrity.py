@@ -49,8 +49,9 @@ from torch.distributed.tensor import DTensor
 
 from .block_digest import ALGORITHM, AVAILABLE, SequentialDigest, file_block_digest
 
-__all__ = ["DIGEST_FILE", "ALGORITHM", "WRITTEN", "new_hasher", "DigestMismatch", "NotShared", "file_digest", "write_digests", "read_digests",
-           "verify_digests", "hashed_while_loading", "agree_on_digests", "nonfinite_state", "state_verified"]
+__all__ = ["DIGEST_FILE", "ALGORITHM", "WRITTEN", "new_hasher", "DigestMismatch", "NotShared", "file_digest",
+           "write_digests", "read_digests", "verify_digests", "hashed_while_loading", "agree_on_digests",
+           "nonfinite_state", "state_verified"]
 
 DIGEST_FILE = "digests.json"
 _CHUNK = 1 << 20
@@ -99,10 +100,11 @@ class NotShared(Exception):
     not one shared directory. The message names the rank, the file and where it went."""
 
 
-def write_digests(directory: str | os.PathLike, state_finite: bool, written: dict[str, dict[str, Any]]) -> None:
+def write_digests(directory: str | os.PathLike, state_finite: bool, written: dict[str, dict[str, Any]],
+                  algorithm: str = WRITTEN) -> None:
     """Collective, after every file of the checkpoint in ``directory`` was written: write
     ``digests.json`` on rank 0. ``written``: the files this rank wrote, with their digests
-    (``{WRITTEN: hex, "bytes": n}``, hashed as they were written:
+    (``{algorithm: hex, "bytes": n}``, hashed as they were written:
     :class:`qsdp.train.digest_writer.DigestingWriter`). Rank 0 alone lists the directory, once;
     it hashes the files no rank reported (its own JSON files) and checks that it sees every file
     every rank wrote: :class:`NotShared` on every rank otherwise, and no digest list is written."""
@@ -122,10 +124,10 @@ def write_digests(directory: str | os.PathLike, state_finite: bool, written: dic
             files.update(entries)
         if verdict[0] is None:
             for name in sorted(names - files.keys()):  # rank 0's own JSON files, or another writer's
-                digest, size = file_digest(directory / name)
-                files[name] = {WRITTEN: digest, "bytes": size}
+                digest, size = file_digest(directory / name, algorithm)
+                files[name] = {algorithm: digest, "bytes": size}
             with open(directory / DIGEST_FILE, "w", encoding="utf-8") as f:
-                json.dump({"algorithm": WRITTEN, "state_finite": bool(state_finite),
+                json.dump({"algorithm": algorithm, "state_finite": bool(state_finite),
                            "files": dict(sorted(files.items()))}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
