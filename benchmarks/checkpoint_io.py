@@ -19,7 +19,9 @@ file behind the writer; at load, every file hashed before DCP reads it).
 
 Each time is the slowest rank's (a barrier before and after); every other repeat runs the kinds
 with digests first. The median over the repeats is reported with ``overhead_pct`` = digests /
-without - 1. The files are written with fsync (DCP's default) and read back from the page cache,
+without - 1; ``cpu_s`` / ``cpu_overhead_pct`` do the same with the CPU seconds of every rank's
+process (all its threads) summed: on a machine shared with other work, wall times swing with
+the others' load, the CPU time the digests add much less. The files are written with fsync (DCP's default) and read back from the page cache,
 as a resume soon after a save reads them. Also reported: ``reread_pct``, the share of the
 payloads the load read again apart from DCP's reads (blocks no read held whole), and
 ``hash_gb_per_s``, one core's speed of each hash over 256 MiB in memory on this machine.
@@ -50,16 +52,19 @@ PROG = "python -m benchmarks.checkpoint_io"
 __all__ = ["main"]
 
 
-def _timed(fn: Any) -> float:
-    """Seconds ``fn()`` took on the slowest rank."""
+def _timed(fn: Any) -> tuple[float, float]:
+    """Seconds ``fn()`` took on the slowest rank, and the CPU seconds it took on all ranks (every
+    thread of each rank's process: the hashing threads too)."""
     import torch.distributed as dist
 
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fn()
-    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took.item())
+    wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    used = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(used)
+    return float(wall.item()), float(used.item())
 
 
 def _hash_speeds(nbytes: int = 256 << 20) -> dict[str, float]:
@@ -122,6 +127,7 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
     state = {"model": model_sd, "optim": optim_sd}
     cpu = torch.device("cpu")
     times: dict[str, list[float]] = {k: [] for k in ("save", "save_digests", "load", "load_digests")}
+    cpu_times: dict[str, list[float]] = {k: [] for k in times}
     reread = torch.zeros(2, dtype=torch.float64)  # payload bytes read again, payload bytes
     for r in range(repeats):
         plain, hashed = Path(root) / f"plain{r}", Path(root) / f"digests{r}"
@@ -146,7 +152,9 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
         if r % 2:  # every other repeat with digests first: neither kind always follows the other
             runs = [runs[1], runs[0], runs[3], runs[2]]
         for kind, fn in runs:
-            times[kind].append(_timed(fn))
+            wall, cpu_s = _timed(fn)
+            times[kind].append(wall)
+            cpu_times[kind].append(cpu_s)
         dist.barrier()
         if rank == 0:
             size = sum(f.stat().st_size for f in plain.iterdir())
@@ -158,24 +166,29 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
     if rank:
         return None
     return {"checkpoint_bytes": size, "layers": layers, "dim": dim, "algorithm": algorithm,
-            "reread_pct": 100 * float(reread[0] / reread[1]) if reread[1] else 0.0, "times_s": times}
+            "reread_pct": 100 * float(reread[0] / reread[1]) if reread[1] else 0.0, "times_s": times,
+            "cpu_s": cpu_times}
+
+
+def _overhead(med: dict[str, float]) -> dict[str, float]:
+    return {"save": 100 * (med["save_digests"] / med["save"] - 1), "load": 100 * (med["load_digests"] / med["load"] - 1)}
 
 
 def _summary(raw: dict[str, Any]) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in raw["times_s"].items()}
-    return {**raw, "median_s": med,
-            "overhead_pct": {"save": 100 * (med["save_digests"] / med["save"] - 1),
-                             "load": 100 * (med["load_digests"] / med["load"] - 1)}}
+    cpu = {k: statistics.median(v) for k, v in raw["cpu_s"].items()}
+    return {**raw, "median_s": med, "overhead_pct": _overhead(med), "median_cpu_s": cpu, "cpu_overhead_pct": _overhead(cpu)}
 
 
 def _text(result: dict[str, Any]) -> str:
-    m, o = result["median_s"], result["overhead_pct"]
+    m, o, c = result["median_s"], result["overhead_pct"], result["cpu_overhead_pct"]
     speeds = ", ".join(f"{k} {v:.2f}" for k, v in result["hash_gb_per_s"].items())
     return (f"checkpoint of {result['checkpoint_bytes'] / 1e9:.2f} GB on {result['nproc']} ranks, "
             f"{result['algorithm']} digests, median of {len(result['times_s']['save'])}:\n"
-            f"  save: {m['save']:.2f} s without digests, {m['save_digests']:.2f} s with ({o['save']:+.1f}%)\n"
+            f"  save: {m['save']:.2f} s without digests, {m['save_digests']:.2f} s with ({o['save']:+.1f}%; "
+            f"CPU time {c['save']:+.1f}%)\n"
             f"  load: {m['load']:.2f} s without digests, {m['load_digests']:.2f} s with ({o['load']:+.1f}%; "
-            f"{result['reread_pct']:.1f}% of the payloads read again)\n"
+            f"CPU time {c['load']:+.1f}%; {result['reread_pct']:.1f}% of the payloads read again)\n"
             f"  one core hashes (GB/s): {speeds}")
 
 

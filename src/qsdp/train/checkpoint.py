@@ -708,12 +708,15 @@ def load_checkpoint(
     (pipeline stages): lists of the parts, their optimizers and their handles, as
     :func:`save_checkpoint` took.
 
-    Before anything is loaded, every file is checked against the digests written at save; every
-    non-tensor item (the rank blobs, optimizer ``param_groups`` entries) and DCP's metadata are
-    read as plain data only, never by a full unpickler; after the load, the model and optimizer
-    state are checked finite. A checkpoint that fails any of these, like a missing file, is a
-    :class:`CheckpointError` on every rank naming the file (or item, or tensor) and the
-    previous complete checkpoint. Anything else (an I/O error, out of memory, a collective's
+    Every file is checked against the digests written at save: its presence and size, and the
+    digests of the small files, before DCP reads anything; the payloads' digests as DCP reads
+    them, agreed on every rank before this returns or uses any loaded value (a damaged payload
+    may leave the model and optimizer partly overwritten: load another checkpoint into them).
+    Every non-tensor item (the rank blobs, optimizer ``param_groups`` entries) and DCP's
+    metadata are read as plain data only, never by a full unpickler; after the load, the model
+    and optimizer state are checked finite. A checkpoint that fails any of these, like a missing
+    file, is a :class:`CheckpointError` on every rank naming the file (or item, or tensor) and
+    the previous complete checkpoint. Anything else (an I/O error, out of memory, a collective's
     error) keeps its type on the rank where it happened (:class:`PeerLoadError` on the others
     where it happened inside DCP's load).
     """
