@@ -21,10 +21,11 @@ Each time is the slowest rank's (a barrier before and after); every other repeat
 with digests first. The median over the repeats is reported with ``overhead_pct`` = digests /
 without - 1; ``cpu_s`` / ``cpu_overhead_pct`` do the same with the CPU seconds of every rank's
 process (all its threads) summed: on a machine shared with other work, wall times swing with
-the others' load, the CPU time the digests add much less. The files are written with fsync (DCP's default) and read back from the page cache,
-as a resume soon after a save reads them. Also reported: ``reread_pct``, the share of the
-payloads the load read again apart from DCP's reads (blocks no read held whole), and
-``hash_gb_per_s``, one core's speed of each hash over 256 MiB in memory on this machine.
+the others' load, the CPU time the digests add much less. The files are written with fsync
+(DCP's default) and read back from the page cache, as a resume soon after a save reads them.
+Also reported: ``reread_pct``, the share of the payloads the load read again apart from DCP's
+reads (blocks no read held whole), and ``hash_gb_per_s``, one core's speed of each hash over
+256 MiB in memory on this machine.
 
 ``--json`` prints one JSON object; ``--save FILE`` also writes it with ``meta`` (command, torch
 version, date, device, and the machine's 1-minute load average before and after: hashing is CPU
@@ -171,13 +172,15 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
 
 
 def _overhead(med: dict[str, float]) -> dict[str, float]:
-    return {"save": 100 * (med["save_digests"] / med["save"] - 1), "load": 100 * (med["load_digests"] / med["load"] - 1)}
+    return {"save": 100 * (med["save_digests"] / med["save"] - 1),
+            "load": 100 * (med["load_digests"] / med["load"] - 1)}
 
 
 def _summary(raw: dict[str, Any]) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in raw["times_s"].items()}
     cpu = {k: statistics.median(v) for k, v in raw["cpu_s"].items()}
-    return {**raw, "median_s": med, "overhead_pct": _overhead(med), "median_cpu_s": cpu, "cpu_overhead_pct": _overhead(cpu)}
+    return {**raw, "median_s": med, "overhead_pct": _overhead(med),
+            "median_cpu_s": cpu, "cpu_overhead_pct": _overhead(cpu)}
 
 
 def _text(result: dict[str, Any]) -> str:

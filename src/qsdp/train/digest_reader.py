@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from .block_digest import ALGORITHM, BlockDigest
-from .integrity import MISMATCH, RESIZED, UNREADABLE
+from .integrity import MISMATCH, MISSING, RESIZED, UNREADABLE
 from .plain_data import PlainDataReader
 
 __all__ = ["DigestingReader"]
@@ -133,7 +133,7 @@ class DigestingReader(PlainDataReader):
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                return name, 0
+                return name, MISSING
             except OSError:
                 return name, UNREADABLE
             try:

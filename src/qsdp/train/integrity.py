@@ -10,8 +10,9 @@ optimizer state are finite.
 Every file of the checkpoint but ``digests.json`` itself is listed, its digest under the name of
 the algorithm. ``xxh3-128-64k`` (:mod:`qsdp.train.block_digest`) is what a save writes
 (``sha256`` where the ``xxhash`` package is missing); a list of qsdp before it (``"sha256"``,
-SHA-256 of each file) is still read and verified, by a full read of every file before the load. The digests guard against damage (a changed, truncated,
-missing or unlisted file), not against someone who rewrites files and list together.
+SHA-256 of each file) is still read and verified, by a full read of every file before the
+load. The digests guard against damage (a changed, truncated, missing or unlisted file), not
+against someone who rewrites files and list together.
 
 At save, each rank hashes the DCP files it writes while writing them (no extra read:
 :mod:`qsdp.train.digest_writer`) and sends the digests to rank 0, which alone lists the
@@ -57,7 +58,7 @@ DIGEST_FILE = "digests.json"
 _CHUNK = 1 << 20
 # Why a file failed, in the order an all-reduce MIN prefers them; the last one names the algorithm.
 _REASONS = ("is missing", "cannot be read", "has another size than at save", "does not match its digest")
-MISMATCH, UNREADABLE, RESIZED = 3, 1, 2  # indices into _REASONS that other modules report
+MISSING, UNREADABLE, RESIZED, MISMATCH = range(4)  # indices into _REASONS
 
 
 def _sha256(path: str | os.PathLike) -> tuple[str, int]:
@@ -174,7 +175,7 @@ def hashed_while_loading(digests: dict[str, Any]) -> frozenset[str]:
 def _check_file(path: Path, entry: dict[str, Any], algorithm: str, hash_it: bool) -> int | None:
     """The index in ``_REASONS`` of what is wrong with ``path``, or ``None``."""
     if not path.is_file():
-        return 0
+        return MISSING
     try:
         size = path.stat().st_size
         digest = file_digest(path, algorithm)[0] if hash_it and size == entry["bytes"] else None
