@@ -150,6 +150,23 @@ def test_a_byte_flipped_anywhere_in_any_file_is_refused_naming_it(good, tmp_path
     assert run_world(_load_each, 2, [str(copy) for copy, _ in cases], timeout=120) == [expected, expected]
 
 
+def test_a_damaged_payload_is_refused_when_loaded_on_another_number_of_ranks(good, tmp_path):
+    """Saved by 2 ranks, loaded by 1: it reads both payloads but not every byte (the other
+    rank's blob, zip headers); a byte flipped in the middle of each is found all the same."""
+    source = good / CHECKPOINT_DIR / step_dirname(3)
+    cases = []
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        copy = tmp_path / name / step_dirname(3)
+        shutil.copytree(source, copy)
+        data = bytearray((copy / name).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (copy / name).write_bytes(bytes(data))
+        cases.append((copy, name))
+    assert run_world(_load_each, 1, [str(copy) for copy, _ in cases], timeout=90) == [[
+        f"checkpoint {copy} is damaged: {name} does not match its digest ({ALGORITHM}) written at save; "
+        "no earlier complete checkpoint is left" for copy, name in cases]]
+
+
 def test_a_checkpoint_whose_digests_are_sha256_loads(good, tmp_path):
     """What qsdp wrote before xxh3-128-64k still loads, verified."""
     out = _copy(good, tmp_path)
