@@ -8,15 +8,27 @@ of ``--dim``), then, ``--repeats`` times in turn, on every rank:
   :class:`~qsdp.train.digest_writer.DigestingWriter` (every file hashed as it is written) and
   :func:`~qsdp.train.integrity.write_digests` (gathered to rank 0, which lists the directory once
   and writes ``digests.json``), against DCP's own ``FileSystemWriter``;
-- ``load``: :func:`~qsdp.train.integrity.verify_digests` (every file hashed again, shared by the
-  ranks) then DCP's load through qsdp's plain-data reader and planner, against DCP's own load.
+- ``load``: what :func:`~qsdp.train.checkpoint.load_checkpoint` does:
+  :func:`~qsdp.train.integrity.verify_digests` (sizes, unlisted files, the digest of every file
+  but the payloads), DCP's load through :class:`~qsdp.train.digest_reader.DigestingReader`
+  (each payload hashed as DCP reads it, with qsdp's plain-data planner) and
+  :func:`~qsdp.train.integrity.agree_on_digests`, against DCP's own load.
+
+``--algorithm sha256`` measures the digests qsdp wrote before ``xxh3-128-64k`` (SHA-256 of each
+file behind the writer; at load, every file hashed before DCP reads it).
 
 Each time is the slowest rank's (a barrier before and after); every other repeat runs the kinds
-with digests first. The median over the repeats is reported with ``overhead_pct`` = digests / without - 1. The files are written with fsync (DCP's
-default) and read back from the page cache, as a resume soon after a save reads them.
+with digests first. The median over the repeats is reported with ``overhead_pct`` = digests /
+without - 1; ``cpu_s`` / ``cpu_overhead_pct`` do the same with the CPU seconds of every rank's
+process (all its threads) summed: on a machine shared with other work, wall times swing with
+the others' load, the CPU time the digests add much less. The files are written with fsync
+(DCP's default) and read back from the page cache, as a resume soon after a save reads them.
+Also reported: ``reread_pct``, the share of the payloads the load read again apart from DCP's
+reads (blocks no read held whole), and ``hash_gb_per_s``, one core's speed of each hash over
+256 MiB in memory on this machine.
 
 ``--json`` prints one JSON object; ``--save FILE`` also writes it with ``meta`` (command, torch
-version, date, device, and the machine's 1-minute load average before and after: SHA-256 is CPU
+version, date, device, and the machine's 1-minute load average before and after: hashing is CPU
 work, so on a machine busy with other processes the digests' share grows).
 """
 
@@ -41,27 +53,63 @@ PROG = "python -m benchmarks.checkpoint_io"
 __all__ = ["main"]
 
 
-def _timed(fn: Any) -> float:
-    """Seconds ``fn()`` took on the slowest rank."""
+def _timed(fn: Any) -> tuple[float, float]:
+    """Seconds ``fn()`` took on the slowest rank, and the CPU seconds it took on all ranks (every
+    thread of each rank's process: the hashing threads too)."""
     import torch.distributed as dist
 
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fn()
-    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took.item())
+    wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    used = torch.tensor([time.process_time() - cpu], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(used)
+    return float(wall.item()), float(used.item())
 
 
-def _worker(gb: float, dim: int, repeats: int, root: str) -> dict[str, Any] | None:
+def _hash_speeds(nbytes: int = 256 << 20) -> dict[str, float]:
+    """GB/s of each hash over ``nbytes`` in memory, fed in 1 MiB pieces, on one core (best of 3)."""
+    import hashlib
+    import zlib
+
+    from qsdp.train.integrity import new_hasher
+
+    data = memoryview(os.urandom(1 << 20) * (nbytes >> 20))
+    kinds: dict[str, Any] = {
+        "sha256": lambda: hashlib.sha256(), "blake2b": lambda: hashlib.blake2b(),
+        "xxh3-128-64k": lambda: new_hasher("xxh3-128-64k"),
+    }
+    speeds = {}
+    for name, make in kinds.items():
+        best = math.inf
+        for _ in range(3):
+            start, h = time.perf_counter(), make()
+            for i in range(0, nbytes, 1 << 20):
+                h.update(data[i:i + (1 << 20)])
+            h.hexdigest()
+            best = min(best, time.perf_counter() - start)
+        speeds[name] = nbytes / best / 1e9
+    best = math.inf
+    for _ in range(3):  # zlib's CRC-32, for comparison (32 bits: a weaker check)
+        start, crc = time.perf_counter(), 0
+        for i in range(0, nbytes, 1 << 20):
+            crc = zlib.crc32(data[i:i + (1 << 20)], crc)
+        best = min(best, time.perf_counter() - start)
+    speeds["crc32"] = nbytes / best / 1e9
+    return speeds
+
+
+def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dict[str, Any] | None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
+    from qsdp.train.digest_reader import DigestingReader
     from qsdp.train.digest_writer import DigestingWriter
-    from qsdp.train.integrity import verify_digests, write_digests
-    from qsdp.train.plain_data import PlainDataLoadPlanner, PlainDataReader
+    from qsdp.train.integrity import agree_on_digests, hashed_while_loading, read_digests, verify_digests, write_digests
+    from qsdp.train.plain_data import PlainDataLoadPlanner
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -80,49 +128,71 @@ def _worker(gb: float, dim: int, repeats: int, root: str) -> dict[str, Any] | No
     state = {"model": model_sd, "optim": optim_sd}
     cpu = torch.device("cpu")
     times: dict[str, list[float]] = {k: [] for k in ("save", "save_digests", "load", "load_digests")}
+    cpu_times: dict[str, list[float]] = {k: [] for k in times}
+    reread = torch.zeros(2, dtype=torch.float64)  # payload bytes read again, payload bytes
     for r in range(repeats):
         plain, hashed = Path(root) / f"plain{r}", Path(root) / f"digests{r}"
 
         def save_digests() -> None:
-            writer = DigestingWriter(hashed)
+            writer = DigestingWriter(hashed, algorithm=algorithm)
             dcp.save(state, storage_writer=writer)
-            write_digests(hashed, True, writer.digests)
+            write_digests(hashed, True, writer.digests, algorithm)
 
         def load_digests() -> None:
-            verify_digests(hashed, cpu)
-            dcp.load(state, storage_reader=PlainDataReader(str(hashed)), planner=PlainDataLoadPlanner())
+            digests = read_digests(hashed)
+            during = hashed_while_loading(digests)
+            verify_digests(hashed, cpu, during_load=during)
+            reader = DigestingReader(str(hashed), {name: digests["files"][name] for name in during})
+            dcp.load(state, storage_reader=reader, planner=PlainDataLoadPlanner())
+            agree_on_digests(digests, reader.bad, cpu)
+            reread[0] += reader.reread
+            reread[1] += sum(digests["files"][name]["bytes"] for name in reader.owned)
 
         runs = [("save", lambda: dcp.save(state, checkpoint_id=str(plain))), ("save_digests", save_digests),
                 ("load", lambda: dcp.load(state, checkpoint_id=str(plain))), ("load_digests", load_digests)]
         if r % 2:  # every other repeat with digests first: neither kind always follows the other
             runs = [runs[1], runs[0], runs[3], runs[2]]
         for kind, fn in runs:
-            times[kind].append(_timed(fn))
+            wall, cpu_s = _timed(fn)
+            times[kind].append(wall)
+            cpu_times[kind].append(cpu_s)
         dist.barrier()
         if rank == 0:
             size = sum(f.stat().st_size for f in plain.iterdir())
             shutil.rmtree(plain)
             shutil.rmtree(hashed)
         dist.barrier()
+    dist.all_reduce(reread)
     dist.destroy_process_group()
     if rank:
         return None
-    return {"checkpoint_bytes": size, "layers": layers, "dim": dim, "times_s": times}
+    return {"checkpoint_bytes": size, "layers": layers, "dim": dim, "algorithm": algorithm,
+            "reread_pct": 100 * float(reread[0] / reread[1]) if reread[1] else 0.0, "times_s": times,
+            "cpu_s": cpu_times}
+
+
+def _overhead(med: dict[str, float]) -> dict[str, float]:
+    return {"save": 100 * (med["save_digests"] / med["save"] - 1),
+            "load": 100 * (med["load_digests"] / med["load"] - 1)}
 
 
 def _summary(raw: dict[str, Any]) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in raw["times_s"].items()}
-    return {**raw, "median_s": med,
-            "overhead_pct": {"save": 100 * (med["save_digests"] / med["save"] - 1),
-                             "load": 100 * (med["load_digests"] / med["load"] - 1)}}
+    cpu = {k: statistics.median(v) for k, v in raw["cpu_s"].items()}
+    return {**raw, "median_s": med, "overhead_pct": _overhead(med),
+            "median_cpu_s": cpu, "cpu_overhead_pct": _overhead(cpu)}
 
 
 def _text(result: dict[str, Any]) -> str:
-    m, o = result["median_s"], result["overhead_pct"]
-    return (f"checkpoint of {result['checkpoint_bytes'] / 1e9:.2f} GB on {result['nproc']} ranks, median of "
-            f"{len(result['times_s']['save'])}:\n"
-            f"  save: {m['save']:.2f} s without digests, {m['save_digests']:.2f} s with ({o['save']:+.1f}%)\n"
-            f"  load: {m['load']:.2f} s without digests, {m['load_digests']:.2f} s with ({o['load']:+.1f}%)")
+    m, o, c = result["median_s"], result["overhead_pct"], result["cpu_overhead_pct"]
+    speeds = ", ".join(f"{k} {v:.2f}" for k, v in result["hash_gb_per_s"].items())
+    return (f"checkpoint of {result['checkpoint_bytes'] / 1e9:.2f} GB on {result['nproc']} ranks, "
+            f"{result['algorithm']} digests, median of {len(result['times_s']['save'])}:\n"
+            f"  save: {m['save']:.2f} s without digests, {m['save_digests']:.2f} s with ({o['save']:+.1f}%; "
+            f"CPU time {c['save']:+.1f}%)\n"
+            f"  load: {m['load']:.2f} s without digests, {m['load_digests']:.2f} s with ({o['load']:+.1f}%; "
+            f"CPU time {c['load']:+.1f}%; {result['reread_pct']:.1f}% of the payloads read again)\n"
+            f"  one core hashes (GB/s): {speeds}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=2048, help="width of the square layers (default 2048)")
     p.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="saves and loads of each kind (default 3)")
+    p.add_argument("--algorithm", choices=["xxh3-128-64k", "sha256"], default="xxh3-128-64k",
+                   help="the digests measured (default xxh3-128-64k, what a save writes; sha256: qsdp's before it)")
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--save", default=None, metavar="FILE")
@@ -144,10 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="qsdp-ckpt-io-", dir=args.dir)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        raw = launch_local(_worker, args.nproc, args.gb, args.dim, args.repeats, root)[0]
+        raw = launch_local(_worker, args.nproc, args.gb, args.dim, args.repeats, root, args.algorithm)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {**_summary(raw), "nproc": args.nproc}
+    result = {**_summary(raw), "nproc": args.nproc, "hash_gb_per_s": _hash_speeds()}
     # Other processes on the machine slow both kinds, hashing (CPU) more than fsync (disk).
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     result["meta"] = meta("checkpoint_io", list(argv) if argv is not None else sys.argv[1:], "cpu (gloo)",

@@ -1,5 +1,6 @@
-"""A checkpoint is verified before it is trusted: every file against the digest written at save,
-the loaded state for finite values, the rank blobs as plain data; rotation keeps the newest
+"""A checkpoint is verified before it is trusted: every file against the digest written at save
+(a list of either algorithm: xxh3-128-64k, or the sha256 of qsdp before it), the loaded state
+for finite values, the rank blobs as plain data; rotation keeps the newest
 checkpoint saved with a finite state; a checkpoint that cannot be used is one line naming the
 file and the previous complete checkpoint."""
 
@@ -28,7 +29,7 @@ from qsdp.train.checkpoint import (
     save_checkpoint,
     step_dirname,
 )
-from qsdp.train.integrity import DIGEST_FILE, read_digests
+from qsdp.train.integrity import ALGORITHM, DIGEST_FILE, file_digest, read_digests
 
 pytestmark = pytest.mark.timeout(240)
 CPU = torch.device("cpu")
@@ -105,16 +106,81 @@ def test_a_byte_flipped_inside_a_payload_is_refused_naming_the_file_and_the_prev
     step3 = out / CHECKPOINT_DIR / step_dirname(3)
     damaged = _flip_a_byte_inside_a_weight(step3)
     for message in run_world(_load, 2, str(step3), timeout=90):
-        assert message == (f"checkpoint {step3} is damaged: {damaged.name} does not match its digest (sha256) "
+        assert message == (f"checkpoint {step3} is damaged: {damaged.name} does not match its digest ({ALGORITHM}) "
                            "written at save; the previous complete checkpoint is step_00000002 "
                            "(qsdp train: --resume-from step_00000002)")
     # The one it names loads.
     assert [m["mine"] for m in run_world(_load, 2, str(named_checkpoint(out, "step_00000002")), timeout=90)] == [2, 2]
 
 
-def test_a_file_the_digest_list_leaves_out_is_refused_even_when_it_is_damaged(good, tmp_path):
+def _as_sha256(step):
+    """Rewrite ``digests.json`` as qsdp wrote it before xxh3-128-64k: the SHA-256 of every file."""
+    digests = read_digests(step)
+    digests["algorithm"] = "sha256"
+    digests["files"] = {name: {"sha256": file_digest(step / name, "sha256")[0], "bytes": entry["bytes"]}
+                        for name, entry in digests["files"].items()}
+    (step / DIGEST_FILE).write_text(json.dumps(digests))
+
+
+def _load_each(rank, world, paths):
+    return [_load(rank, world, path) for path in paths]
+
+
+@pytest.mark.parametrize("algorithm", [ALGORITHM, "sha256"])
+def test_a_byte_flipped_anywhere_in_any_file_is_refused_naming_it(good, tmp_path, algorithm):
+    """Each payload at its first byte, a byte DCP's reads skip (inside the first zip entry's
+    header), its middle and its last byte, each other file at its middle: refused on every rank,
+    naming the file, whether the payloads are hashed while DCP reads them (xxh3-128-64k) or
+    before the load (sha256)."""
+    source = good / CHECKPOINT_DIR / step_dirname(3)
+    cases = []
+    for name in sorted(p.name for p in source.iterdir() if p.name != DIGEST_FILE):
+        size = (source / name).stat().st_size
+        for at in sorted({0, 40, size // 2, size - 1} if name.endswith(".distcp") else {size // 2}):
+            copy = tmp_path / f"{name}@{at}" / step_dirname(3)
+            shutil.copytree(source, copy)
+            if algorithm == "sha256":
+                _as_sha256(copy)
+            data = bytearray((copy / name).read_bytes())
+            data[at] ^= 0xFF
+            (copy / name).write_bytes(bytes(data))
+            cases.append((copy, name))
+    expected = [f"checkpoint {copy} is damaged: {name} does not match its digest ({algorithm}) written at save; "
+                "no earlier complete checkpoint is left" for copy, name in cases]
+    assert run_world(_load_each, 2, [str(copy) for copy, _ in cases], timeout=120) == [expected, expected]
+
+
+def test_a_damaged_payload_is_refused_when_loaded_on_another_number_of_ranks(good, tmp_path):
+    """Saved by 2 ranks, loaded by 1: it reads both payloads but not every byte (the other
+    rank's blob, zip headers); a byte flipped in the middle of each is found all the same."""
+    source = good / CHECKPOINT_DIR / step_dirname(3)
+    cases = []
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        copy = tmp_path / name / step_dirname(3)
+        shutil.copytree(source, copy)
+        data = bytearray((copy / name).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (copy / name).write_bytes(bytes(data))
+        cases.append((copy, name))
+    assert run_world(_load_each, 1, [str(copy) for copy, _ in cases], timeout=90) == [[
+        f"checkpoint {copy} is damaged: {name} does not match its digest ({ALGORITHM}) written at save; "
+        "no earlier complete checkpoint is left" for copy, name in cases]]
+
+
+def test_a_checkpoint_whose_digests_are_sha256_loads(good, tmp_path):
+    """What qsdp wrote before xxh3-128-64k still loads, verified."""
     out = _copy(good, tmp_path)
     step3 = out / CHECKPOINT_DIR / step_dirname(3)
+    _as_sha256(step3)
+    assert [m["mine"] for m in run_world(_load, 2, str(step3), timeout=90)] == [3, 3]
+
+
+@pytest.mark.parametrize("algorithm", [ALGORITHM, "sha256"])
+def test_a_file_the_digest_list_leaves_out_is_refused_even_when_it_is_damaged(good, tmp_path, algorithm):
+    out = _copy(good, tmp_path)
+    step3 = out / CHECKPOINT_DIR / step_dirname(3)
+    if algorithm == "sha256":
+        _as_sha256(step3)
     damaged = _flip_a_byte_inside_a_weight(step3)
     digests = json.loads((step3 / DIGEST_FILE).read_text())
     del digests["files"][damaged.name]  # as anyone who can write the folder can
@@ -207,16 +273,14 @@ def test_an_incomplete_checkpoint_names_the_previous_complete_one(good, tmp_path
 def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(good, tmp_path):
     """A checkpoint whose comms.json has no format (qsdp before the optimizer state was keyed by
     parameter; digests rewritten to match) is refused on every rank before DCP reads a key."""
-    from qsdp.train.integrity import file_digest
-
     out = _copy(good, tmp_path)
     step3 = out / CHECKPOINT_DIR / step_dirname(3)
     comms = json.loads((step3 / "comms.json").read_text())
     del comms["format"]
     (step3 / "comms.json").write_text(json.dumps(comms))
     digests = read_digests(step3)
-    sha, size = file_digest(step3 / "comms.json")
-    digests["files"]["comms.json"] = {"sha256": sha, "bytes": size}
+    digest, size = file_digest(step3 / "comms.json")
+    digests["files"]["comms.json"] = {ALGORITHM: digest, "bytes": size}
     (step3 / DIGEST_FILE).write_text(json.dumps(digests))
     for message in run_world(_load, 2, str(step3), timeout=90):
         assert message == (f"checkpoint {step3} is in checkpoint format 1, this qsdp reads format 2 (optimizer "

@@ -23,7 +23,7 @@ from qsdp.train.checkpoint import (
     save_checkpoint,
     step_dirname,
 )
-from qsdp.train.integrity import DIGEST_FILE, file_digest, read_digests
+from qsdp.train.integrity import ALGORITHM, DIGEST_FILE, file_digest, read_digests
 
 pytestmark = pytest.mark.timeout(240)
 CPU = torch.device("cpu")
@@ -75,8 +75,8 @@ def _load(rank, world, path, paths=None):
 def _rewrite_digests(step):
     digests = read_digests(step)
     for name in digests["files"]:
-        sha, size = file_digest(step / name)
-        digests["files"][name] = {"sha256": sha, "bytes": size}
+        digest, size = file_digest(step / name)
+        digests["files"][name] = {ALGORITHM: digest, "bytes": size}
     (step / DIGEST_FILE).write_text(json.dumps(digests))
 
 
@@ -172,5 +172,5 @@ def test_digests_written_while_saving_are_those_of_the_files(saved):
     listed = read_digests(saved)["files"]
     assert sorted(listed) == sorted(p.name for p in saved.iterdir() if p.name != DIGEST_FILE)
     for name, entry in listed.items():
-        sha, size = file_digest(saved / name)
-        assert entry == {"sha256": sha, "bytes": size}, name
+        digest, size = file_digest(saved / name)
+        assert entry == {ALGORITHM: digest, "bytes": size}, name

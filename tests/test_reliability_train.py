@@ -307,7 +307,7 @@ def test_a_damaged_checkpoint_is_not_retried_and_resume_from_continues_from_the_
     assert main([*common, "--resume", "--max-restarts", "2"]) == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert lines == [f"qsdp: error: checkpoint {run / CHECKPOINT_DIR / 'step_00000002'} is damaged: __1_0.distcp "
-                     "does not match its digest (sha256) written at save; the previous complete checkpoint is "
+                     "does not match its digest (xxh3-128-64k) written at save; the previous complete checkpoint is "
                      "step_00000001 (qsdp train: --resume-from step_00000001)"]
     assert main([*common, "--resume-from", "step_00000001"]) == 0
     assert read_summary(run)["start_step"] == 1 and read_summary(run)["restarts"] == 0

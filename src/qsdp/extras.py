@@ -1,7 +1,8 @@
 """Optional packages: which extra installs each, and the one-line error when one is missing.
 
 The library (codecs, collectives, :func:`qsdp.quantize_comms`, the presets) needs torch and numpy
-alone. The applications' packages come with extras:
+alone (and xxhash for fast checkpoint digests: :mod:`qsdp.train.block_digest`, SHA-256 without
+it). The applications' packages come with extras:
 
 * ``qsdp[train]``: ``chitchat-dataset`` (the embedded default corpus), ``tokenizers`` (the BPE
   tokenizer), ``matplotlib`` (loss plots, benchmark charts), ``tqdm`` (the progress bar);

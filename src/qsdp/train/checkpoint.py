@@ -21,7 +21,7 @@ and numbers, read with ``torch.load(weights_only=True)``). Beside them, written 
 cumulative bytes on the wire), readable without torch; ``comms.json``, the checkpoint format
 (:data:`FORMAT`; another is refused in one line), the layout (world size, shard group size,
 HSDP replicas, model parts a rank when more than one) and the comm counters' maximum over every
-rank and part, stored once; ``digests.json``, the SHA-256 of every other file
+rank and part, stored once; ``digests.json``, the digest of every other file
 (:mod:`qsdp.train.integrity`).
 
 A rank holding several model parts (pipeline stages) passes lists of the parts, their
@@ -29,9 +29,12 @@ optimizers and their handles. Every collective of a save or load has the same le
 rank that takes part: the replicas' agreement runs over each FSDP group's own ranks (its shard
 group, then its HSDP replicas), the rest over the world.
 
-A load first checks every file against ``digests.json`` (the ranks share the hashing), then
-loads, reading every non-tensor item and DCP's ``.metadata`` as plain data only
-(:mod:`qsdp.train.plain_data`: nothing in a checkpoint runs code), then checks that the model
+A load first checks that every file listed in ``digests.json`` is there with its size, that
+the list leaves none out, and the digests of the small files read before the load (the ranks
+share the hashing); then loads, hashing each payload as DCP reads it
+(:mod:`qsdp.train.digest_reader`) and agreeing on the digests before any loaded value is used,
+reading every non-tensor item and DCP's ``.metadata`` as plain data only
+(:mod:`qsdp.train.plain_data`: nothing in a checkpoint runs code); then checks that the model
 and optimizer state are finite; a damaged checkpoint is one :class:`CheckpointError` naming the
 file (or item, or tensor) and the previous complete checkpoint, raised on every rank together
 (what a rank checks alone is agreed in one all-reduce first). Any other failure keeps its type.
@@ -62,7 +65,8 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +77,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from qsdp.config import config_diff
 
+from .digest_reader import DigestingReader
 from .digest_writer import DigestingWriter
 from .files import atomic_write, fsync_dir
 from .integrity import (
     DIGEST_FILE,
     DigestMismatch,
     NotShared,
+    agree_on_digests,
+    hashed_while_loading,
     nonfinite_state,
     read_digests,
     state_verified,
@@ -551,28 +558,43 @@ def _local_problem(check: Any) -> str | None:
     return None
 
 
-def _verify_before_load(path: Path, device: torch.device) -> None:
-    """Collective: ``path`` is a complete checkpoint whose every file matches the digest written
-    at save, or every rank raises the same :class:`CheckpointError` naming the file and the
-    previous complete checkpoint. What a rank checks alone (the files are there, the digest list
-    is readable) is agreed before the digests' all-reduce, so a rank that does not see the
-    checkpoint (storage not shared) makes every rank raise, none wait for the timeout."""
+def _verify_before_load(path: Path, device: torch.device) -> dict[str, Any]:
+    """Collective: ``path`` is a complete checkpoint whose every file is there with the size
+    written at save, whose digest list leaves none out, and whose small files (read before the
+    load) match their digests; the payloads' digests are checked as DCP reads them
+    (:func:`_dcp_load`). Otherwise every rank raises the same :class:`CheckpointError` naming
+    the file and the previous complete checkpoint. What a rank checks alone (the files are there,
+    the digest list is readable) is agreed before the digests' all-reduce, so a rank that does
+    not see the checkpoint (storage not shared) makes every rank raise, none wait for the
+    timeout. Returns the digest list."""
+    read: list[Any] = []
+
     def visible() -> None:
         if not (path / META_FILE).exists() and checkpoint_root(path).is_dir():
             raise CheckpointError(f"{path} is a run directory, not a checkpoint: pass "
                                   f"latest_checkpoint({str(path)!r}) (a directory under {checkpoint_root(path)})")
         _require_complete(path)
         try:
-            read_digests(path)
+            read[:] = [read_digests(path)]
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot read {path / DIGEST_FILE}: {e}"
                                   f"{_previous(path.parent, _step_of(path))}") from None
 
     _agree(_local_problem(visible), device)
+    with _digest_errors(path):
+        verify_digests(path, device, during_load=hashed_while_loading(read[0]))
+    return read[0]
+
+
+@contextmanager
+def _digest_errors(path: Path) -> Iterator[None]:
+    """A :class:`DigestMismatch` as the load reports it: damage is a :class:`CheckpointError`
+    naming the file and the previous complete checkpoint; a file that cannot be read is an I/O
+    error, not damage (it keeps its kind, a restart retries it)."""
     try:
-        verify_digests(path, device)
+        yield
     except DigestMismatch as e:
-        if e.reason == "cannot be read":  # an I/O error, not damage: keeps its kind, a restart retries it
+        if e.reason == "cannot be read":
             raise OSError(f"checkpoint {path}: {e}") from None
         raise CheckpointError(f"checkpoint {path} is damaged: {e}{_previous(path.parent, _step_of(path))}") from None
 
@@ -606,28 +628,48 @@ class PeerLoadError(RuntimeError):
     consequence; that rank raises its own error, with its type and traceback."""
 
 
-def _dcp_load(state: dict[str, Any], path: Path) -> None:
+def _dcp_load(state: dict[str, Any], path: Path, digests: dict[str, Any] | None = None,
+              device: torch.device | None = None) -> None:
     """``dcp.load`` reading every non-tensor item and the metadata as plain data only
-    (:mod:`qsdp.train.plain_data`). A failure is, on every rank: a :class:`CheckpointError`
-    when the checkpoint is at fault (an item that is not plain data) or does not fit the state
-    (DCP's planning: a missing key, another shape); otherwise, the failing rank's own error
-    on that rank, with its type (an I/O error, out of memory: retried by a restart), and a
+    (:mod:`qsdp.train.plain_data`), hashing the payloads as it reads them when given the
+    checkpoint's ``digests`` (:mod:`qsdp.train.digest_reader`; a ``sha256`` list was verified
+    in full before; a later load of the same checkpoint reads files already verified). A
+    failure is, on every rank: a :class:`CheckpointError` naming the file when a payload does
+    not match its digest (agreed in one all-reduce after the load, failed or not, before any
+    loaded value is used; it comes before DCP's own error, which damage may have caused), when
+    the checkpoint is at fault (an item that is not plain data) or does not fit the state
+    (DCP's planning: a missing key, another shape); otherwise, the failing rank's own error on
+    that rank, with its type (an I/O error, out of memory: retried by a restart), and a
     :class:`PeerLoadError` naming it on the others."""
+    payloads = hashed_while_loading(digests) if digests is not None else frozenset()
+    reader = DigestingReader(str(path), {name: digests["files"][name] for name in payloads} if digests else {})
+    failed: CheckpointException | None = None
     try:
-        dcp.load(state, storage_reader=PlainDataReader(str(path)), planner=PlainDataLoadPlanner())
-    except CheckpointException as e:
-        failures = sorted(e.failures.items())
-        unsafe = [exc for _, (exc, _) in failures if isinstance(exc, UnsafeItem)]
-        if unsafe:
-            raise CheckpointError(f"checkpoint {path}: {unsafe[0]}{_previous(path.parent, _step_of(path))}") from None
-        if e.args and e.args[0] == "plan":
-            raise CheckpointError(f"checkpoint {path} does not fit the state loaded into it: {_short(e)}") from None
-        own = e.failures.get(dist.get_rank())
-        if own is not None:
-            error = own[0]
-            error.add_note(f"while loading checkpoint {path} (rank {dist.get_rank()})")
-            raise error from None
-        raise PeerLoadError(f"cannot load checkpoint {path}: {_short(e)}") from None
+        dcp.load(state, storage_reader=reader, planner=PlainDataLoadPlanner())
+    except CheckpointException as e:  # raised on every rank: each reaches the agreement below
+        failed = e
+    if digests is not None and payloads:
+        assert device is not None
+        with _digest_errors(path):
+            agree_on_digests(digests, reader.bad, device)
+    if failed is not None:
+        _raise_load_failure(failed, path)
+
+
+def _raise_load_failure(e: CheckpointException, path: Path) -> None:
+    """DCP's failure of a load whose files matched their digests, as :func:`_dcp_load` says."""
+    failures = sorted(e.failures.items())
+    unsafe = [exc for _, (exc, _) in failures if isinstance(exc, UnsafeItem)]
+    if unsafe:
+        raise CheckpointError(f"checkpoint {path}: {unsafe[0]}{_previous(path.parent, _step_of(path))}") from None
+    if e.args and e.args[0] == "plan":
+        raise CheckpointError(f"checkpoint {path} does not fit the state loaded into it: {_short(e)}") from None
+    own = e.failures.get(dist.get_rank())
+    if own is not None:
+        error = own[0]
+        error.add_note(f"while loading checkpoint {path} (rank {dist.get_rank()})")
+        raise error from None
+    raise PeerLoadError(f"cannot load checkpoint {path}: {_short(e)}") from None
 
 
 def _blob_problem(blob: bytes, handles: list[Any], device: torch.device) -> tuple[dict[str, Any], str | None]:
@@ -666,19 +708,22 @@ def load_checkpoint(
     (pipeline stages): lists of the parts, their optimizers and their handles, as
     :func:`save_checkpoint` took.
 
-    Before anything is loaded, every file is checked against the digests written at save; every
-    non-tensor item (the rank blobs, optimizer ``param_groups`` entries) and DCP's metadata are
-    read as plain data only, never by a full unpickler; after the load, the model and optimizer
-    state are checked finite. A checkpoint that fails any of these, like a missing file, is a
-    :class:`CheckpointError` on every rank naming the file (or item, or tensor) and the
-    previous complete checkpoint. Anything else (an I/O error, out of memory, a collective's
+    Every file is checked against the digests written at save: its presence and size, and the
+    digests of the small files, before DCP reads anything; the payloads' digests as DCP reads
+    them, agreed on every rank before this returns or uses any loaded value (a damaged payload
+    may leave the model and optimizer partly overwritten: load another checkpoint into them).
+    Every non-tensor item (the rank blobs, optimizer ``param_groups`` entries) and DCP's
+    metadata are read as plain data only, never by a full unpickler; after the load, the model
+    and optimizer state are checked finite. A checkpoint that fails any of these, like a missing
+    file, is a :class:`CheckpointError` on every rank naming the file (or item, or tensor) and
+    the previous complete checkpoint. Anything else (an I/O error, out of memory, a collective's
     error) keeps its type on the rank where it happened (:class:`PeerLoadError` on the others
     where it happened inside DCP's load).
     """
     path = Path(path)
     job = ModelParts.of(model, optimizer, handle)
     parts, handles = job.parts, job.handles
-    _verify_before_load(path, device)
+    digests = _verify_before_load(path, device)
     meta, comms, stored = _read_descriptions(path, device, handles)
     rank = dist.get_rank()
     keys = job.state_dicts()
@@ -688,7 +733,7 @@ def load_checkpoint(
     own = _same_everywhere(comms.get("layout") == _layout(handles) and f"rank_state.{rank}" in stored, device)
     if own:
         state["rank_state"] = {str(rank): b""}
-    _dcp_load(state, path)
+    _dcp_load(state, path, digests, device)
     job.load_state_dicts(state["model"], state["optim"], keys)
     where = nonfinite_state(parts, job.optimizers, device)
     if where is not None:

@@ -2,15 +2,15 @@
 no extra read and no directory listing on the ranks that wrote it (:mod:`qsdp.train.integrity`).
 
 DCP writes each file front to back (``tell`` for the offsets, ``write`` for the bytes). A thread
-reads each file right behind the writer, from the page cache, and hashes it: the hashing runs
-while DCP writes and syncs each file, not after it. A stream that is ever moved elsewhere
+reads each file right behind the writer, from the page cache, and hashes it
+(:mod:`qsdp.train.block_digest`): the hashing runs while DCP writes and syncs each file, not
+after it. A stream that is ever moved elsewhere
 (``seek``) or that the thread cannot read is hashed again from the file when it closes, so a
 digest is always the file's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Iterator
@@ -21,7 +21,8 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from .integrity import file_digest
+from .block_digest import BLOCK
+from .integrity import WRITTEN, file_digest, new_hasher
 
 __all__ = ["DigestingWriter"]
 
@@ -34,9 +35,9 @@ class _HashingStream:
     them, and holds no copy of the data (what the writer passes may be freed once ``write``
     returns)."""
 
-    def __init__(self, raw: Any, path: Path) -> None:
-        self.raw, self.path = raw, path
-        self.sha, self.hashed, self.exact = hashlib.sha256(), 0, True
+    def __init__(self, raw: Any, path: Path, algorithm: str) -> None:
+        self.raw, self.path, self.algorithm = raw, path, algorithm
+        self.hasher, self.hashed, self.exact = new_hasher(algorithm), 0, True
         self._handed, self._closed = 0, False  # bytes handed to the OS; whether the writer is done
         self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._hash_behind, name="qsdp-digest", daemon=True)
@@ -70,10 +71,13 @@ class _HashingStream:
                             self._ready.wait()
                         target, closed = self._handed, self._closed
                     while self.hashed < target:
-                        n = f.readinto(buf[:min(_CHUNK, target - self.hashed)])
+                        n = min(_CHUNK, target - self.hashed)
+                        if not closed and n > BLOCK:  # whole blocks while the file grows: none is copied
+                            n -= (self.hashed + n) % BLOCK
+                        n = f.readinto(buf[:n])
                         if not n:
                             raise OSError(f"{self.path} is shorter than what was written")
-                        self.sha.update(buf[:n])
+                        self.hasher.update(buf[:n])
                         self.hashed += n
                     if closed and self.hashed >= self._handed:
                         return
@@ -81,21 +85,21 @@ class _HashingStream:
             self.exact = False  # hashed from the file once it is complete instead
 
     def digest(self) -> dict[str, Any]:
-        """``{"sha256", "bytes"}`` of the file, once the writer has closed it."""
+        """``{algorithm: digest, "bytes": size}`` of the file, once the writer has closed it."""
         with self._ready:
             self._closed = True
             self._ready.notify()
         self._thread.join()
         if self.exact and self.hashed == self._handed:
-            return {"sha256": self.sha.hexdigest(), "bytes": self.hashed}
-        digest, size = file_digest(self.path)
-        return {"sha256": digest, "bytes": size}
+            return {self.algorithm: self.hasher.hexdigest(), "bytes": self.hashed}
+        digest, size = file_digest(self.path, self.algorithm)
+        return {self.algorithm: digest, "bytes": size}
 
 
 class _DigestingFileSystem(FileSystem):
-    def __init__(self, digests: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, digests: dict[str, dict[str, Any]], algorithm: str) -> None:
         super().__init__()
-        self.digests = digests
+        self.digests, self.algorithm = digests, algorithm
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -104,7 +108,7 @@ class _DigestingFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as raw:
-            stream = _HashingStream(raw, Path(path))
+            stream = _HashingStream(raw, Path(path), self.algorithm)
             try:
                 yield stream
             finally:
@@ -125,9 +129,10 @@ class _DigestingFileSystem(FileSystem):
 
 class DigestingWriter(FileSystemWriter):
     """``FileSystemWriter`` whose ``digests`` map every file this rank wrote (its name in the
-    checkpoint directory) to ``{"sha256": ..., "bytes": ...}``."""
+    checkpoint directory) to ``{algorithm: digest, "bytes": size}``; ``algorithm``: by default
+    what a save writes (:data:`qsdp.train.integrity.WRITTEN`)."""
 
-    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+    def __init__(self, path: str | os.PathLike, *, algorithm: str = WRITTEN, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.digests: dict[str, dict[str, Any]] = {}
-        self.fs = _DigestingFileSystem(self.digests)
+        self.fs = _DigestingFileSystem(self.digests, algorithm)

@@ -1,0 +1,129 @@
+"""The digest of a checkpoint file (xxh3-128-64k): the same whether its bytes are fed front to
+back in pieces of any length (at save) or at their offsets in any order (as DCP reads them at
+load); at load, each payload is hashed by the rank that reads most of it; without the xxhash
+package, saves write SHA-256 digests."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import qsdp
+import fsdp_models as fm
+from distributed import run_world
+from qsdp.train.block_digest import BLOCK, BlockDigest, SequentialDigest, file_block_digest
+from qsdp.train.checkpoint import CHECKPOINT_DIR, save_checkpoint, step_dirname
+
+pytestmark = pytest.mark.timeout(120)
+
+# Sizes around the block boundaries: empty, one byte, one block but a byte, one block, one block
+# and a byte, several blocks and a short last one.
+SIZES = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 77]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_pieces_front_to_back_give_the_file_digest(size, tmp_path):
+    data = random.Random(size).randbytes(size)
+    (tmp_path / "f").write_bytes(data)
+    rng, digest, at = random.Random(1), SequentialDigest(), 0
+    while at < size:
+        n = rng.choice([1, 7, BLOCK - 3, BLOCK, 3 * BLOCK + 5])
+        digest.update(data[at:at + n])
+        at += n
+    assert digest.hexdigest() == file_block_digest(tmp_path / "f")[0]
+    assert digest.size == size
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_reads_at_any_offsets_in_any_order_give_the_file_digest(size, tmp_path):
+    """What the reads held whole is hashed from them; the rest is read from the file."""
+    data = random.Random(size).randbytes(size)
+    (tmp_path / "f").write_bytes(data)
+    rng, digest = random.Random(2), BlockDigest(size)
+    for _ in range(6):
+        at = rng.randrange(size + 1)
+        digest.feed(at, data[at:at + rng.choice([3, BLOCK + 9, 4 * BLOCK])])
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert digest.fill(fd)
+    finally:
+        os.close(fd)
+    assert digest.hexdigest() == file_block_digest(tmp_path / "f")[0]
+
+
+def test_reads_that_held_every_block_whole_leave_nothing_to_read_again():
+    data = random.Random(3).randbytes(3 * BLOCK + 10)
+    digest = BlockDigest(len(data))
+    digest.feed(2 * BLOCK, data[2 * BLOCK:])  # the last two blocks, the short one included
+    digest.feed(0, data[:2 * BLOCK])
+    assert digest.missing_bytes() == 0
+
+
+def test_a_file_shorter_than_its_listed_size_is_found(tmp_path):
+    (tmp_path / "f").write_bytes(bytes(BLOCK))
+    digest = BlockDigest(BLOCK + 1)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert digest.fill(fd) is False
+    finally:
+        os.close(fd)
+
+
+def _save(rank, world, out):
+    model = fm.build()
+    handle = qsdp.quantize_comms(model, "sdp4bit")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = fm.batch(0, rank)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    save_checkpoint(out, 1, model, opt, handle, meta={})
+
+
+def _owners(rank, world, path):
+    """Load the model's weights through the reader; what this rank hashed, and its verdict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from qsdp.train.digest_reader import DigestingReader
+    from qsdp.train.integrity import hashed_while_loading, read_digests
+    from qsdp.train.plain_data import PlainDataLoadPlanner
+
+    model = fm.build(seed=5)
+    qsdp.quantize_comms(model, "sdp4bit")
+    digests = read_digests(path)
+    reader = DigestingReader(path, {n: digests["files"][n] for n in hashed_while_loading(digests)})
+    dcp.load({"model": get_model_state_dict(model)}, storage_reader=reader, planner=PlainDataLoadPlanner())
+    return reader.owned, reader.bad
+
+
+def test_each_payload_is_hashed_by_the_rank_that_reads_most_of_it(tmp_path):
+    """Loaded on the layout that saved it, rank r reads its own shards from __r_0.distcp: it
+    hashes that file as it reads it, and nothing else."""
+    run_world(_save, 2, str(tmp_path), timeout=90)
+    step = tmp_path / CHECKPOINT_DIR / step_dirname(1)
+    assert run_world(_owners, 2, str(step), timeout=90) == [(["__0_0.distcp"], None), (["__1_0.distcp"], None)]
+
+
+def test_without_xxhash_a_save_writes_sha256_and_an_xxh3_list_names_the_package(tmp_path):
+    """An install without dependencies: digests stay verifiable, the one that cannot be says why."""
+    (tmp_path / "digests.json").write_text(json.dumps({"algorithm": "xxh3-128-64k", "files": {}}))
+    body = textwrap.dedent(f"""
+        import sys
+        sys.modules["xxhash"] = None  # what import finds where the package is not installed
+        from qsdp.train.integrity import WRITTEN, read_digests
+        print(WRITTEN)
+        try:
+            read_digests({str(tmp_path)!r})
+        except ValueError as e:
+            print(e)
+    """)
+    out = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, timeout=100, check=True).stdout
+    assert out.splitlines() == ["sha256", "digests.json lists xxh3-128-64k digests, which need the xxhash package: "
+                                          "pip install xxhash"]
