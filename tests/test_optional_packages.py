@@ -1,4 +1,4 @@
-"""The library without its extras: ``pip install qsdp`` brings torch and numpy only.
+"""The library without its extras: ``pip install qsdp`` brings torch, numpy and xxhash only.
 
 Each check runs a fresh Python in which the packages of ``qsdp[train]`` are not there: its path
 finder (the one that finds installed packages) answers for them what it answers for a package
