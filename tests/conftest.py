@@ -39,3 +39,13 @@ def outside_torchrun(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "QSDP_TEST_KILL_AT"):
         monkeypatch.delenv(var, raising=False)
+
+
+# The run's time budget (--max-test-seconds, --max-run-seconds: tests/time_budget.py).
+from time_budget import (  # noqa: E402,F401 - hooks, found by name in this module
+    pytest_addoption,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+    pytest_terminal_summary,
+)
