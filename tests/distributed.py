@@ -189,9 +189,14 @@ def _pool_worker(rank, world_size, port, lws, pg_timeout, tasks, results):
         os.environ.update(environ)
         reusable = message[2] and dist.is_initialized() and dist.group.WORLD is world
         if reusable:
+            # Also a check that the world still works: a test that let a collective time out
+            # (a silent peer) leaves gloo's connections closed, and this exchange fails.
             held: list[Any] = [None] * world_size
-            dist.all_gather_object(held, len(dist.distributed_c10d._world.pg_names))
-            reusable = len(set(held)) == 1
+            try:
+                dist.all_gather_object(held, len(dist.distributed_c10d._world.pg_names))
+                reusable = len(set(held)) == 1
+            except RuntimeError:
+                reusable = False
         results.put((*message, reusable))
         if not reusable:
             break

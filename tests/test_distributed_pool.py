@@ -33,6 +33,17 @@ def _sum_of_ranks(rank, world):
     return t.item()
 
 
+def _time_out_on_rank_0(rank, world):
+    if rank == 1:
+        time.sleep(4)  # silent for longer than the group's 2 s timeout
+        return "slept"
+    try:
+        dist.all_reduce(torch.ones(1))
+    except RuntimeError:
+        return "timed out"
+    return "answered"
+
+
 def _set_env(rank, world):
     previous = os.environ.get("QSDP_POOL_PROBE")
     os.environ["QSDP_POOL_PROBE"] = "set by an earlier test"
@@ -67,6 +78,11 @@ def test_a_rank_error_is_raised_with_its_traceback_and_the_world_replaced():
     with pytest.raises(RuntimeError, match="(?s)rank 1:.*ValueError: planted on rank 1"):
         run_pooled(_fail_on_rank_1, 2, pg_timeout=63)
     assert set(run_pooled(_pid, 2, pg_timeout=63)).isdisjoint(before)
+
+
+def test_a_collective_that_timed_out_inside_a_passing_test_leaves_the_next_a_working_world():
+    assert run_pooled(_time_out_on_rank_0, 2, pg_timeout=2) == ["timed out", "slept"]
+    assert run_pooled(_sum_of_ranks, 2, pg_timeout=2) == [1.0, 1.0]
 
 
 def test_the_environment_a_test_sets_is_gone_for_the_next():
