@@ -141,7 +141,8 @@ def run_world(
 # function in turn, as torch's MultiProcContinuousTest does. What a test leaves behind in a
 # world that a fresh one would not have is undone or retires the world:
 #
-# - the environment is restored after every function (tests set QSDP_NODE, fault injection...);
+# - every function runs in the caller's environment and directory, as a rank forked at the call
+#   would (tests set both with monkeypatch), with the rank's own world variables on top;
 # - qsdp's per-world state (topologies, subgroups, start-up bytes) starts afresh, as it does in a
 #   new world; the subgroups are kept, not destroyed: torch would give a subgroup made again the
 #   name of the destroyed one, whose addresses are still in the store;
@@ -159,6 +160,9 @@ _POOLS: dict[tuple, "_Pool"] = {}
 _MAX_POOLS = 2  # worlds alive at once (each holds a process per rank)
 
 
+_WORLD_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "QSDP_NODE")
+
+
 def _pool_worker(rank, world_size, port, lws, pg_timeout, tasks, results):
     import torch
     import torch.distributed as dist
@@ -173,20 +177,24 @@ def _pool_worker(rank, world_size, port, lws, pg_timeout, tasks, results):
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout))
     world = dist.group.WORLD
-    environ = dict(os.environ)
+    own = {var: os.environ[var] for var in _WORLD_VARS}
     while True:
         task = tasks.get()
         if task is None:
             break
-        serial, payload = task
+        serial, payload, environ, cwd = task
+        # What a rank forked at the call would have: the caller's environment and directory
+        # (tests set both with monkeypatch), this rank's place in the world on top.
+        os.environ.clear()
+        os.environ.update(environ)
+        os.environ.update(own)
+        os.chdir(cwd)
         topology._STATE = None  # a fresh world's qsdp state, the subgroups made so far kept
         try:
             fn, args, kwargs = pickle.loads(payload)
             message = (serial, rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs)))
         except BaseException:  # noqa: BLE001 - every failure must reach the parent
             message = (serial, rank, False, traceback.format_exc())
-        os.environ.clear()
-        os.environ.update(environ)
         reusable = message[2] and dist.is_initialized() and dist.group.WORLD is world
         if reusable:
             # Also a check that the world still works: a test that let a collective time out
@@ -222,8 +230,9 @@ class _Pool:
         serve another test."""
         serial = next(_SERIALS)
         self.used += 1
+        environ, cwd = dict(os.environ), os.getcwd()
         for q in self.tasks:
-            q.put((serial, payload))
+            q.put((serial, payload, environ, cwd))
         results: dict[int, Any] = {}
         reusable = self.used < _RETIRE_AFTER
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
@@ -283,7 +292,9 @@ def run_pooled(
     function (or an instance of a module-level class) of a module imported before the world
     was made: a test module's function is; anything else (a closure, a lambda) runs in a fresh
     world by :func:`run_world`, and so does a spawned or NCCL world (a GPU's ranks are not kept
-    from one test to the next)."""
+    from one test to the next). The ranks run in the caller's environment and directory; what
+    the caller changed in its modules (``monkeypatch.setattr``) they do not see: such a test
+    calls :func:`run_world`, whose ranks are forked at the call."""
     def fresh() -> list[Any]:
         return run_world(fn, world_size, *args, local_world_size=local_world_size, timeout=timeout,
                          pg_timeout=pg_timeout, start_method=start_method, backend=backend, **kwargs)

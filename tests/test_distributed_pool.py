@@ -50,6 +50,10 @@ def _set_env(rank, world):
     return previous, os.environ["QSDP_NODE"]
 
 
+def _probe(rank, world):
+    return os.environ.get("QSDP_POOL_PROBE"), os.getcwd()
+
+
 def _setup_bytes(rank, world):
     from qsdp.comm.topology import build_topologies, setup_bytes_sent
 
@@ -89,6 +93,13 @@ def test_the_environment_a_test_sets_is_gone_for_the_next():
     assert run_pooled(_set_env, 4, local_world_size=2) == [(None, "node0"), (None, "node0"),
                                                            (None, "node1"), (None, "node1")]
     assert run_pooled(_set_env, 4, local_world_size=2)[0][0] is None
+
+
+def test_the_ranks_see_the_environment_and_directory_the_caller_set(monkeypatch, tmp_path):
+    run_pooled(_probe, 2)  # the world exists before the caller's changes
+    monkeypatch.setenv("QSDP_POOL_PROBE", "set by the caller")
+    monkeypatch.chdir(tmp_path)
+    assert run_pooled(_probe, 2) == [("set by the caller", str(tmp_path))] * 2
 
 
 def test_each_test_starts_from_a_fresh_world_state_in_qsdp():
