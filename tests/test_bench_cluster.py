@@ -18,7 +18,7 @@ import pytest
 
 import torch
 
-from distributed import run_world
+from distributed import run_pooled
 from qsdp.bench import netns
 from qsdp.bench.cluster import (
     Job,
@@ -254,7 +254,7 @@ def hsdp_runs(tmp_path_factory, corpus):
         args = TrainArgs(preset=preset, hsdp=True, local_world_size=2, out=str(out), data=corpus, steps=3,
                          batch_size=2, seq_len=32, eval_every=0, eval_batches=4, ckpt_every=0, progress=False,
                          cache_dir=str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
-        run_world(_train, 4, args, local_world_size=2, timeout=120)
+        run_pooled(_train, 4, args, local_world_size=2, timeout=120)
         runs[preset] = train_result(str(out), warmup=1, steps=2)
     return runs
 
@@ -282,7 +282,7 @@ def _bf16_steps(rank, world):
 
 @pytest.mark.timeout(120)
 def test_the_workload_trains_in_bf16_and_reports_its_size_dtype_and_kernels():
-    res = run_world(_bf16_steps, 2, timeout=100)[0]
+    res = run_pooled(_bf16_steps, 2, timeout=100)[0]
     assert res["param_dtype"] == "bfloat16" and res["device"] == "cpu" and res["codec_kernels"] == "torch"
     assert res["n_params"] > 0 and res["step_time_s"] > 0
     assert res["stats"]["weights"]["inter"]["bytes"] > 0
