@@ -633,9 +633,9 @@ def _collectives_fused_vs_reference(rank, world):
 
 @interpret_only
 def test_collectives_give_the_same_bytes_with_the_kernels():
-    from distributed import run_world
+    from distributed import run_pooled
 
-    assert all(run_world(_collectives_fused_vs_reference, 4, local_world_size=2, timeout=200))
+    assert all(run_pooled(_collectives_fused_vs_reference, 4, local_world_size=2, timeout=200))
 
 
 @interpret_only
