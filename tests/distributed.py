@@ -14,10 +14,13 @@ once per run rather than once per test (see the comment above it for what it res
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import itertools
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import traceback
 from typing import Any, Callable
 
@@ -152,8 +155,6 @@ def run_world(
 #
 # A hang fails its own test (the deadline kills the world), never the run.
 
-import atexit
-import itertools
 
 _RETIRE_AFTER = 40  # tests per world: each may leave gloo subgroups (sockets, threads) behind
 _POOLS: dict[tuple, "_Pool"] = {}
@@ -178,8 +179,14 @@ def _pool_worker(rank, world_size, port, lws, pg_timeout, tasks, results):
                             timeout=datetime.timedelta(seconds=pg_timeout))
     world = dist.group.WORLD
     own = {var: os.environ[var] for var in _WORLD_VARS}
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                break  # the test run was killed without closing its worlds: do not outlive it
+            continue
         if task is None:
             break
         serial, payload, environ, cwd = task
