@@ -14,6 +14,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """``QSDP_TEST_SHARD=i/n``: only every n-th collected test from the i-th (0-based), so a
+    driver test can split a long pytest subprocess into parts that each fit the time budget
+    (tests/test_triton_kernels.py's interpreter suite)."""
+    shard = os.environ.get("QSDP_TEST_SHARD")
+    if not shard:
+        return
+    index, count = (int(v) for v in shard.split("/"))
+    items[:] = items[index::count]
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> str:
     """A 300 kB slice of the default corpus: the same kind of text, a fraction of the load time."""
@@ -39,3 +50,13 @@ def outside_torchrun(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "QSDP_TEST_KILL_AT"):
         monkeypatch.delenv(var, raising=False)
+
+
+# The run's time budget (--max-test-seconds, --max-run-seconds: tests/time_budget.py).
+from time_budget import (  # noqa: E402,F401 - hooks, found by name in this module
+    pytest_addoption,
+    pytest_runtest_makereport,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+    pytest_terminal_summary,
+)

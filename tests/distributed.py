@@ -6,14 +6,21 @@ fraction of a second), or spawned (``start_method="spawn"``) where the test proc
 hold a CUDA context, which a forked child cannot use. Each child returns a picklable value or
 raises; the parent re-raises the first child error with its traceback, and kills every child and
 fails if the deadline passes, so a hang costs at most ``timeout`` seconds.
+
+``run_pooled`` does the same on forked gloo worlds kept from one test to the next (one per
+world size, ranks per node and group timeout): most tests use it, and pay a world's start-up
+once per run rather than once per test (see the comment above it for what it resets).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import itertools
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import traceback
 from typing import Any, Callable
 
@@ -53,15 +60,19 @@ def _child(fn, rank, world_size, port, local_world_size, pg_timeout, backend, qu
             dist.destroy_process_group()
 
 
-def on_one_rank_nodes(fn: Callable[..., Any]) -> Callable[..., Any]:
+class on_one_rank_nodes:  # noqa: N801 - used as a function: on_one_rank_nodes(fn)
     """``fn`` with every rank on a node of its own (``QSDP_NODE``), while ``LOCAL_RANK`` and
     ``LOCAL_WORLD_SIZE`` stay those of one machine: frameworks that pick devices, caches or
     their local main process by local rank (Accelerate, the HF Trainer, Lightning) see one
-    node as they would, and qsdp sees nodes that weight differences cross."""
-    def run(rank, world, *args, **kwargs):
+    node as they would, and qsdp sees nodes that weight differences cross. A class rather
+    than a closure so that it pickles (:func:`run_pooled`)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, rank, world, *args, **kwargs):
         os.environ["QSDP_NODE"] = f"node{rank}"
-        return fn(rank, world, *args, **kwargs)
-    return run
+        return self.fn(rank, world, *args, **kwargs)
 
 
 def run_world(
@@ -122,3 +133,196 @@ def run_world(
     if errors:
         raise RuntimeError("a rank failed:\n" + errors[0])
     return [results[r] for r in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# A pool of worlds kept for the whole test run.
+#
+# A fresh world costs a fork per rank, a store rendezvous and gloo's full mesh of connections:
+# a fraction of a second, paid again by every test and every parametrization. ``run_pooled``
+# keeps one world per (world size, ranks per node, group timeout) and hands it each test's
+# function in turn, as torch's MultiProcContinuousTest does. What a test leaves behind in a
+# world that a fresh one would not have is undone or retires the world:
+#
+# - every function runs in the caller's environment and directory, as a rank forked at the call
+#   would (tests set both with monkeypatch), with the rank's own world variables on top;
+# - qsdp's per-world state (topologies, subgroups, start-up bytes) starts afresh, as it does in a
+#   new world; the subgroups are kept, not destroyed: torch would give a subgroup made again the
+#   name of the destroyed one, whose addresses are still in the store;
+# - a rank's error, a deadline passed, a default group destroyed by the function, ranks holding
+#   different numbers of process groups (torch names subgroups by that number), or more than
+#   ``_RETIRE_AFTER`` tests: the world is killed and the next test gets a new one.
+#
+# A hang fails its own test (the deadline kills the world), never the run.
+
+
+_RETIRE_AFTER = 40  # tests per world: each may leave gloo subgroups (sockets, threads) behind
+_POOLS: dict[tuple, "_Pool"] = {}
+_MAX_POOLS = 2  # worlds alive at once (each holds a process per rank)
+
+
+_WORLD_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "QSDP_NODE")
+
+
+def _pool_worker(rank, world_size, port, lws, pg_timeout, tasks, results):
+    import torch
+    import torch.distributed as dist
+
+    from qsdp.comm import topology
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % lws), LOCAL_WORLD_SIZE=str(lws), QSDP_NODE=f"node{rank // lws}",
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+    world = dist.group.WORLD
+    own = {var: os.environ[var] for var in _WORLD_VARS}
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                break  # the test run was killed without closing its worlds: do not outlive it
+            continue
+        if task is None:
+            break
+        serial, payload, environ, cwd = task
+        # What a rank forked at the call would have: the caller's environment and directory
+        # (tests set both with monkeypatch), this rank's place in the world on top.
+        os.environ.clear()
+        os.environ.update(environ)
+        os.environ.update(own)
+        os.chdir(cwd)
+        topology._STATE = None  # a fresh world's qsdp state, the subgroups made so far kept
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            message = (serial, rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - every failure must reach the parent
+            message = (serial, rank, False, traceback.format_exc())
+        reusable = message[2] and dist.is_initialized() and dist.group.WORLD is world
+        if reusable:
+            # Also a check that the world still works: a test that let a collective time out
+            # (a silent peer) leaves gloo's connections closed, and this exchange fails.
+            held: list[Any] = [None] * world_size
+            try:
+                dist.all_gather_object(held, len(dist.distributed_c10d._world.pg_names))
+                reusable = len(set(held)) == 1
+            except RuntimeError:
+                reusable = False
+        results.put((*message, reusable))
+        if not reusable:
+            break
+
+
+class _Pool:
+    """``world_size`` forked ranks in one gloo world, running one function at a time."""
+
+    def __init__(self, world_size: int, lws: int, pg_timeout: float) -> None:
+        ctx = mp.get_context("fork")
+        self.world_size, self.used = world_size, 0
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, world_size, port, lws, pg_timeout,
+                                                              self.tasks[r], self.results))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, payload: bytes, timeout: float) -> tuple[list[Any], bool]:
+        """Every rank's result (or the first rank's error raised) and whether the world may
+        serve another test."""
+        serial = next(_SERIALS)
+        self.used += 1
+        environ, cwd = dict(os.environ), os.getcwd()
+        for q in self.tasks:
+            q.put((serial, payload, environ, cwd))
+        results: dict[int, Any] = {}
+        reusable = self.used < _RETIRE_AFTER
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        while len(results) < self.world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if remaining <= 0:
+                raise TimeoutError(f"distributed test did not finish in {timeout:.0f}s (ranks done: {sorted(results)})")
+            try:
+                got_serial, rank, ok, value, rank_reusable = self.results.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty: check for ranks that died without reporting
+                dead = [i for i, p in enumerate(self.procs) if p.exitcode is not None and i not in results]
+                if dead and self.results.empty():
+                    raise RuntimeError(f"ranks {dead} died with exit codes {[self.procs[i].exitcode for i in dead]}")
+                continue
+            if got_serial != serial:
+                continue
+            if not ok:
+                raise RuntimeError(f"a rank failed:\nrank {rank}:\n{value}")
+            results[rank] = pickle.loads(value)
+            reusable = reusable and rank_reusable
+        return [results[r] for r in range(self.world_size)], reusable
+
+    def close(self) -> None:
+        """Kill every rank: a world is closed when it failed, was retired or the run ends, and
+        in the first two cases some rank may be waiting in a collective that will never end."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+_SERIALS = itertools.count()
+
+
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.pop(next(iter(_POOLS))).close()
+
+
+atexit.register(_close_pools)
+
+
+def run_pooled(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    local_world_size: int | None = None,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    start_method: str = "fork",
+    backend: str = "gloo",
+    **kwargs: Any,
+) -> list[Any]:
+    """:func:`run_world` (gloo, forked ranks) on a world kept from one test to the next: the
+    same results, errors and deadline, without a world's start-up per call. ``fn`` and its
+    arguments travel by pickle to ranks forked before the call, so ``fn`` must be a module-level
+    function (or an instance of a module-level class) of a module imported before the world
+    was made: a test module's function is; anything else (a closure, a lambda) runs in a fresh
+    world by :func:`run_world`, and so does a spawned or NCCL world (a GPU's ranks are not kept
+    from one test to the next). The ranks run in the caller's environment and directory; what
+    the caller changed in its modules (``monkeypatch.setattr``) they do not see: such a test
+    calls :func:`run_world`, whose ranks are forked at the call."""
+    def fresh() -> list[Any]:
+        return run_world(fn, world_size, *args, local_world_size=local_world_size, timeout=timeout,
+                         pg_timeout=pg_timeout, start_method=start_method, backend=backend, **kwargs)
+
+    if start_method != "fork" or backend != "gloo":
+        return fresh()
+    try:
+        payload = pickle.dumps((fn, args, kwargs))
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return fresh()
+    key = (world_size, local_world_size or world_size, pg_timeout)
+    pool = _POOLS.pop(key, None)
+    while len(_POOLS) >= _MAX_POOLS:
+        _POOLS.pop(next(iter(_POOLS))).close()
+    pool = pool or _Pool(*key)
+    reusable = False
+    try:
+        results, reusable = pool.run(payload, timeout)
+    finally:
+        if reusable:
+            _POOLS[key] = pool  # the most recently used last
+        else:
+            pool.close()
+    return results

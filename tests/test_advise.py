@@ -12,7 +12,7 @@ import pytest
 from qsdp import advise as adv
 from qsdp import perfmodel as pm
 from qsdp.cli import main as cli_main
-from distributed import run_world
+from distributed import run_pooled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -221,7 +221,7 @@ def _measure(rank, world):
 
 
 def test_measure_times_an_all_gather_between_the_nodes_of_the_world():
-    results = run_world(_measure, 4, local_world_size=2)
+    results = run_pooled(_measure, 4, local_world_size=2)
     gbps = {r[0] for r in results}
     assert len(gbps) == 1 and all(math.isfinite(g) and g > 0 for g in gbps)  # the slowest rank's, everywhere
     assert [r[1:] for r in results] == [(2, 2, True), (2, 2, False), (2, 2, False), (2, 2, False)]
@@ -236,7 +236,7 @@ def _measure_one_node(rank, world):
 
 
 def test_measure_on_one_node_says_it_needs_two():
-    assert all("at least 2 nodes" in m for m in run_world(_measure_one_node, 2, local_world_size=2))
+    assert all("at least 2 nodes" in m for m in run_pooled(_measure_one_node, 2, local_world_size=2))
 
 
 # ----------------------------------------------------------------------------- the host's launches

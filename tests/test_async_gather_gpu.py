@@ -15,7 +15,7 @@ import torch.distributed as dist
 import qsdp
 from qsdp.comm import QuantizedAllGather, build_topology
 from qsdp.comm.base import SideStreamWork, side_stream
-from distributed import run_world
+from distributed import run_pooled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,7 +31,7 @@ def _async_gather_on_cpu(rank, world_size):
 
 def test_an_async_gather_on_cpu_is_done_when_it_returns():
     # in a world of its own: a process group made in the test process would outlive it there
-    ((no_handle, change),) = run_world(_async_gather_on_cpu, 1)
+    ((no_handle, change),) = run_pooled(_async_gather_on_cpu, 1)
     assert no_handle and change < 0.2  # gathered (quantized) in place, synchronously
 
 

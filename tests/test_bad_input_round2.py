@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 from qsdp.cli import main
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,7 +104,7 @@ def _hsdp_nodes(rank, world, nodes):
 
 
 def test_hsdp_groups_refuses_nodes_that_are_not_an_int_naming_the_argument():
-    for message in run_world(_hsdp_nodes, 2, "2", timeout=60):
+    for message in run_pooled(_hsdp_nodes, 2, "2", timeout=60):
         assert message == "hsdp_groups: nodes must be an int or None, got '2'"
 
 
@@ -122,7 +122,7 @@ def test_resume_from_a_path_that_is_no_checkpoint_names_the_run_s_newest_complet
     from qsdp.train.preflight import preflight
 
     out = tmp_path / "run"
-    run_world(_two_checkpoints, 2, str(out), tiny_corpus, timeout=110)
+    run_pooled(_two_checkpoints, 2, str(out), tiny_corpus, timeout=110)
     args = TrainArgs(preset="fsdp", out=str(out), data=tiny_corpus, steps=4, batch_size=2, seq_len=16,
                      resume_from="../x", progress=False)
     with pytest.raises(CheckpointError) as refused:
@@ -199,11 +199,11 @@ def _save_then_load_with(rank, world, out, saved_with, loaded_with):
 
 @pytest.mark.slow  # a save and a load on 2 ranks: about 30 s on 2 cores
 def test_load_checkpoint_into_comms_of_another_preset_is_refused_naming_the_fields(tmp_path):
-    for message in run_world(_save_then_load_with, 2, str(tmp_path), "sdp4bit", "qsdp", timeout=100):
+    for message in run_pooled(_save_then_load_with, 2, str(tmp_path), "sdp4bit", "qsdp", timeout=100):
         assert message is not None and "was saved by comms of another config (" in message
         assert "grads.mode: checkpoint 'two_level' != now 'one_level'" in message
 
 
 @pytest.mark.slow  # a save and a load on 2 ranks: about 30 s on 2 cores
 def test_load_checkpoint_into_comms_of_the_same_preset_loads(tmp_path):
-    assert run_world(_save_then_load_with, 2, str(tmp_path), "sdp4bit", "sdp4bit", timeout=100) == [None, None]
+    assert run_pooled(_save_then_load_with, 2, str(tmp_path), "sdp4bit", "sdp4bit", timeout=100) == [None, None]

@@ -18,7 +18,7 @@ import pytest
 
 import torch
 
-from distributed import run_world
+from distributed import run_pooled
 from qsdp.bench import netns
 from qsdp.bench.cluster import (
     Job,
@@ -185,7 +185,11 @@ def test_serial_ideal_speedup_subtracts_the_saved_link_time():
 # --------------------------------------------------------------------------- HSDP rows
 
 
+# Two whole 2 x 2 `qsdp train` jobs in namespaces through the command line: 45 s on 2 idle cores,
+# past make test's 30 s a test; make test keeps the rows' figures (hsdp_runs below) and the
+# namespaces' clean-up (test_interrupt_removes_namespaces).
 @needs_netns
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_hsdp_rows_run_qsdp_train_hsdp_and_send_fewer_inter_node_bytes(tmp_path):
     proc = subprocess.Popen(
@@ -254,7 +258,7 @@ def hsdp_runs(tmp_path_factory, corpus):
         args = TrainArgs(preset=preset, hsdp=True, local_world_size=2, out=str(out), data=corpus, steps=3,
                          batch_size=2, seq_len=32, eval_every=0, eval_batches=4, ckpt_every=0, progress=False,
                          cache_dir=str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
-        run_world(_train, 4, args, local_world_size=2, timeout=120)
+        run_pooled(_train, 4, args, local_world_size=2, timeout=120)
         runs[preset] = train_result(str(out), warmup=1, steps=2)
     return runs
 
@@ -282,7 +286,7 @@ def _bf16_steps(rank, world):
 
 @pytest.mark.timeout(120)
 def test_the_workload_trains_in_bf16_and_reports_its_size_dtype_and_kernels():
-    res = run_world(_bf16_steps, 2, timeout=100)[0]
+    res = run_pooled(_bf16_steps, 2, timeout=100)[0]
     assert res["param_dtype"] == "bfloat16" and res["device"] == "cpu" and res["codec_kernels"] == "torch"
     assert res["n_params"] > 0 and res["step_time_s"] > 0
     assert res["stats"]["weights"]["inter"]["bytes"] > 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 from qsdp.bench import memory
 
@@ -31,7 +31,7 @@ def _state_after_training(rank, world, preset, overrides):
     ("sdp4bit", {"weights.replica": "full"}, 1.0),
 ])
 def test_persistent_comm_state_per_rank_is_at_most_the_replica_share_of_the_model(preset, overrides, share):
-    for state, full_model, groups in run_world(_state_after_training, 4, preset, overrides, local_world_size=2):
+    for state, full_model, groups in run_pooled(_state_after_training, 4, preset, overrides, local_world_size=2):
         slack = 4096 * groups  # FSDP2's padding of each group to whole shards, and 1-byte flags
         assert share * full_model <= state <= share * full_model + slack
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 from qsdp import perfmodel as pm
 from qsdp.bench import simulate as sim
@@ -91,7 +91,7 @@ def _one_step_per_preset(rank, world, presets):
 
 @pytest.fixture(scope="module")
 def metered():
-    return run_world(_one_step_per_preset, 4, METERED_PRESETS, local_world_size=2)
+    return run_pooled(_one_step_per_preset, 4, METERED_PRESETS, local_world_size=2)
 
 
 @pytest.mark.parametrize("preset", METERED_PRESETS)

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 import qsdp
 from byte_tensor import BytesWeight
-from distributed import run_world
+from distributed import run_pooled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -100,8 +100,8 @@ def _assert_native_and_warned_once(native, ours, warned=True):
 
 @pytest.mark.parametrize("preset", ["qsdp", "sdp4bit", "fsdp"])
 def test_a_group_gathered_as_bytes_gets_native_fsdp2_weights_and_one_warning(preset):
-    native = run_world(_bytes_weight_run, 2, None, local_world_size=1, timeout=80)
-    ours = run_world(_bytes_weight_run, 2, preset, local_world_size=1, timeout=80)
+    native = run_pooled(_bytes_weight_run, 2, None, local_world_size=1, timeout=80)
+    ours = run_pooled(_bytes_weight_run, 2, preset, local_world_size=1, timeout=80)
     _assert_native_and_warned_once(native, ours, warned=preset != "fsdp")
 
 
@@ -121,8 +121,8 @@ def _float8_run(rank, world, preset, bias):
 def test_torchao_float8_all_gather_gets_native_fsdp2_weights_and_one_warning(preset, bias):
     pytest.importorskip("torchao.float8", reason="torchao is not installed")
     try:
-        native = run_world(_float8_run, 2, None, bias, local_world_size=1, timeout=80)
+        native = run_pooled(_float8_run, 2, None, bias, local_world_size=1, timeout=80)
     except RuntimeError as err:  # e.g. a gloo or CPU build without float8 support
         pytest.skip(f"torchao's float8 all-gather does not run with native FSDP2 here: {str(err).splitlines()[-1]}")
-    ours = run_world(_float8_run, 2, preset, bias, local_world_size=1, timeout=80)
+    ours = run_pooled(_float8_run, 2, preset, bias, local_world_size=1, timeout=80)
     _assert_native_and_warned_once(native, ours)

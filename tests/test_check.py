@@ -21,7 +21,7 @@ from qsdp.comm import (DifferenceAllGather, PlainAllGather, PlainReduceScatter, 
                        QuantizedReduceScatter, build_topology)
 from qsdp.config import resolve_config
 
-from distributed import run_world
+from distributed import run_pooled
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,7 +66,7 @@ def test_emulated_reduce_scatter_gives_the_collectives_bits(preset):
     else:
         cfg = resolve_config(preset)
     s = 1000
-    real = run_world(_real_reduce_scatter, WORLD, cfg, s, local_world_size=PER_NODE, timeout=120)
+    real = run_pooled(_real_reduce_scatter, WORLD, cfg, s, local_world_size=PER_NODE, timeout=120)
     for call in (1, 2):
         grads = torch.stack([_tensor(r, WORLD * s, call).view(WORLD, s) for r in range(WORLD)])
         emulated = emulate.reduce_scatter(grads, cfg, PER_NODE, COMM_ID, call)
@@ -97,7 +97,7 @@ def test_emulated_weight_gathers_give_the_collectives_bits():
     direct_cfg = resolve_config("qsdp", {"weights.group_size": 64})
     diff_cfg = _sdp4bit_small_groups()
     n = 300
-    real = run_world(_real_gathers, WORLD, direct_cfg, diff_cfg, n, local_world_size=PER_NODE, timeout=120)
+    real = run_pooled(_real_gathers, WORLD, direct_cfg, diff_cfg, n, local_world_size=PER_NODE, timeout=120)
     replica = None
     for k, trial in enumerate((1, 2, 3)):
         rows = torch.stack([_shard(r, n, trial) for r in range(WORLD)])
@@ -142,7 +142,7 @@ def _fsdp_buffers(rank, world):
 
 def test_flat_rows_is_the_layout_fsdp2_hands_the_collectives():
     world = 3  # 7 rows over 3 ranks: padded chunks
-    real = run_world(_fsdp_buffers, world, timeout=120)
+    real = run_pooled(_fsdp_buffers, world, timeout=120)
     model = _model()
     assert torch.equal(emulate.flat_rows(list(model.parameters()), world).view(-1), real[0][0].view(-1))
     for rank in range(world):

@@ -154,10 +154,10 @@ def _make_checkpoint(rank, world, out, corpus):
 def test_error_inside_the_workers_is_one_line_from_the_real_cli(tmp_path, corpus):
     """A corrupt checkpoint is found by the workers (its digests): the console script prints the
     root cause once, exits 2, and `latest` still names the (corrupt) last checkpoint."""
-    from distributed import run_world
+    from distributed import run_pooled
 
     out = tmp_path / "run"
-    run_world(_make_checkpoint, 2, str(out), corpus, timeout=90)
+    run_pooled(_make_checkpoint, 2, str(out), corpus, timeout=90)
     ckpt = out / CHECKPOINT_DIR / "step_00000002"
     shard = next(ckpt.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])

@@ -11,7 +11,7 @@ import qsdp
 from qsdp.comm import DifferenceAllGather, QuantizedAllGather, build_topology
 from qsdp.comm.collectives import all_gather_flat
 from qsdp.comm.versions import ChangeTracker
-from distributed import run_world
+from distributed import run_pooled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,13 +72,13 @@ def _direct_error_within_bound(rank, world, n, bits, symmetric, rounding):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_direct_gather_error_within_quantizer_bound_for_every_world_size(world):
-    excess = run_world(_direct_error_within_bound, world, 37, 4, True, "stochastic")
+    excess = run_pooled(_direct_error_within_bound, world, 37, 4, True, "stochastic")
     assert max(excess) <= 0
 
 
 @pytest.mark.parametrize("bits,symmetric,rounding", [(8, False, "shift"), (2, True, "nearest"), (4, False, "stochastic")])
 def test_direct_gather_error_within_bound_for_each_scheme(bits, symmetric, rounding):
-    excess = run_world(_direct_error_within_bound, 2, 45, bits, symmetric, rounding)
+    excess = run_pooled(_direct_error_within_bound, 2, 45, bits, symmetric, rounding)
     assert max(excess) <= 0
 
 
@@ -96,7 +96,7 @@ def _gather_twice(rank, world):
 
 
 def test_forward_and_backward_gathers_of_one_step_are_bit_identical():
-    for same_ab, same_cd, same_ac in run_world(_gather_twice, 2):
+    for same_ab, same_cd, same_ac in run_pooled(_gather_twice, 2):
         assert same_ab and same_cd and not same_ac
 
 
@@ -117,12 +117,12 @@ def _mean_over_seeds(rank, world, mode, rounding, trials):
 
 @pytest.mark.parametrize("rounding", ["stochastic", "shift"])
 def test_direct_gather_is_unbiased_over_seeds(rounding):
-    z = run_world(_mean_over_seeds, 2, "direct", rounding, 300)
+    z = run_pooled(_mean_over_seeds, 2, "direct", rounding, 300)
     assert max(z) < 6.0
 
 
 def test_nearest_rounding_fails_the_same_unbiasedness_test():
-    z = run_world(_mean_over_seeds, 2, "direct", "nearest", 300)
+    z = run_pooled(_mean_over_seeds, 2, "direct", "nearest", 300)
     assert max(z) > 6.0
 
 
@@ -138,7 +138,7 @@ def _dtype_kept(rank, world, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gathered_weights_keep_the_parameter_dtype(dtype):
-    for dtypes in run_world(_dtype_kept, 2, dtype):
+    for dtypes in run_pooled(_dtype_kept, 2, dtype):
         assert set(dtypes) == {dtype}
 
 
@@ -175,14 +175,14 @@ def _difference_run(rank, world, steps, dtype):
 
 @pytest.mark.parametrize("world,dtype", [(2, torch.float32), (3, torch.bfloat16), (4, torch.float32)])
 def test_difference_replicas_stay_bit_identical_on_every_rank(world, dtype):
-    results = run_world(_difference_run, world, 50, dtype)
+    results = run_pooled(_difference_run, world, 50, dtype)
     for step in range(50):
         ref = results[0][0][step]
         assert all(torch.equal(ref, res[0][step]) for res in results[1:]), f"replicas differ at step {step}"
 
 
 def test_difference_error_is_bounded_by_the_last_difference_and_far_below_direct_quantization():
-    results = run_world(_difference_run, 2, 50, torch.float32)
+    results = run_pooled(_difference_run, 2, 50, torch.float32)
     for replicas, wd_excess, wd_err, direct_err in results:
         assert max(wd_excess) <= 0  # never more than one quantization step of the last update
         assert wd_err[0] == 0.0  # the first gather sends exact values
@@ -207,7 +207,7 @@ def _unchanged_sends_nothing(rank, world):
 
 
 def test_unchanged_shards_send_no_weight_bytes_and_reset_resends_exact_values():
-    results = run_world(_unchanged_sends_nothing, 2)
+    results = run_pooled(_unchanged_sends_nothing, 2)
     exact = torch.cat([_shard(r, 64, step=2) for r in range(2)])
     for weight_bytes, same_as_forward, after_reset in results:
         assert weight_bytes == 0
@@ -226,7 +226,7 @@ def _small_shard_fallback(rank, world, min_numel):
 
 
 def test_shards_below_min_shard_numel_travel_exactly_on_every_rank():
-    for exact, bits in run_world(_small_shard_fallback, 3, 11):
+    for exact, bits in run_pooled(_small_shard_fallback, 3, 11):
         assert exact and bits == 32.0
 
 
@@ -238,7 +238,7 @@ def test_direct_gather_meter_counts_packed_bytes():
         METER.snapshot(reset=True)
         _gather(comm, _shard(rank, 128 * 64), world)
         return METER.snapshot()["weights"]
-    for stats in run_world(run, 4, local_world_size=2):
+    for stats in run_pooled(run, 4, local_world_size=2):
         assert stats["intra"]["bits_per_element"] == pytest.approx(4.25)
         assert stats["inter"]["bytes"] == 2 * stats["intra"]["bytes"]  # 2 peers in the other node, 1 in mine
 
@@ -267,7 +267,7 @@ def _node_and_full(rank, world, steps):
 
 
 def test_node_replicas_give_bit_identical_weights_to_full_replicas_with_a_quarter_of_the_rows():
-    results = run_world(_node_and_full, 4, 6, local_world_size=2)
+    results = run_pooled(_node_and_full, 4, 6, local_world_size=2)
     for rank, (outs, meter, rows, shape) in enumerate(results):
         assert all(torch.equal(a, b) for a, b in zip(outs["full"], outs["node"]))
         assert not torch.equal(outs["node"][0], outs["node"][-1])  # the weights did move
@@ -288,6 +288,6 @@ def _node_replica_on_one_node(rank, world):
 
 
 def test_node_replicas_on_a_single_node_gather_exactly_and_keep_nothing():
-    for exact, replica, meter in run_world(_node_replica_on_one_node, 2):
+    for exact, replica, meter in run_pooled(_node_replica_on_one_node, 2):
         assert exact and replica is None
         assert meter["weights"]["intra"]["bits_per_element"] == 32.0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 from qsdp.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -55,13 +55,13 @@ def _resume(rank, world, path, check_exact):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ckpt"))
-    return path, run_world(_train_and_save, 4, path, local_world_size=2)
+    return path, run_pooled(_train_and_save, 4, path, local_world_size=2)
 
 
 @pytest.mark.parametrize("lws", [2, 1], ids=["same-layout-2x2", "4x1-full-replicas"])
 def test_resume_on_the_same_world_size_is_bit_identical_whatever_the_ranks_per_node(saved, lws):
     path, uninterrupted = saved
-    resumed = run_world(_resume, 4, path, False, local_world_size=lws)
+    resumed = run_pooled(_resume, 4, path, False, local_world_size=lws)
     for rank, (losses, _, shapes) in enumerate(resumed):
         assert losses == uninterrupted[rank]
         assert all(s[0] == (2 if lws == 2 else 4) for s in shapes)  # the rows this layout holds
@@ -69,7 +69,7 @@ def test_resume_on_the_same_world_size_is_bit_identical_whatever_the_ranks_per_n
 
 def test_resume_on_another_world_size_re_establishes_the_replicas_with_exact_values(saved):
     path, _ = saved
-    for losses, exact, shapes in run_world(_resume, 2, path, True, local_world_size=1):
+    for losses, exact, shapes in run_pooled(_resume, 2, path, True, local_world_size=1):
         assert exact == [True] * 4  # inp, blocks.0.fc1 / fc2, ...: the first gathers are exact
         assert all(s[0] == 2 for s in shapes)  # 2 nodes x 1: full replicas of the new shards
         assert all(torch.isfinite(torch.tensor(losses)))

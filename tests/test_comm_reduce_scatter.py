@@ -9,7 +9,7 @@ import torch.distributed as dist
 import qsdp
 from qsdp.comm import PlainReduceScatter, QuantizedReduceScatter, build_topology
 from allocations import Allocations
-from distributed import run_world
+from distributed import run_pooled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,11 +55,11 @@ def _unquantized_route(rank, world, mode, slices, op, hadamard):
 @pytest.mark.parametrize("op", [dist.ReduceOp.AVG, dist.ReduceOp.SUM], ids=["avg", "sum"])
 @pytest.mark.parametrize("slices", [1, 3, "auto"])
 def test_two_level_route_without_quantization_equals_plain_reduce_scatter(op, slices):
-    assert all(run_world(_unquantized_route, 4, "two_level", slices, op, 0, local_world_size=2))
+    assert all(run_pooled(_unquantized_route, 4, "two_level", slices, op, 0, local_world_size=2))
 
 
 def test_one_level_route_without_quantization_equals_plain_reduce_scatter():
-    assert all(run_world(_unquantized_route, 3, "one_level", 1, dist.ReduceOp.AVG, 0))
+    assert all(run_pooled(_unquantized_route, 3, "one_level", 1, dist.ReduceOp.AVG, 0))
 
 
 def _error_ratio(rank, world, mode, numel, **grads):
@@ -79,20 +79,20 @@ def _error_ratio(rank, world, mode, numel, **grads):
 
 @pytest.mark.parametrize("world,numel", [(1, 40), (2, 2 * 37), (3, 3 * 50), (4, 4 * 33)])
 def test_one_level_error_within_the_sum_of_the_sources_grid_steps(world, numel):
-    for excess, _ in run_world(_error_ratio, world, "one_level", numel):
+    for excess, _ in run_pooled(_error_ratio, world, "one_level", numel):
         assert excess <= 0
 
 
 def test_two_level_hadamard_error_is_small_relative_to_the_gradient():
-    results = run_world(_error_ratio, 4, "two_level", 4 * 256, local_world_size=2,
+    results = run_pooled(_error_ratio, 4, "two_level", 4 * 256, local_world_size=2,
                         bits_intra=8, bits_inter=4, hadamard_block=32, pipeline_slices=4)
     for _, rel in results:
         assert rel < 0.15  # 4-bit inter-node hop dominates: about 1/7 of a group's absmax per element
 
 
 def test_hadamard_lowers_the_two_level_error_on_gradients_with_outliers():
-    plain = run_world(_error_ratio, 4, "two_level", 4 * 512, local_world_size=2, bits_intra=8, bits_inter=4)
-    smooth = run_world(_error_ratio, 4, "two_level", 4 * 512, local_world_size=2, bits_intra=8, bits_inter=4,
+    plain = run_pooled(_error_ratio, 4, "two_level", 4 * 512, local_world_size=2, bits_intra=8, bits_inter=4)
+    smooth = run_pooled(_error_ratio, 4, "two_level", 4 * 512, local_world_size=2, bits_intra=8, bits_inter=4,
                        hadamard_block=16)
     assert sum(r for _, r in smooth) < sum(r for _, r in plain)
 
@@ -114,7 +114,7 @@ def _mean_over_seeds(rank, world, mode, trials, **grads):
 ])
 def test_stochastic_reduce_scatter_is_unbiased_over_seeds(mode, grads):
     trials = 200
-    for err, peak in run_world(_mean_over_seeds, 4, mode, trials, local_world_size=2, **grads):
+    for err, peak in run_pooled(_mean_over_seeds, 4, mode, trials, local_world_size=2, **grads):
         # one draw errs by up to a few grid steps (~peak / 2 for 2 bits); the mean of 200
         # unbiased draws must be ~14x closer, a biased quantizer stays at its bias
         assert err < peak / 2 / trials**0.5 * 6
@@ -131,7 +131,7 @@ def _meter(rank, world, cfg_name):
 
 
 def test_sdp4bit_gradient_bits_per_element_from_the_meter():
-    for stats in run_world(_meter, 4, "sdp4bit", local_world_size=2):
+    for stats in run_pooled(_meter, 4, "sdp4bit", local_world_size=2):
         assert stats["intra"]["bits_per_element"] == pytest.approx(8.25)
         assert stats["inter"]["bits_per_element"] == pytest.approx(4.25)
 
@@ -146,7 +146,7 @@ def _bad_op(rank, world):
 
 
 def test_an_unsupported_reduce_op_is_refused_before_any_data_moves():
-    for msg in run_world(_bad_op, 2):
+    for msg in run_pooled(_bad_op, 2):
         assert "ReduceOp.SUM and ReduceOp.AVG" in msg
 
 
@@ -175,7 +175,7 @@ def _two_level_allocations(rank, world, slices):
 def test_two_level_reduce_scatter_makes_no_copy_of_the_whole_gradient():
     # 4 slices: each slice's destination-major copy (and its Hadamard transform) is a quarter of
     # the gradient; a copy of the whole gradient would be as large as the input.
-    for largest, whole in run_world(_two_level_allocations, 4, 4, local_world_size=2):
+    for largest, whole in run_pooled(_two_level_allocations, 4, 4, local_world_size=2):
         assert 0 < largest <= whole // 4
 
 
@@ -201,7 +201,7 @@ def _auto_and_eight(rank, world, shard, min_slice):
     (100, 16384),  # one padded slice
 ])
 def test_auto_on_gloo_gives_the_bits_and_bytes_of_eight_slices(shard, min_slice):
-    for same_output, same_bytes, sent in run_world(_auto_and_eight, 4, shard, min_slice, local_world_size=2):
+    for same_output, same_bytes, sent in run_pooled(_auto_and_eight, 4, shard, min_slice, local_world_size=2):
         assert same_output and same_bytes and sent
 
 
@@ -226,7 +226,7 @@ def _all_to_alls(rank, world, slices):
 
 @pytest.mark.parametrize("slices,per_hop", [("auto", 1), (8, 8)])
 def test_auto_on_gloo_sends_one_all_to_all_per_hop_and_a_slice_count_one_per_slice(slices, per_hop):
-    for intra, inter in run_world(_all_to_alls, 4, slices, local_world_size=2):
+    for intra, inter in run_pooled(_all_to_alls, 4, slices, local_world_size=2):
         assert len(intra) == 2 * per_hop and sum(intra) == per_hop and sum(inter) == per_hop
 
 
@@ -294,7 +294,7 @@ def _grouped_by_bytes(rank, world, min_bytes):
 # codes and 32 fp32 scales (2 x 2176 bytes) to hop 2's buffer, less than hop 1's 4 rows of 8 bits.
 @pytest.mark.parametrize("min_bytes,exchanges", [(1, 8), (3 * 4352, 2), (8 * 4352, 1), (1 << 30, 1)])
 def test_auto_groups_the_slices_by_bytes_with_the_bits_and_bytes_of_eight_slices(min_bytes, exchanges):
-    for same_output, same_bytes, auto_calls, eight_calls in run_world(_grouped_by_bytes, 4, min_bytes,
+    for same_output, same_bytes, auto_calls, eight_calls in run_pooled(_grouped_by_bytes, 4, min_bytes,
                                                                        local_world_size=2):
         assert same_output and same_bytes
         assert (auto_calls, eight_calls) == (exchanges, 8)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_models as fm
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 from qsdp.train.args import validate_args
 from qsdp.train.checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
 from qsdp.train.loop import TrainArgs, _worker_plan
@@ -141,15 +141,15 @@ def _epoch_windows(corpus, seq_len):
 @pytest.mark.timeout(300)
 def test_sdp4bit_resumed_on_4_then_3_then_4_ranks_keeps_the_state_exact_and_continues_the_curve(tmp_path, corpus):
     ref, run = tmp_path / "ref", tmp_path / "elastic"
-    run_world(_observed_run, 4, _args(ref, corpus, local_world_size=2), local_world_size=2, timeout=120)
-    run_world(_observed_run, 4, _args(run, corpus, steps=3, local_world_size=2), local_world_size=2, timeout=120)
-    three = run_world(_observed_run, 3, _args(run, corpus, steps=6, local_world_size=1, resume=True),
+    run_pooled(_observed_run, 4, _args(ref, corpus, local_world_size=2), local_world_size=2, timeout=120)
+    run_pooled(_observed_run, 4, _args(run, corpus, steps=3, local_world_size=2), local_world_size=2, timeout=120)
+    three = run_pooled(_observed_run, 3, _args(run, corpus, steps=6, local_world_size=1, resume=True),
                       local_world_size=1, timeout=120)
     _check_loaded(three, run / "checkpoints" / "step_00000003", tmp_path)
     # 8 a step kept: 3, 3 and 2 sequences, in 2 micro-batches of at most the 2 each rank had.
     assert [r["start"].name for r in three] == ["step_00000003"] * 3
     assert {(r["split"].counts, r["split"].accumulation, r["batch_size"]) for r in three} == {((3, 3, 2), 2, 2)}
-    four = run_world(_observed_run, 4, _args(run, corpus, local_world_size=2, resume=True), local_world_size=2,
+    four = run_pooled(_observed_run, 4, _args(run, corpus, local_world_size=2, resume=True), local_world_size=2,
                      timeout=120)
     _check_loaded(four, run / "checkpoints" / "step_00000006", tmp_path)
     assert {(r["start"].name, r["split"].counts, r["split"].accumulation) for r in four} == {
@@ -171,9 +171,9 @@ def test_a_resume_on_fewer_ranks_draws_every_sample_of_the_epoch_once_in_micro_b
     assert n == 48  # 778 train tokens: 48 windows, 6 steps of 8
     common = dict(seq_len=16, model="tiny", eval_batches=1, ckpt_every=2)
     out = tmp_path / "run"
-    runs = [run_world(_observed_run, 4, _args(out, str(corpus), steps=2, **common), True, timeout=120),
-            run_world(_observed_run, 3, _args(out, str(corpus), steps=4, resume=True, **common), True, timeout=120),
-            run_world(_observed_run, 1, _args(out, str(corpus), steps=6, resume=True, **common), True, timeout=120)]
+    runs = [run_pooled(_observed_run, 4, _args(out, str(corpus), steps=2, **common), True, timeout=120),
+            run_pooled(_observed_run, 3, _args(out, str(corpus), steps=4, resume=True, **common), True, timeout=120),
+            run_pooled(_observed_run, 1, _args(out, str(corpus), steps=6, resume=True, **common), True, timeout=120)]
     forwards = [[len(step) for r in res for step in r["inputs"]] for res in runs]
     assert [max(f) for f in forwards] == [2, 2, 2] and [len(f) for f in forwards] == [4 * 2, 3 * 2 * 2, 2 * 4]
     drawn = [windows[bytes(row.astype(np.int64))] for res in runs for r in res
@@ -235,7 +235,7 @@ def test_uneven_shares_are_weighted_so_the_gradient_is_the_global_batch_mean(tmp
     from qsdp.train.preflight import open_dataset
 
     args = _args(tmp_path / "run", corpus, preset="fsdp")
-    per_rank = run_world(_step_gradients, 3, args, [(8, 2), (2, 1)], timeout=100)
+    per_rank = run_pooled(_step_gradients, 3, args, [(8, 2), (2, 1)], timeout=100)
     dataset = open_dataset(args)
     for case, (total, _) in enumerate([(8, 2), (2, 1)]):
         results = [r[case] for r in per_rank]
@@ -339,7 +339,7 @@ def test_qsdp_train_resumes_a_4_rank_checkpoint_of_32_a_step_on_3_ranks(tmp_path
     ``--nproc 3`` (once refused: 3 ranks cannot split 32 evenly)."""
     argv = [*_refusal_argv(tmp_path, corpus), "--steps", "3", "--decay-steps", "3", "--ckpt-every", "2"]
     first = _args(tmp_path, corpus, steps=2, decay_steps=3, batch_size=8, ckpt_every=2)
-    assert run_world(_four_ranks_then_stop, 4, first, timeout=120) == [32] * 4
+    assert run_pooled(_four_ranks_then_stop, 4, first, timeout=120) == [32] * 4
     rc, lines = _cli([*argv, "--resume", "--nproc", "3"], capsys)
     assert rc == 0, lines
     summary = __import__("json").loads((tmp_path / "summary.json").read_text())
@@ -398,10 +398,10 @@ def _versions(state) -> list[int]:
 def test_load_checkpoint_in_a_loop_of_ones_own_on_4_then_2_then_4_ranks(tmp_path):
     out = tmp_path / "own"
     ckpt = lambda step: out / "checkpoints" / f"step_{step:08d}"  # noqa: E731
-    first = run_world(_own_loop, 4, str(out), None, 3, local_world_size=2, timeout=90)
-    two = run_world(_own_loop, 2, str(out), str(ckpt(3)), 3, local_world_size=1, timeout=90)
+    first = run_pooled(_own_loop, 4, str(out), None, 3, local_world_size=2, timeout=90)
+    two = run_pooled(_own_loop, 2, str(out), str(ckpt(3)), 3, local_world_size=1, timeout=90)
     _check_loaded(two, ckpt(3), tmp_path)
-    four = run_world(_own_loop, 4, str(out), str(ckpt(6)), 3, local_world_size=2, timeout=90)
+    four = run_pooled(_own_loop, 4, str(out), str(ckpt(6)), 3, local_world_size=2, timeout=90)
     _check_loaded(four, ckpt(6), tmp_path)
     # Counters go on past the largest any rank of the old layout reached: no rounding stream
     # is used twice.
@@ -418,12 +418,12 @@ def test_load_checkpoint_in_a_loop_of_ones_own_on_4_then_2_then_4_ranks(tmp_path
 def test_hsdp_resumed_from_2_replicas_to_1_and_back_keeps_the_state_exact(tmp_path, corpus):
     ref, run = tmp_path / "ref", tmp_path / "hsdp"
     common = dict(hsdp=True, local_world_size=2, preset="sdp4bit")
-    run_world(_observed_run, 4, _args(ref, corpus, **common), local_world_size=2, timeout=150)
-    run_world(_observed_run, 4, _args(run, corpus, steps=3, **common), local_world_size=2, timeout=150)
-    one = run_world(_observed_run, 2, _args(run, corpus, steps=6, resume=True, **common), local_world_size=2,
+    run_pooled(_observed_run, 4, _args(ref, corpus, **common), local_world_size=2, timeout=150)
+    run_pooled(_observed_run, 4, _args(run, corpus, steps=3, **common), local_world_size=2, timeout=150)
+    one = run_pooled(_observed_run, 2, _args(run, corpus, steps=6, resume=True, **common), local_world_size=2,
                     timeout=150)
     _check_loaded(one, run / "checkpoints" / "step_00000003", tmp_path)
-    two = run_world(_observed_run, 4, _args(run, corpus, resume=True, **common), local_world_size=2, timeout=150)
+    two = run_pooled(_observed_run, 4, _args(run, corpus, resume=True, **common), local_world_size=2, timeout=150)
     _check_loaded(two, run / "checkpoints" / "step_00000006", tmp_path)
     a, b = _losses(ref), _losses(run)
     assert a[:3] == b[:3] and max(abs(x - y) for x, y in zip(a, b)) < LOSS_GAP, (a, b)

@@ -5,7 +5,7 @@ from torch.distributed.fsdp import fully_shard
 
 from qsdp import _fsdp2
 
-from distributed import run_world
+from distributed import run_pooled
 
 
 def _grouped_tail(rank, world):
@@ -24,7 +24,7 @@ def _grouped_tail(rank, world):
 
 
 def test_one_fully_shard_call_over_two_modules_is_one_state_and_divide_factors_are_visible():
-    assert run_world(_grouped_tail, 2) == [(True, True, 1, True, False)] * 2
+    assert run_pooled(_grouped_tail, 2) == [(True, True, 1, True, False)] * 2
 
 
 def _custom_comm_is_read_back(rank, world):
@@ -38,7 +38,7 @@ def _custom_comm_is_read_back(rank, world):
 
 
 def test_the_all_gather_comm_a_module_calls_is_readable():
-    assert run_world(_custom_comm_is_read_back, 2) == [(True, ["PlainAllGather"])] * 2
+    assert run_pooled(_custom_comm_is_read_back, 2) == [(True, ["PlainAllGather"])] * 2
 
 
 def _lazy_init_seen(rank, world):
@@ -82,7 +82,7 @@ def _native_all_reduce_routed(rank, world):
 
 def test_the_native_hsdp_all_reduce_can_be_left_to_the_all_reduce_hook():
     # The replicas' gradients stay apart: FSDP2 no longer sums them, its hook sees the shard.
-    got = run_world(_native_all_reduce_routed, 4, local_world_size=2)
+    got = run_pooled(_native_all_reduce_routed, 4, local_world_size=2)
     assert [g[0] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(g[1:] == (True, 1, True, False) for g in got)
 
@@ -106,7 +106,7 @@ def test_the_flat_shard_row_is_read_parameter_by_parameter_with_its_tp_placement
     # a [4, 6] weight and [4] bias a TP rank, [2, 6] and [2] a dp rank; Linear(8, 7) row-parallel:
     # a [7, 4] weight a TP rank, padded to [4, 4] a dp rank, and its bias [7] replicated, padded to 4.
     spans = [(3, True), (3, True), (12, False), (2, False), (16, False), (4, True)]
-    assert run_world(_row_spans, 4, local_world_size=2) == [(spans, [])] * 4
+    assert run_pooled(_row_spans, 4, local_world_size=2) == [(spans, [])] * 4
 
 
 def _renamed(rank, world):
@@ -137,4 +137,4 @@ def _renamed(rank, world):
 def test_a_renamed_private_field_raises_naming_it_instead_of_reading_as_a_default():
     # Read with a default, a renamed divide factor would read as unset and a renamed replicate
     # group would be assigned as a new attribute FSDP2 never reads.
-    assert run_world(_renamed, 4, local_world_size=2) == [True] * 4
+    assert run_pooled(_renamed, 4, local_world_size=2) == [True] * 4

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,8 +31,8 @@ def _losses_and_params(rank, world, preset, steps, reshard, param_dtype, prefetc
     (True, None, False), (False, None, True), (True, torch.bfloat16, True),
 ], ids=["zero3-fp32", "zero2-fp32-prefetch", "zero3-bf16-prefetch"])
 def test_fsdp_preset_is_bit_identical_to_unmodified_fsdp2(reshard, param_dtype, prefetch):
-    plain = run_world(_losses_and_params, 2, None, 4, reshard, param_dtype, prefetch)
-    ours = run_world(_losses_and_params, 2, "fsdp", 4, reshard, param_dtype, prefetch)
+    plain = run_pooled(_losses_and_params, 2, None, 4, reshard, param_dtype, prefetch)
+    ours = run_pooled(_losses_and_params, 2, "fsdp", 4, reshard, param_dtype, prefetch)
     for (l0, p0), (l1, p1) in zip(plain, ours):
         assert l0 == l1
         assert all(torch.equal(a, b) for a, b in zip(p0, p1))
@@ -47,13 +47,13 @@ def _train_preset(rank, world, preset, reshard):
 
 @pytest.fixture(scope="module")
 def baseline():
-    return run_world(_train_preset, 4, "fsdp", True, local_world_size=2)
+    return run_pooled(_train_preset, 4, "fsdp", True, local_world_size=2)
 
 
 @pytest.mark.parametrize("preset", ["qsdp", "sdp4bit", "zeropp", "qw4", "qwd4", "tlq4", "tlq-hs", "qsdp-w4g4"])
 def test_every_preset_trains_close_to_the_baseline(preset, baseline):
     base = baseline
-    got = run_world(_train_preset, 4, preset, preset in ("sdp4bit", "qwd4"), local_world_size=2)
+    got = run_pooled(_train_preset, 4, preset, preset in ("sdp4bit", "qwd4"), local_world_size=2)
     for (b_first, b_last), (first, last) in zip(base, got):
         assert last < 0.5 * first  # the loss falls
         assert last < b_last * 1.5 + 0.05  # and stays near the unquantized run
@@ -67,7 +67,7 @@ def _replicas_identical(rank, world):
 
 
 def test_weight_difference_replicas_are_identical_on_every_rank_inside_fsdp():
-    results = run_world(_replicas_identical, 4, local_world_size=2)
+    results = run_pooled(_replicas_identical, 4, local_world_size=2)
     for rank, other in enumerate(results):  # node replicas: local rank j of every node holds the same rows
         assert all(torch.equal(a, b) for a, b in zip(results[rank % 2], other))
 
@@ -80,8 +80,8 @@ def _losses_with_replica(rank, world, replica):
 
 
 def test_node_replicas_train_bit_identically_to_full_replicas():
-    full = run_world(_losses_with_replica, 4, "full", local_world_size=2)
-    node = run_world(_losses_with_replica, 4, "node", local_world_size=2)
+    full = run_pooled(_losses_with_replica, 4, "full", local_world_size=2)
+    node = run_pooled(_losses_with_replica, 4, "node", local_world_size=2)
     for (lf, pf), (ln, pn) in zip(full, node):
         assert lf == ln
         assert all(torch.equal(a, b) for a, b in zip(pf, pn))
@@ -97,7 +97,7 @@ def _meter_after_warmup(rank, world, replica):
 
 
 def test_sdp4bit_meter_reports_four_bit_weights_and_8_4_bit_gradients():
-    for stats, _ in run_world(_meter_after_warmup, 4, "full", local_world_size=2):
+    for stats, _ in run_pooled(_meter_after_warmup, 4, "full", local_world_size=2):
         # padding of the last 2048-group of each shard is the only excess over 4 + 32/2048
         assert 4.0 < stats["weights"]["total"]["bits_per_element"] <= 4.02 * 1.12
         assert 8.0 < stats["grads"]["intra"]["bits_per_element"] <= 8.25 * 1.01
@@ -105,8 +105,8 @@ def test_sdp4bit_meter_reports_four_bit_weights_and_8_4_bit_gradients():
 
 
 def test_node_replicas_send_four_bit_weights_between_nodes_and_fp32_inside():
-    full = run_world(_meter_after_warmup, 4, "full", local_world_size=2)
-    for (stats, sizes), (_, full_sizes) in zip(run_world(_meter_after_warmup, 4, "node", local_world_size=2), full):
+    full = run_pooled(_meter_after_warmup, 4, "full", local_world_size=2)
+    for (stats, sizes), (_, full_sizes) in zip(run_pooled(_meter_after_warmup, 4, "node", local_world_size=2), full):
         assert 4.0 < stats["weights"]["inter"]["bits_per_element"] <= 4.02 * 1.12
         assert stats["weights"]["intra"]["bits_per_element"] == 32.0  # the parameter dtype
         assert [2 * n for n in sizes] == full_sizes  # M = 2: half of the full replica
@@ -130,7 +130,7 @@ def _tiny_layer(rank, world, preset):
 
 @pytest.mark.parametrize("preset", ["qsdp", "sdp4bit", "zeropp"])
 def test_uneven_and_empty_shards_of_a_tiny_layer_work_on_four_ranks(preset):
-    results = run_world(_tiny_layer, 4, preset, local_world_size=2)
+    results = run_pooled(_tiny_layer, 4, preset, local_world_size=2)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
     assert all(torch.isfinite(p).all() for p in results[0])
@@ -151,7 +151,7 @@ def _bf16_model(rank, world, preset):
 
 @pytest.mark.parametrize("preset", ["qsdp", "sdp4bit"])
 def test_bf16_parameters_are_gathered_as_bf16(preset):
-    for dtypes in run_world(_bf16_model, 2, preset):
+    for dtypes in run_pooled(_bf16_model, 2, preset):
         assert dtypes == {torch.bfloat16}
 
 
@@ -165,7 +165,7 @@ def _mismatched(rank, world):
 
 
 def test_mismatched_configs_across_ranks_raise_on_every_rank_naming_the_difference():
-    for msg in run_world(_mismatched, 2, timeout=60):
+    for msg in run_pooled(_mismatched, 2, timeout=60):
         assert "differs across ranks" in msg and "weights.mode" in msg
 
 
@@ -179,7 +179,7 @@ def _bad_local_world_size(rank, world):
 
 
 def test_local_world_size_must_divide_the_world():
-    for msg in run_world(_bad_local_world_size, 4):
+    for msg in run_pooled(_bad_local_world_size, 4):
         assert "local_world_size=3" in msg and "world size 4" in msg
 
 
@@ -192,7 +192,7 @@ def _no_fsdp(rank, world):
 
 
 def test_a_model_without_fully_shard_is_refused():
-    assert "fully_shard" in run_world(_no_fsdp, 1)[0]
+    assert "fully_shard" in run_pooled(_no_fsdp, 1)[0]
 
 
 def _one_rank_world(rank, world):
@@ -206,7 +206,7 @@ def _one_rank_world(rank, world):
 
 
 def test_a_one_rank_group_warns_that_fsdp2_calls_no_custom_collective():
-    messages = run_world(_one_rank_world, 1)[0]
+    messages = run_pooled(_one_rank_world, 1)[0]
     assert any("one rank" in m and "nothing is quantized or metered" in m for m in messages)
 
 

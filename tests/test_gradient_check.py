@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,7 +31,7 @@ def _norm_and_sums(rank, world, nan_on):
 
 
 def test_the_norm_is_the_global_gradient_norm_and_the_sums_are_over_every_rank():
-    for check, reference in run_world(_norm_and_sums, 4, None, local_world_size=2):
+    for check, reference in run_pooled(_norm_and_sums, 4, None, local_world_size=2):
         assert not check.nonfinite
         assert check.grad_norm == pytest.approx(reference, rel=1e-6)
         assert check.norm.item() == pytest.approx(check.grad_norm, rel=1e-6)
@@ -57,13 +57,13 @@ def _hsdp_norm_and_sums(rank, world):
 
 
 def test_under_hsdp_the_sums_hold_every_rank_and_the_norm_counts_the_replicas_once():
-    for check, reference in run_world(_hsdp_norm_and_sums, 4, local_world_size=2):
+    for check, reference in run_pooled(_hsdp_norm_and_sums, 4, local_world_size=2):
         assert check.sums == (1 + 2 + 3 + 4,)
         assert check.grad_norm == pytest.approx(reference, rel=1e-6)
 
 
 def test_a_non_finite_gradient_on_one_rank_is_seen_by_every_rank():
-    assert [check.nonfinite for check, _ in run_world(_norm_and_sums, 4, 3, local_world_size=2)] == [True] * 4
+    assert [check.nonfinite for check, _ in run_pooled(_norm_and_sums, 4, 3, local_world_size=2)] == [True] * 4
 
 
 def _train(rank, world, ahead, edit_rank=None):
@@ -91,8 +91,8 @@ def _train(rank, world, ahead, edit_rank=None):
 
 
 def test_agreeing_ahead_trains_bit_identically_to_agreeing_at_the_gather():
-    at_gather = run_world(_train, 4, False, local_world_size=2)
-    ahead = run_world(_train, 4, True, local_world_size=2)
+    at_gather = run_pooled(_train, 4, False, local_world_size=2)
+    ahead = run_pooled(_train, 4, True, local_world_size=2)
     for (shards, stats, _, _), (shards_, stats_, _, _) in zip(at_gather, ahead):
         assert all(torch.equal(a, b) for a, b in zip(shards, shards_))
         for kind in ("weights", "grads"):
@@ -101,7 +101,7 @@ def test_agreeing_ahead_trains_bit_identically_to_agreeing_at_the_gather():
 
 
 def test_an_edit_after_the_check_keeps_the_ranks_together_and_is_resent_after_the_next_check():
-    results = run_world(_train, 4, True, 1, local_world_size=2)
+    results = run_pooled(_train, 4, True, 1, local_world_size=2)
     for _, _, resends, seen in results:
         # root, blocks.0 (edited on rank 1 alone), blocks.1: resent at step 3, after step 2's check
         assert resends == [0, 1, 0]
@@ -125,7 +125,7 @@ def _not_fsdp(rank, world):
 
 
 def test_gradients_that_fsdp2_does_not_shard_are_refused_naming_the_fix():
-    for message in run_world(_not_fsdp, 2, timeout=60):
+    for message in run_pooled(_not_fsdp, 2, timeout=60):
         assert message is not None and "FSDP2's sharded gradients" in message and "pass the parameters" in message
 
 
@@ -154,7 +154,7 @@ def _dp_tp_check(rank, world, nan_on):
 
 
 def test_under_tensor_parallelism_the_norm_counts_each_element_once():
-    for nonfinite, norm, reference, sums in run_world(_dp_tp_check, 4, None, local_world_size=2):
+    for nonfinite, norm, reference, sums in run_pooled(_dp_tp_check, 4, None, local_world_size=2):
         assert not nonfinite
         assert norm == pytest.approx(reference, rel=1e-5)  # fp32 norms against a float64 sum
         assert sums == (4.0,)
@@ -162,4 +162,4 @@ def test_under_tensor_parallelism_the_norm_counts_each_element_once():
 
 def test_a_non_finite_gradient_skips_the_step_on_the_tensor_parallel_peers_too():
     # Rank 0's NaN is in dp group {0, 2}; ranks 1 and 3, its tp peers, must skip with it.
-    assert [r[0] for r in run_world(_dp_tp_check, 4, 0, local_world_size=2)] == [True] * 4
+    assert [r[0] for r in run_pooled(_dp_tp_check, 4, 0, local_world_size=2)] == [True] * 4

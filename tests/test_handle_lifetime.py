@@ -8,7 +8,7 @@ import weakref
 import pytest
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,7 +30,7 @@ def _dropped_model_is_freed(rank, world, keep_handle):
 
 
 def test_a_dropped_model_and_handle_are_freed_and_their_hooks_removed():
-    for freed, extra_hooks in run_world(_dropped_model_is_freed, 2, False):
+    for freed, extra_hooks in run_pooled(_dropped_model_is_freed, 2, False):
         assert freed and extra_hooks == 0
 
 
@@ -44,4 +44,4 @@ def _steps_seen_without_the_handle(rank, world):
 
 def test_the_hooks_live_as_long_as_the_model_even_when_the_handle_is_dropped():
     # The two-line use keeps no handle: the replicas still follow every optimizer step.
-    assert run_world(_steps_seen_without_the_handle, 2) == [3, 3]
+    assert run_pooled(_steps_seen_without_the_handle, 2) == [3, 3]

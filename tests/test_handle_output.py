@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 from qsdp.comm.meter import stats_table
 
@@ -24,7 +24,7 @@ def _one_step(rank, world):
 
 @pytest.fixture(scope="module")
 def rank0():
-    return run_world(_one_step, 4, local_world_size=2)[0]
+    return run_pooled(_one_step, 4, local_world_size=2)[0]
 
 
 def test_the_handle_prints_as_one_line_naming_preset_groups_and_layout(rank0):
@@ -72,7 +72,7 @@ def _warnings(rank, world):
 
 
 def test_one_node_warns_on_rank_0_naming_the_override_when_inter_node_settings_go_unused():
-    results = run_world(_warnings, 4, local_world_size=4)
+    results = run_pooled(_warnings, 4, local_world_size=4)
     for case, (_, _, warned) in CASES.items():
         assert all(not r[case] for r in results[1:]), case
         if warned:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 from torch.distributed.fsdp import fully_shard
 
@@ -61,7 +61,7 @@ def groups_seed(rank: int, world: int) -> int:
 # One rank per node: FSDP2 skips the reduce-scatter, the all-reduce runs as its hook.
 @pytest.mark.parametrize("preset,per_node", [("hsdp4", 2), ("sdp4bit", 2), ("qsdp", 2), ("hsdp4", 1)])
 def test_replicas_stay_bit_identical_across_nodes_after_many_steps(preset, per_node):
-    results = run_world(_replicas_after_training, NODES * per_node, preset, 20, local_world_size=per_node)
+    results = run_pooled(_replicas_after_training, NODES * per_node, preset, 20, local_world_size=per_node)
     by_slot: dict[int, list] = {}
     for replica, slot, shards, losses in results:
         by_slot.setdefault(slot, []).append(shards)
@@ -100,7 +100,7 @@ def _hadamard_absmax(x: torch.Tensor, block: int, group: int) -> torch.Tensor:
 
 def test_quantized_all_reduce_is_within_the_quantizers_bound_of_the_exact_sum():
     n, block, group, qmax = 1000, 32, 128, 7
-    for x, parts, exact, got in run_world(_all_reduce_trials, 4, None, 3, n, local_world_size=PER_NODE):
+    for x, parts, exact, got in run_pooled(_all_reduce_trials, 4, None, 3, n, local_world_size=PER_NODE):
         # Chunks are quantized separately, but the global largest value bounds every group's.
         first = sum(_hadamard_absmax(p, block, group) / qmax for p in parts)
         second = (_hadamard_absmax(exact, block, group) + first) / qmax
@@ -109,7 +109,7 @@ def test_quantized_all_reduce_is_within_the_quantizers_bound_of_the_exact_sum():
 
 
 def test_every_replica_gets_the_same_bits():
-    results = run_world(_all_reduce_trials, 4, None, 3, 300, local_world_size=PER_NODE)
+    results = run_pooled(_all_reduce_trials, 4, None, 3, 300, local_world_size=PER_NODE)
     # world ranks 0 and 2 form one replicate group, 1 and 3 the other
     assert torch.equal(results[0][3], results[2][3]) and torch.equal(results[1][3], results[3][3])
     assert not torch.equal(results[0][3][0], results[0][3][1])  # each call rounds afresh
@@ -118,7 +118,7 @@ def test_every_replica_gets_the_same_bits():
 @pytest.mark.parametrize("overrides", [None, {"hsdp.bits": 8, "hsdp.hadamard_block": 0}], ids=["4bit-hadamard", "8bit"])
 def test_quantized_all_reduce_is_unbiased(overrides):
     trials = 400
-    x, _, exact, got = run_world(_all_reduce_trials, 4, overrides, trials, 256, local_world_size=PER_NODE)[0]
+    x, _, exact, got = run_pooled(_all_reduce_trials, 4, overrides, trials, 256, local_world_size=PER_NODE)[0]
     err = got - exact
     std = err.std(dim=0)
     assert (std > 0).all()
@@ -162,7 +162,7 @@ def _who_calls_the_all_reduce(rank, world):
 
 
 def test_the_inter_node_all_reduce_runs_in_fsdp2s_all_reduce_hook_not_in_the_reduce_scatter():
-    for calls in run_world(_who_calls_the_all_reduce, 4, local_world_size=PER_NODE):
+    for calls in run_pooled(_who_calls_the_all_reduce, 4, local_world_size=PER_NODE):
         assert len(calls) == 3  # one per FSDP group
         for frames in calls:
             assert ("hook", "HsdpReduceScatter") in frames
@@ -207,8 +207,8 @@ def _hook_or_composed(rank, world, preset, reduce_dtype, composed):
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("preset", ["hsdp4", "sdp4bit"])
 def test_the_hook_gives_the_bits_and_bytes_of_the_all_reduce_composed_into_the_reduce_scatter(preset, reduce_dtype):
-    hooked = run_world(_hook_or_composed, 4, preset, reduce_dtype, False, local_world_size=PER_NODE)
-    composed = run_world(_hook_or_composed, 4, preset, reduce_dtype, True, local_world_size=PER_NODE)
+    hooked = run_pooled(_hook_or_composed, 4, preset, reduce_dtype, False, local_world_size=PER_NODE)
+    composed = run_pooled(_hook_or_composed, 4, preset, reduce_dtype, True, local_world_size=PER_NODE)
     for (losses, shards, stats), (losses_, shards_, stats_) in zip(hooked, composed):
         assert losses == losses_
         assert all(torch.equal(a, b) for a, b in zip(shards, shards_))
@@ -227,7 +227,7 @@ def _hook_replaced(rank, world):
 
 
 def test_replacing_the_all_reduce_hook_fails_instead_of_leaving_the_replicas_apart():
-    for message in run_world(_hook_replaced, 4, local_world_size=PER_NODE, timeout=90):
+    for message in run_pooled(_hook_replaced, 4, local_world_size=PER_NODE, timeout=90):
         assert message is not None and "never reached the all-reduce hook" in message
         assert "set_all_reduce_hook" in message
 
@@ -253,7 +253,7 @@ def _hook_streams(rank, world):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_on_cuda_the_all_reduce_runs_on_the_stream_fsdp2_passes_its_hook():
     # 4 ranks share cuda:0 over gloo (CUDA tensors); spawned: this process may hold a CUDA context.
-    for seen in run_world(_hook_streams, 4, local_world_size=PER_NODE, start_method="spawn", timeout=200):
+    for seen in run_pooled(_hook_streams, 4, local_world_size=PER_NODE, start_method="spawn", timeout=200):
         assert seen == [(True, False)] * 6  # 3 groups x 2 steps, none on the reduce-scatter stream
 
 
@@ -289,8 +289,8 @@ def _gradients(rank, world, preset, reduce_dtype, factor=None):
 # fp32 reduces with ReduceOp.AVG; fp16 makes FSDP2 pre-divide and sum (its overflow guard).
 @pytest.mark.parametrize("reduce_dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
 def test_gradients_are_averaged_over_every_rank_as_native_hsdp_does(reduce_dtype, tol):
-    native = run_world(_gradients, 4, None, reduce_dtype, local_world_size=PER_NODE)
-    ours = run_world(_gradients, 4, "fsdp", reduce_dtype, local_world_size=PER_NODE)
+    native = run_pooled(_gradients, 4, None, reduce_dtype, local_world_size=PER_NODE)
+    ours = run_pooled(_gradients, 4, "fsdp", reduce_dtype, local_world_size=PER_NODE)
     for a, b in zip(native, ours):
         for ga, gb in zip(a, b):
             assert torch.allclose(ga, gb, rtol=tol, atol=tol * ga.abs().max().item())
@@ -299,8 +299,8 @@ def test_gradients_are_averaged_over_every_rank_as_native_hsdp_does(reduce_dtype
 # A custom divide factor (torchtitan sets one) is the whole division, across replicas too.
 @pytest.mark.parametrize("world,per_node", [(4, 2), (2, 1)], ids=["2x2", "2x1-hook"])
 def test_a_custom_gradient_divide_factor_is_the_whole_division_as_in_native_hsdp(world, per_node):
-    native = run_world(_gradients, world, None, torch.float32, 1.0, local_world_size=per_node)
-    ours = run_world(_gradients, world, "fsdp", torch.float32, 1.0, local_world_size=per_node)
+    native = run_pooled(_gradients, world, None, torch.float32, 1.0, local_world_size=per_node)
+    ours = run_pooled(_gradients, world, "fsdp", torch.float32, 1.0, local_world_size=per_node)
     for a, b in zip(native, ours):
         for ga, gb in zip(a, b):
             assert torch.allclose(ga, gb, rtol=1e-6, atol=1e-6 * ga.abs().max().item())
@@ -308,12 +308,12 @@ def test_a_custom_gradient_divide_factor_is_the_whole_division_as_in_native_hsdp
 
 @pytest.fixture(scope="module")
 def native_losses():
-    return run_world(_train_losses, 4, None, 40, local_world_size=PER_NODE)
+    return run_pooled(_train_losses, 4, None, 40, local_world_size=PER_NODE)
 
 
 def test_the_exact_route_matches_native_hsdp(native_losses):
     # fsdp preset: plain reduce-scatter in the node, fp32 all-reduce across nodes
-    got = run_world(_train_losses, 4, "fsdp", 40, local_world_size=PER_NODE)
+    got = run_pooled(_train_losses, 4, "fsdp", 40, local_world_size=PER_NODE)
     for ours, native in zip(got, native_losses):
         assert ours == pytest.approx(native, rel=1e-4, abs=1e-6)
 
@@ -326,7 +326,7 @@ def test_the_exact_route_matches_native_hsdp(native_losses):
     pytest.param("zeropp", 0.5, 0.05, marks=pytest.mark.slow),
 ])
 def test_quantized_hsdp_trains_close_to_native_hsdp(preset, rel, slack, native_losses):
-    got = run_world(_train_losses, 4, preset, 40, local_world_size=PER_NODE)
+    got = run_pooled(_train_losses, 4, preset, 40, local_world_size=PER_NODE)
     for ours, native in zip(got, native_losses):
         last, base = sum(ours[-5:]) / 5, sum(native[-5:]) / 5
         assert last < 0.5 * sum(ours[:5]) / 5
@@ -342,7 +342,7 @@ def _meter_one_step(rank, world, preset):
 
 
 def test_the_meter_shows_4_bit_gradients_between_nodes_and_exact_traffic_inside():
-    for stats in run_world(_meter_one_step, 4, "hsdp4", local_world_size=PER_NODE):
+    for stats in run_pooled(_meter_one_step, 4, "hsdp4", local_world_size=PER_NODE):
         assert 4.0 < stats["grads"]["inter"]["bits_per_element"] < 4.6  # codes + fp32 scales + padding
         assert stats["grads"]["intra"]["bits_per_element"] == 32.0
         assert stats["weights"]["inter"]["bytes"] == 0  # weights are gathered inside the node
@@ -350,7 +350,7 @@ def test_the_meter_shows_4_bit_gradients_between_nodes_and_exact_traffic_inside(
 
 
 def test_the_plain_all_reduce_is_metered_at_full_precision():
-    for stats in run_world(_meter_one_step, 4, "fsdp", local_world_size=PER_NODE):
+    for stats in run_pooled(_meter_one_step, 4, "fsdp", local_world_size=PER_NODE):
         assert stats["grads"]["inter"]["bits_per_element"] == 32.0
         assert stats["grads"]["inter"]["bytes"] > 0
 
@@ -386,7 +386,7 @@ def _resume(rank, world, path):
 
 
 def test_checkpoint_and_resume_is_bit_identical(tmp_path):
-    for straight, resumed in run_world(_resume, 4, str(tmp_path), local_world_size=PER_NODE):
+    for straight, resumed in run_pooled(_resume, 4, str(tmp_path), local_world_size=PER_NODE):
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
 
 
@@ -429,7 +429,7 @@ def _error(rank, world, case):
     ("inconsistent", "inconsistent HSDP groups"),
 ])
 def test_bad_hsdp_setups_raise_a_clear_error_before_any_data_moves(case, words):
-    for message, moved in run_world(_error, 4, case, local_world_size=PER_NODE, timeout=90):
+    for message, moved in run_pooled(_error, 4, case, local_world_size=PER_NODE, timeout=90):
         assert message is not None and words in message
         assert "replicate_group=groups.replicate_group" in message  # the recipe
         assert moved == 0
@@ -457,7 +457,7 @@ def _shard_group_from_the_model(rank, world):
 
 def test_the_shard_group_is_taken_from_the_model_when_group_is_not_given():
     for rank, ((ranks, losses, shards), (ranks_, losses_, shards_)) in enumerate(
-            run_world(_shard_group_from_the_model, 4, local_world_size=PER_NODE)):
+            run_pooled(_shard_group_from_the_model, 4, local_world_size=PER_NODE)):
         node = rank // PER_NODE
         assert ranks == ranks_ == [node * PER_NODE + j for j in range(PER_NODE)]
         assert losses == losses_
@@ -477,7 +477,7 @@ def _without_replicate_group(rank, world, presets):
 
 def test_a_config_that_quantizes_only_the_replica_all_reduce_needs_a_replicate_group():
     presets = ("hsdp4", "hsdp8")
-    for messages in run_world(_without_replicate_group, 2, presets, timeout=60):
+    for messages in run_pooled(_without_replicate_group, 2, presets, timeout=60):
         for preset in presets:
             message = messages[preset]
             assert message is not None and repr(preset) in message
@@ -506,7 +506,7 @@ def _nan_on_one_node(rank, world, preset, bad_step):
 
 @pytest.mark.parametrize("preset", ["fsdp", "hsdp4"])
 def test_a_nan_gradient_on_one_node_skips_the_step_on_every_node(preset):
-    results = run_world(_nan_on_one_node, 4, preset, 2, local_world_size=PER_NODE)
+    results = run_pooled(_nan_on_one_node, 4, preset, 2, local_world_size=PER_NODE)
     assert [skipped for skipped, _ in results] == [[2]] * 4
     for a, b in ((0, 2), (1, 3)):  # the replicas of each slot stay equal and finite
         assert all(torch.equal(x, y) and torch.isfinite(x).all() for x, y in zip(results[a][1], results[b][1]))
@@ -526,7 +526,7 @@ def _accumulate(rank, world, steps, micro):
 
 
 def test_gradient_accumulation_runs_one_all_reduce_per_step_on_the_last_micro_batch():
-    results = run_world(_accumulate, 4, 3, 2, local_world_size=PER_NODE)
+    results = run_pooled(_accumulate, 4, 3, 2, local_world_size=PER_NODE)
     assert all(calls == [3, 3, 3] for calls, _ in results)
     for a, b in ((0, 2), (1, 3)):
         assert all(torch.equal(x, y) for x, y in zip(results[a][1], results[b][1]))

@@ -13,7 +13,7 @@ import torch
 
 import qsdp
 import layouts
-from distributed import run_world
+from distributed import run_pooled
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -56,7 +56,7 @@ def _cells():
 
 @pytest.mark.parametrize("layout,feature", list(_cells()))
 def test_layout_trains_with_every_preset(layout, feature):
-    results = run_world(_matrix_cell, layouts.WORLD[layout], layout, feature,
+    results = run_pooled(_matrix_cell, layouts.WORLD[layout], layout, feature,
                         local_world_size=layouts.PER_NODE[layout], timeout=540)
     for by_preset in results:
         native_losses, native_params, _ = by_preset[None]
@@ -106,7 +106,7 @@ def test_dp_ranks_on_different_nodes_cross_the_node_link_with_the_bits_presets_p
     from qsdp.preset_table import link_bits
 
     predicted = link_bits(preset, shard=IN * OUT // 4, nodes=2, ranks_per_node=1, param_bytes=4, grad_bytes=4)["fsdp"]
-    for layout, stats in run_world(_dp_tp_bits, 4, preset, local_world_size=2):
+    for layout, stats in run_pooled(_dp_tp_bits, 4, preset, local_world_size=2):
         assert layout == (2, 1)  # the dp group {0, 2} is one rank on each of two nodes
         measured = {k: {lv: stats[k][lv]["bits_per_element"] if stats[k][lv]["elements"] else None
                         for lv in ("intra", "inter")} for k in ("weights", "grads")}
@@ -132,7 +132,7 @@ def _hpz(rank, world, preset):
 def test_the_backward_gather_of_hpz_stays_inside_the_node_exactly(preset):
     """With reshard_after_forward=2 on 2 nodes x 2, the forward gathers cross nodes as the preset
     says, and the backward gathers over the node's 2 ranks travel in fp32 inside it."""
-    for losses, _, stats in run_world(_hpz, 4, preset, local_world_size=2):
+    for losses, _, stats in run_pooled(_hpz, 4, preset, local_world_size=2):
         assert all(math.isfinite(x) for x in losses)
         w = stats["weights"]
         assert w["intra"]["elements"] > 0 and w["inter"]["elements"] > 0
@@ -148,8 +148,8 @@ def test_the_backward_gather_of_hpz_stays_inside_the_node_exactly(preset):
 
 
 def test_hpz_gathers_the_same_weights_as_native_fsdp2_with_the_fsdp_preset():
-    native = run_world(_hpz, 4, None, local_world_size=2)
-    ours = run_world(_hpz, 4, "fsdp", local_world_size=2)
+    native = run_pooled(_hpz, 4, None, local_world_size=2)
+    ours = run_pooled(_hpz, 4, "fsdp", local_world_size=2)
     for (l0, p0, _), (l1, p1, _) in zip(native, ours):
         assert l0 == l1
         assert all(torch.equal(a, b) for a, b in zip(p0, p1))
@@ -167,7 +167,7 @@ def _one_node_state(rank, world):
 
 
 def test_sdp4bit_on_one_node_holds_no_weight_replica():
-    for held, model, nodes in run_world(_one_node_state, 4):
+    for held, model, nodes in run_pooled(_one_node_state, 4):
         assert nodes == 1
         assert held <= model / 4
 
@@ -189,4 +189,4 @@ def _async_unshard(rank, world, preset):
 
 @pytest.mark.parametrize("preset", ["qsdp", "sdp4bit"])
 def test_an_async_unshard_delivers_the_same_weights(preset):
-    assert all(run_world(_async_unshard, 4, preset, local_world_size=2))
+    assert all(run_pooled(_async_unshard, 4, preset, local_world_size=2))

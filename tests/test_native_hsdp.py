@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 import fsdp_models as fm
 import layouts
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -68,14 +68,14 @@ def _assert_bit_identical(native, ours):
 
 
 def test_the_fsdp_preset_is_native_hsdp_bit_for_bit():
-    native = run_world(_train, 4, None, "hsdp", 4, 1, local_world_size=PER_NODE)
-    ours = run_world(_train, 4, "fsdp", "hsdp", 4, 1, local_world_size=PER_NODE)
+    native = run_pooled(_train, 4, None, "hsdp", 4, 1, local_world_size=PER_NODE)
+    ours = run_pooled(_train, 4, "fsdp", "hsdp", 4, 1, local_world_size=PER_NODE)
     _assert_bit_identical(native, ours)
 
 
 def test_accumulation_all_reduces_once_a_step_and_stays_native_bit_for_bit():
-    native = run_world(_train, 4, None, "hsdp", 2, 3, local_world_size=PER_NODE)
-    ours = run_world(_train, 4, "fsdp", "hsdp", 2, 3, local_world_size=PER_NODE)
+    native = run_pooled(_train, 4, None, "hsdp", 2, 3, local_world_size=PER_NODE)
+    ours = run_pooled(_train, 4, "fsdp", "hsdp", 2, 3, local_world_size=PER_NODE)
     _assert_bit_identical(native, ours)
     for *_, calls in ours:
         assert calls == [2, 2, 2]  # 3 FSDP groups, one all-reduce per step, not per micro-batch
@@ -103,28 +103,28 @@ def _tiny_3d(rank, world, preset, steps):
 
 
 def test_3d_with_a_one_rank_shard_dimension_is_native_bit_for_bit():
-    native = run_world(_tiny_3d, 4, None, 3, local_world_size=2)
-    ours = run_world(_tiny_3d, 4, "fsdp", 3, local_world_size=2)
+    native = run_pooled(_tiny_3d, 4, None, 3, local_world_size=2)
+    ours = run_pooled(_tiny_3d, 4, "fsdp", 3, local_world_size=2)
     _assert_bit_identical(native, ours)
     assert all(calls == [3, 3, 3] for *_, calls in ours)  # the hook ran without a reduce-scatter
 
 
 @pytest.mark.slow
 def test_3d_2x2x2_is_native_bit_for_bit():
-    native = run_world(_train, 8, None, "3d", 4, 2, local_world_size=4, timeout=300)
-    ours = run_world(_train, 8, "fsdp", "3d", 4, 2, local_world_size=4, timeout=300)
+    native = run_pooled(_train, 8, None, "3d", 4, 2, local_world_size=4, timeout=300)
+    ours = run_pooled(_train, 8, "fsdp", "3d", 4, 2, local_world_size=4, timeout=300)
     _assert_bit_identical(native, ours)
 
 
 @pytest.fixture(scope="module")
 def native_losses():
-    return run_world(_train, 4, None, "hsdp", 30, 1, local_world_size=PER_NODE)
+    return run_pooled(_train, 4, None, "hsdp", 30, 1, local_world_size=PER_NODE)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["sdp4bit", "hsdp4"])
 def test_quantized_presets_train_close_to_native_hsdp(preset, native_losses):
-    for (ours, params, _, _), (native, *_) in zip(run_world(_train, 4, preset, "hsdp", 30, 1, local_world_size=PER_NODE),
+    for (ours, params, _, _), (native, *_) in zip(run_pooled(_train, 4, preset, "hsdp", 30, 1, local_world_size=PER_NODE),
                                                  native_losses):
         last, base = sum(ours[-5:]) / 5, sum(native[-5:]) / 5
         assert last < 0.5 * sum(ours[:5]) / 5
@@ -142,7 +142,7 @@ def _replica_shards(rank, world, preset):
 @pytest.mark.parametrize("preset", ["sdp4bit", "hsdp4"])
 def test_quantized_replicas_stay_bit_identical(preset):
     by_slot: dict[int, list] = {}
-    for slot, shards in run_world(_replica_shards, 4, preset, local_world_size=PER_NODE):
+    for slot, shards in run_pooled(_replica_shards, 4, preset, local_world_size=PER_NODE):
         by_slot.setdefault(slot, []).append(shards)
     for a, b in by_slot.values():
         assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -162,7 +162,7 @@ def _meter(rank, world, preset):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset,intra_grads", [("hsdp4", 32.0), ("sdp4bit", None)])
 def test_the_meter_shows_the_quantized_all_reduce_between_nodes(preset, intra_grads):
-    for stats in run_world(_meter, 4, preset, local_world_size=PER_NODE):
+    for stats in run_pooled(_meter, 4, preset, local_world_size=PER_NODE):
         assert 4.0 < stats["grads"]["inter"]["bits_per_element"] < 5.0  # codes, scales, padding
         if intra_grads:
             assert stats["grads"]["intra"]["bits_per_element"] == intra_grads
@@ -191,7 +191,7 @@ def _resume(rank, world, path, preset):
 @pytest.mark.parametrize("preset", ["sdp4bit", *(pytest.param(p, marks=pytest.mark.slow)
                                                  for p in ("fsdp", "hsdp4", "qsdp", "zeropp"))])
 def test_own_loop_checkpoint_resumes_bit_identically(preset, tmp_path):
-    assert run_world(_resume, 4, str(tmp_path), preset, local_world_size=PER_NODE) == [(True, True)] * 4
+    assert run_pooled(_resume, 4, str(tmp_path), preset, local_world_size=PER_NODE) == [(True, True)] * 4
 
 
 def _across_nodes(rank, world, preset):
@@ -213,16 +213,16 @@ def _across_nodes(rank, world, preset):
 
 
 def test_a_shard_dimension_across_nodes_is_refused_for_hsdp4():
-    for kind, message, moved in run_world(_across_nodes, 4, "hsdp4", local_world_size=PER_NODE):
+    for kind, message, moved in run_pooled(_across_nodes, 4, "hsdp4", local_world_size=PER_NODE):
         assert kind == "error" and "shard dimension" in message and "spans 2 nodes" in message
         assert moved == 0
 
 
 @pytest.mark.slow
 def test_a_shard_dimension_across_nodes_is_warned_about_once_for_sdp4bit_and_accepted_for_fsdp():
-    results = run_world(_across_nodes, 4, "sdp4bit", local_world_size=PER_NODE)
+    results = run_pooled(_across_nodes, 4, "sdp4bit", local_world_size=PER_NODE)
     assert [len(w) for _, w, _ in results] == [1, 0, 0, 0]
-    assert all(kind == "ok" and not w for kind, w, _ in run_world(_across_nodes, 4, "fsdp", local_world_size=PER_NODE))
+    assert all(kind == "ok" and not w for kind, w, _ in run_pooled(_across_nodes, 4, "fsdp", local_world_size=PER_NODE))
 
 
 def _with_replicate_group(rank, world):
@@ -235,7 +235,7 @@ def _with_replicate_group(rank, world):
 
 
 def test_replicate_group_beside_a_native_mesh_is_refused_naming_the_native_way():
-    for message in run_world(_with_replicate_group, 4, local_world_size=PER_NODE):
+    for message in run_pooled(_with_replicate_group, 4, local_world_size=PER_NODE):
         assert "native HSDP mesh" in message and "leave replicate_group= out" in message
 
 
@@ -256,7 +256,7 @@ def _mixed_meshes(rank, world):
 
 @pytest.mark.slow
 def test_blocks_on_a_native_mesh_beside_a_1d_root_are_refused():
-    for message in run_world(_mixed_meshes, 4, local_world_size=PER_NODE):
+    for message in run_pooled(_mixed_meshes, 4, local_world_size=PER_NODE):
         assert message is not None and "different data-parallel meshes" in message
 
 
@@ -268,7 +268,7 @@ def _hook_kept(rank, world):
 
 @pytest.mark.slow
 def test_the_handle_counts_the_replicas_of_the_mesh():
-    for same, replicas, text in run_world(_hook_kept, 4, local_world_size=PER_NODE):
+    for same, replicas, text in run_pooled(_hook_kept, 4, local_world_size=PER_NODE):
         assert same and replicas == 2 and "HSDP over 2 replicas" in text
 
 
@@ -281,8 +281,8 @@ def _state_dict_keys(rank, world, preset):
 
 @pytest.mark.slow
 def test_the_state_dict_keeps_fsdp2s_native_placements():
-    assert run_world(_state_dict_keys, 4, "sdp4bit", local_world_size=PER_NODE) == \
-        run_world(_state_dict_keys, 4, None, local_world_size=PER_NODE)
+    assert run_pooled(_state_dict_keys, 4, "sdp4bit", local_world_size=PER_NODE) == \
+        run_pooled(_state_dict_keys, 4, None, local_world_size=PER_NODE)
 
 
 def _step_check(rank, world):
@@ -295,7 +295,7 @@ def _step_check(rank, world):
 
 
 def test_the_steps_gradient_norm_counts_each_element_once_across_the_replicas():
-    for nonfinite, norm, full in run_world(_step_check, 4, local_world_size=PER_NODE):
+    for nonfinite, norm, full in run_pooled(_step_check, 4, local_world_size=PER_NODE):
         assert not nonfinite
         assert norm == pytest.approx(full, rel=1e-6)
 
@@ -333,7 +333,7 @@ def _checked_step_reads(rank, world, preset):
 @pytest.mark.parametrize("preset", ["sdp4bit", "hsdp4"])
 def test_a_checked_step_reads_the_host_once(preset):
     # The hook across the replicas reads nothing: the check's one read is the step's only one.
-    for per_step in run_world(_checked_step_reads, 4, preset, local_world_size=PER_NODE):
+    for per_step in run_pooled(_checked_step_reads, 4, preset, local_world_size=PER_NODE):
         assert per_step == [["tolist from qsdp.gradient_check"]] * 3
 
 
@@ -368,7 +368,7 @@ def _matrix_cells():
 def test_native_hsdp_layout_trains_with_every_preset(layout, feature):
     """docs/layouts.md's native HSDP rows: ``fsdp`` bit-identical to FSDP2's native HSDP,
     ``qsdp`` and ``sdp4bit`` finite and close to it."""
-    results = run_world(_matrix_cell, layouts.WORLD[layout], layout, feature,
+    results = run_pooled(_matrix_cell, layouts.WORLD[layout], layout, feature,
                         local_world_size=layouts.PER_NODE[layout], timeout=540)
     for by_preset in results:
         native_losses, native_params = by_preset[None]

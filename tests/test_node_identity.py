@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from distributed import run_world
+from distributed import run_pooled
 from qsdp.comm.topology import NODE_ENV, build_topology, node_name, one_rank_nodes_warning
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,7 +35,7 @@ def _as_slurm_step(rank, world):
 
 
 def test_ranks_of_separate_srun_steps_are_placed_by_the_slurm_node_name_not_the_step_node_id():
-    for rank, (name, nodes, per_node) in enumerate(run_world(_as_slurm_step, 4)):
+    for rank, (name, nodes, per_node) in enumerate(run_pooled(_as_slurm_step, 4)):
         assert name == f"cn{rank // 2}"
         assert (nodes, per_node) == (2, 2)
 
@@ -72,7 +72,7 @@ def _on_localhost_machines(rank, world):
 
 
 def test_machines_that_all_call_themselves_localhost_are_told_apart_by_their_machine_identity():
-    results = run_world(_on_localhost_machines, 4)
+    results = run_pooled(_on_localhost_machines, 4)
     if None in results:
         pytest.skip("needs UTS and mount namespaces (root)")
     for host, intra in results:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,9 +35,9 @@ def _one_gpu(rank, world, preset, nan):
 
 @pytest.mark.parametrize("preset", ["sdp4bit", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_nan_loss_on_one_gpu_is_flagged(preset):
-    (flagged, nonfinite, norm), = run_world(_one_gpu, 1, preset, True)
+    (flagged, nonfinite, norm), = run_pooled(_one_gpu, 1, preset, True)
     assert flagged and nonfinite and math.isnan(norm)
-    (flagged, nonfinite, norm), = run_world(_one_gpu, 1, preset, False)
+    (flagged, nonfinite, norm), = run_pooled(_one_gpu, 1, preset, False)
     assert not flagged and not nonfinite and norm > 0
 
 
@@ -64,8 +64,8 @@ def _dp1_tp2(rank, world, nan_on):
 
 
 def test_with_dp_1_beside_tensor_parallelism_a_nan_on_one_rank_is_seen_by_both():
-    assert run_world(_dp1_tp2, 2, 1) == [True, True]
-    assert run_world(_dp1_tp2, 2, None) == [False, False]
+    assert run_pooled(_dp1_tp2, 2, 1) == [True, True]
+    assert run_pooled(_dp1_tp2, 2, None) == [False, False]
 
 
 def _train(rank, world, args):
@@ -90,9 +90,9 @@ def test_qsdp_train_on_one_rank_skips_a_nan_step_without_touching_the_weights(tm
                          warmup=1, decay_steps=3, eval_every=0, ckpt_every=0, progress=False, preset="sdp4bit",
                          on_nonfinite="skip")
 
-    (before,) = run_world(_train, 1, args(tmp_path / "one_step", 1), timeout=120)
+    (before,) = run_pooled(_train, 1, args(tmp_path / "one_step", 1), timeout=120)
     monkeypatch.setenv("QSDP_TEST_NAN_AT", "2:0")
-    (after,) = run_world(_train, 1, args(tmp_path / "run", 2), timeout=120)
+    (after,) = run_pooled(_train, 1, args(tmp_path / "run", 2), timeout=120)
     assert after["nonfinite_skipped"] == 1
     assert after["final_weights_sha256"] == before["final_weights_sha256"]  # the NaN step changed nothing
     assert after["final_optimizer_sha256"] == before["final_optimizer_sha256"]

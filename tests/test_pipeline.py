@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import pipeline as pl
 
 pytestmark = pytest.mark.timeout(240)
@@ -64,7 +64,7 @@ def _native_and(rank, world, schedule, preset, steps=3, tp=1, replicate=1):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_the_fsdp_preset_equals_native_fsdp2_bit_for_bit_on_unequal_stages(schedule):
-    for native, fsdp in run_world(_native_and, 4, schedule, "fsdp", local_world_size=1):
+    for native, fsdp in run_pooled(_native_and, 4, schedule, "fsdp", local_world_size=1):
         assert fsdp["losses"] == native["losses"]
         assert all(torch.equal(a, b) for a, b in zip(fsdp["grads"], native["grads"]))
         assert all(torch.equal(a, b) for a, b in zip(fsdp["shards"], native["shards"]))
@@ -75,7 +75,7 @@ def test_the_fsdp_preset_equals_native_fsdp2_bit_for_bit_on_unequal_stages(sched
 def test_sdp4bit_trains_close_to_native_with_the_check_over_stages_of_different_group_counts(schedule):
     # Stages of 2 and 3 FSDP groups (1f1b), or 2 + 3 against 2 + 2 per rank (interleaved): the
     # weight-difference flags of each dp group are agreed in the check without a size mismatch.
-    results = run_world(_native_and, 4, schedule, "sdp4bit", 8, local_world_size=1)
+    results = run_pooled(_native_and, 4, schedule, "sdp4bit", 8, local_world_size=1)
     for native, sdp4bit in results:
         assert [c[0] for c in sdp4bit["checks"]] == [False] * 8
         assert all(c[1] > 0 and math.isfinite(c[1]) for c in sdp4bit["checks"])
@@ -135,7 +135,7 @@ def _feature_cells_with_tp():
                                                    for c in _feature_cells()), *_feature_cells_with_tp()])
 def test_pipeline_stages_train_with_every_preset(schedule, feature, tp):
     # tp = 2: (pp, dp, tp) = (2, 2, 2), 8 ranks, tensor parallelism on each block's MLP.
-    for by_preset in run_world(_feature_cell, 4 * tp, schedule, feature, tp, local_world_size=tp, timeout=480):
+    for by_preset in run_pooled(_feature_cell, 4 * tp, schedule, feature, tp, local_world_size=tp, timeout=480):
         native, fsdp = by_preset[None], by_preset["fsdp"]
         assert fsdp["losses"] == native["losses"]
         assert all(torch.equal(a, b) for a, b in zip(fsdp["shards"], native["shards"]))
@@ -158,7 +158,7 @@ def _norm(rank, world, schedule, preset, tp=1, replicate=1):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_the_norm_over_stages_is_the_unsharded_models_gradient_norm(schedule):
-    for norm, norm_tensor, loss_sum, (reference, reference_loss) in run_world(
+    for norm, norm_tensor, loss_sum, (reference, reference_loss) in run_pooled(
             _norm, 4, schedule, "fsdp", local_world_size=1):
         assert norm == pytest.approx(reference, rel=1e-5)  # fp32 gradients against a float64 norm
         assert norm_tensor == pytest.approx(norm, rel=1e-6)
@@ -175,7 +175,7 @@ def _nan(rank, world, schedule, preset, dp=2):
 def test_a_nan_in_one_stage_skips_the_step_on_every_rank(schedule, preset):
     # Rank 0's first stage alone back-propagates NaN at step 1: the other stage's ranks reduce
     # finite gradients, and skip with it.
-    results = run_world(_nan, 4, schedule, preset, local_world_size=1)
+    results = run_pooled(_nan, 4, schedule, preset, local_world_size=1)
     for r in results:
         assert [c[0] for c in r["checks"]] == [False, True, False]
         assert r["changed"] == [True, False, True]
@@ -184,7 +184,7 @@ def test_a_nan_in_one_stage_skips_the_step_on_every_rank(schedule, preset):
 
 def test_with_one_rank_per_dp_group_a_nan_is_flagged_without_qsdps_reduce_scatter():
     # (pp, dp) = (2, 1): FSDP2 reduces a one-rank group without calling the custom reduce-scatter.
-    results = run_world(_nan, 2, "1f1b", "sdp4bit", 1)
+    results = run_pooled(_nan, 2, "1f1b", "sdp4bit", 1)
     for r in results:
         assert [c[0] for c in r["checks"]] == [False, True, False]
         assert r["changed"] == [True, False, True]
@@ -195,17 +195,17 @@ def test_with_one_rank_per_dp_group_a_nan_is_flagged_without_qsdps_reduce_scatte
 @pytest.mark.timeout(600)
 def test_pp_x_fsdp_x_tp_equals_native_and_its_norm_is_the_unsharded_models():
     # (pp, dp, tp) = (2, 2, 2): tensor parallelism on each block's MLP inside every stage.
-    for native, fsdp in run_world(_native_and, 8, "1f1b", "fsdp", 3, 2, local_world_size=2, timeout=540):
+    for native, fsdp in run_pooled(_native_and, 8, "1f1b", "fsdp", 3, 2, local_world_size=2, timeout=540):
         assert fsdp["losses"] == native["losses"]
         assert all(torch.equal(a, b) for a, b in zip(fsdp["shards"], native["shards"]))
-    for norm, _, _, (reference, _) in run_world(_norm, 8, "interleaved", "fsdp", 2, local_world_size=2, timeout=540):
+    for norm, _, _, (reference, _) in run_pooled(_norm, 8, "interleaved", "fsdp", 2, local_world_size=2, timeout=540):
         assert norm == pytest.approx(reference, rel=1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pp_x_fsdp_x_tp_sdp4bit_trains_close_to_native():
-    for native, sdp4bit in run_world(_native_and, 8, "interleaved", "sdp4bit", 8, 2, local_world_size=2, timeout=540):
+    for native, sdp4bit in run_pooled(_native_and, 8, "interleaved", "sdp4bit", 8, 2, local_world_size=2, timeout=540):
         assert [c[0] for c in sdp4bit["checks"]] == [False] * 8
         if native["losses"][0] is not None:
             assert all(math.isfinite(x) for x in sdp4bit["losses"])
@@ -220,11 +220,11 @@ def test_pp_x_fsdp_x_tp_sdp4bit_trains_close_to_native():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pp_x_native_hsdp_equals_native_and_its_norm_is_the_unsharded_models():
-    for native, fsdp in run_world(_native_and, 8, "1f1b", "fsdp", 3, 1, 2, local_world_size=2, timeout=540):
+    for native, fsdp in run_pooled(_native_and, 8, "1f1b", "fsdp", 3, 1, 2, local_world_size=2, timeout=540):
         assert fsdp["losses"] == native["losses"]
         assert all(torch.equal(a, b) for a, b in zip(fsdp["grads"], native["grads"]))
         assert all(torch.equal(a, b) for a, b in zip(fsdp["shards"], native["shards"]))
-    for norm, _, loss_sum, (reference, reference_loss) in run_world(
+    for norm, _, loss_sum, (reference, reference_loss) in run_pooled(
             _norm, 8, "interleaved", "fsdp", 1, 2, local_world_size=2, timeout=540):
         assert norm == pytest.approx(reference, rel=1e-5)  # each element once across stages and replicas
         assert loss_sum / 4 == pytest.approx(reference_loss, rel=1e-5)
@@ -234,7 +234,7 @@ def test_pp_x_native_hsdp_equals_native_and_its_norm_is_the_unsharded_models():
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("preset", ["sdp4bit", "hsdp4"])
 def test_pp_x_native_hsdp_trains_close_to_native(preset):
-    for native, quantized in run_world(_native_and, 8, "1f1b", preset, 8, 1, 2, local_world_size=2, timeout=540):
+    for native, quantized in run_pooled(_native_and, 8, "1f1b", preset, 8, 1, 2, local_world_size=2, timeout=540):
         assert [c[0] for c in quantized["checks"]] == [False] * 8
         assert any(not torch.equal(a, b) for a, b in zip(quantized["shards"], native["shards"]))
         if native["losses"][0] is not None:
@@ -299,7 +299,7 @@ def _assert_resumed_bit_for_bit(results):
 def test_a_pipeline_stage_resumes_with_its_own_optimizer_param_groups(tmp_path):
     # Both stages' optimizer param_groups in one checkpoint (keyed by parameter), one step on
     # each side of the resume.
-    _assert_resumed_bit_for_bit(run_world(_resume, 4, "1f1b", "fsdp", str(tmp_path), 1, 1, local_world_size=1))
+    _assert_resumed_bit_for_bit(run_pooled(_resume, 4, "1f1b", "fsdp", str(tmp_path), 1, 1, local_world_size=1))
 
 
 @pytest.mark.slow
@@ -307,14 +307,14 @@ def test_a_pipeline_stage_resumes_with_its_own_optimizer_param_groups(tmp_path):
 def test_a_pipeline_resumes_from_a_checkpoint_bit_for_bit(preset, tmp_path):
     # sdp4bit: stages of 2 and 3 FSDP groups agree on their weight-difference replicas each
     # within its own dp group.
-    _assert_resumed_bit_for_bit(run_world(_resume, 4, "1f1b", preset, str(tmp_path), local_world_size=1))
+    _assert_resumed_bit_for_bit(run_pooled(_resume, 4, "1f1b", preset, str(tmp_path), local_world_size=1))
 
 
 @pytest.mark.slow
 def test_pp_x_fsdp_x_tp_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
     # (pp, dp, tp) = (2, 2, 2): each dp group's replica rows, and the parameters TP replicates,
     # the same on both TP ranks so that DCP's one copy of them is each rank's own.
-    _assert_resumed_bit_for_bit(run_world(_resume, 8, "1f1b", "sdp4bit", str(tmp_path), tp=2, local_world_size=2,
+    _assert_resumed_bit_for_bit(run_pooled(_resume, 8, "1f1b", "sdp4bit", str(tmp_path), tp=2, local_world_size=2,
                                           timeout=300))
 
 
@@ -323,7 +323,7 @@ def test_pp_x_fsdp_x_tp_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
 def test_pp_x_native_hsdp_resumes_from_a_checkpoint_bit_for_bit(preset, tmp_path):
     # Each stage's replica rows agreed over its shard group and its replicas; FSDP2's own
     # placements in the checkpoint.
-    _assert_resumed_bit_for_bit(run_world(_resume, 8, "1f1b", preset, str(tmp_path), replicate=2, local_world_size=2,
+    _assert_resumed_bit_for_bit(run_pooled(_resume, 8, "1f1b", preset, str(tmp_path), replicate=2, local_world_size=2,
                                           timeout=300))
 
 
@@ -334,14 +334,14 @@ def test_two_stages_a_rank_resume_from_one_checkpoint_bit_for_bit(preset, per_bl
     # Interleaved: each rank saves and loads both its model parts, their optimizers and their
     # handles. Without per-block groups, each part is one FSDP group at its root: a rank's two
     # parts gather over one dp group at one module path, and their replica rows keep apart.
-    _assert_resumed_bit_for_bit(run_world(_resume, 4, "interleaved", preset, str(tmp_path), as_list=True,
+    _assert_resumed_bit_for_bit(run_pooled(_resume, 4, "interleaved", preset, str(tmp_path), as_list=True,
                                           per_block=per_block, local_world_size=1))
 
 
 @pytest.mark.slow
 def test_zero_bubble_v_stages_resume_from_one_checkpoint_bit_for_bit(tmp_path):
     # ScheduleZBVZeroBubble with ZeRO-2: rank 0 holds the first and the last stage.
-    _assert_resumed_bit_for_bit(run_world(_resume, 4, "zbv", "sdp4bit", str(tmp_path), as_list=True, reshard=False,
+    _assert_resumed_bit_for_bit(run_pooled(_resume, 4, "zbv", "sdp4bit", str(tmp_path), as_list=True, reshard=False,
                                           local_world_size=1))
 
 
@@ -384,7 +384,7 @@ def _reads(rank, world, schedule, preset):
 def test_a_pipeline_step_reads_the_host_once_for_every_stage_of_the_rank():
     # Two stages a rank, their dp group's weight-difference flags in an all-reduce of their own:
     # still one read, the check's.
-    for per_step in run_world(_reads, 4, "interleaved", "sdp4bit", local_world_size=1):
+    for per_step in run_pooled(_reads, 4, "interleaved", "sdp4bit", local_world_size=1):
         assert per_step == [["tolist from qsdp.gradient_check"]] * 2
 
 
@@ -443,9 +443,9 @@ def test_a_pipeline_checkpoint_loads_into_the_whole_model_on_fewer_ranks(preset,
     # for bit, the weight-difference replicas rebuilt exactly by the first gathers.
     from test_elastic import _checkpoint_state
 
-    run_world(_save_pipeline, 4, str(tmp_path), preset, local_world_size=1)
+    run_pooled(_save_pipeline, 4, str(tmp_path), preset, local_world_size=1)
     path = tmp_path / "checkpoints" / "step_00000002"
-    results = run_world(_load_without_stages, 2, str(path), preset, local_world_size=1)
+    results = run_pooled(_load_without_stages, 2, str(path), preset, local_world_size=1)
     expected = _checkpoint_state(path, tmp_path)
     assert all(r["loaded"].keys() == expected.keys() for r in results)
     _assert_loaded_exactly(results, expected)
@@ -477,9 +477,9 @@ def _assert_loaded_into_stages(tmp_path, save, save_world, save_args, schedule):
     parameter held by one stage, the first gathers exact, training going on."""
     from test_elastic import _checkpoint_state
 
-    run_world(save, save_world, str(tmp_path), *save_args, local_world_size=1)
+    run_pooled(save, save_world, str(tmp_path), *save_args, local_world_size=1)
     path = tmp_path / "checkpoints" / "step_00000002"
-    results = run_world(_load_into_stages, 4, str(path), "sdp4bit", schedule, local_world_size=1)
+    results = run_pooled(_load_into_stages, 4, str(path), "sdp4bit", schedule, local_world_size=1)
     expected = _checkpoint_state(path, tmp_path)
     # ranks 0, 1 hold stage 0, ranks 2, 3 stage 1
     assert sorted([*results[0]["loaded"], *results[2]["loaded"]]) == sorted(expected)

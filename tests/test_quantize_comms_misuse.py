@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,7 +31,7 @@ def _twice(rank, world):
 
 
 def test_a_second_quantize_comms_on_the_same_model_names_close():
-    assert run_world(_twice, 2, timeout=100) == [(
+    assert run_pooled(_twice, 2, timeout=100) == [(
         "RuntimeError", "quantize_comms was already called on this model (its 'sdp4bit' comms are attached): "
                         "call close() on the handle it returned before quantizing again")] * 2
 
@@ -48,7 +48,7 @@ def _after_close(rank, world):
 
 
 def test_after_close_the_model_takes_new_comms_and_they_carry_all_its_traffic():
-    for second, once in run_world(_after_close, 2, timeout=100):
+    for second, once in run_pooled(_after_close, 2, timeout=100):
         assert second == once and second["weights"]["total"]["bytes"] > 0
 
 
@@ -60,7 +60,7 @@ def _blocks_only(rank, world):
 
 
 def test_a_root_left_out_of_fully_shard_while_its_blocks_are_sharded_is_refused():
-    assert run_world(_blocks_only, 2, timeout=100) == [(
+    assert run_pooled(_blocks_only, 2, timeout=100) == [(
         "ValueError", "the root TinyNet was not passed to fully_shard while 2 of its submodules were "
                       "(blocks.0, blocks.1); its parameters outside them (inp.weight, ...) would be neither "
                       "sharded nor reduced: call fully_shard(model) after fully_shard on its blocks")] * 2
@@ -85,4 +85,4 @@ def _wrapped(rank, world):
 
 
 def test_a_wrapper_around_a_sharded_root_is_accepted():
-    assert run_world(_wrapped, 2, timeout=100) == ["QuantizedComms('sdp4bit', 3 FSDP groups, 2 ranks = 1 node x 2)"] * 2
+    assert run_pooled(_wrapped, 2, timeout=100) == ["QuantizedComms('sdp4bit', 3 FSDP groups, 2 ranks = 1 node x 2)"] * 2

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import run_pooled
 
 pytest.importorskip("torchtitan", reason="needs the optional 'torchtitan' extra: pip install -e '.[torchtitan]'")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "recipes"))
@@ -102,7 +102,7 @@ def _through_the_spec_parallelize_fn(rank, world):
 
 
 def test_the_spec_parallelize_fn_attaches_qsdp_on_the_meta_device_and_the_model_runs():
-    assert run_world(_through_the_spec_parallelize_fn, 2) == [(True, True)] * 2
+    assert run_pooled(_through_the_spec_parallelize_fn, 2) == [(True, True)] * 2
 
 
 def _force_sum(model) -> None:
@@ -167,7 +167,7 @@ def _hsdp_llama(rank, world, preset):
 
 
 def test_hsdp_through_the_spec_quantizes_the_all_reduce_across_the_replicas():
-    for losses, _, inter in run_world(_hsdp_llama, 4, "spec", local_world_size=2):
+    for losses, _, inter in run_pooled(_hsdp_llama, 4, "spec", local_world_size=2):
         assert losses[-1] < 0.95 * losses[0]  # native: -9.4% in these 6 steps
         assert 4.0 < inter["bits_per_element"] < 5.0  # sdp4bit's 4-bit all-reduce between the nodes
 
@@ -175,8 +175,8 @@ def test_hsdp_through_the_spec_quantizes_the_all_reduce_across_the_replicas():
 def _assert_fsdp_preset_is_native_bit_for_bit(worker, local_world_size: int) -> None:
     """``worker(rank, world, preset)`` -> (losses, full parameters, ...): the ``fsdp`` preset's
     losses and weights equal native torchtitan's (``preset=None``) bit for bit."""
-    native = run_world(worker, 4, None, local_world_size=local_world_size)
-    for (l0, p0, _), (l1, p1, _) in zip(native, run_world(worker, 4, "fsdp", local_world_size=local_world_size)):
+    native = run_pooled(worker, 4, None, local_world_size=local_world_size)
+    for (l0, p0, _), (l1, p1, _) in zip(native, run_pooled(worker, 4, "fsdp", local_world_size=local_world_size)):
         assert l0 == l1
         assert all(torch.equal(a, b) for a, b in zip(p0, p1))
 
@@ -195,7 +195,7 @@ def test_the_registered_spec_is_llama3_with_the_qsdp_parallelize_fn():
 
 
 def test_a_checkpoint_loaded_after_the_first_gather_is_resent_exactly(tmp_path):
-    for same, comms in run_world(_resume_gathers_loaded_weights, 2, str(tmp_path / "ckpt"), local_world_size=1):
+    for same, comms in run_pooled(_resume_gathers_loaded_weights, 2, str(tmp_path / "ckpt"), local_world_size=1):
         assert same, "the first forward after the load must see the loaded weights bit for bit"
         # embeddings, two blocks, the grouped [norm, output] tail (the root holds no parameter)
         resends = [resent for gathers, resent in comms if gathers > 0]
@@ -217,7 +217,7 @@ def _edit_first_module_of_the_grouped_tail(rank, world):
 
 
 def test_an_edit_of_any_module_in_a_grouped_fully_shard_is_resent_exactly():
-    assert run_world(_edit_first_module_of_the_grouped_tail, 2, local_world_size=1) == [1, 1]
+    assert run_pooled(_edit_first_module_of_the_grouped_tail, 2, local_world_size=1) == [1, 1]
 
 
 def _train_meta_built(rank, world, attach):
@@ -237,13 +237,13 @@ def _train_meta_built(rank, world, attach):
 
 
 def test_a_meta_built_torchtitan_llama_trains_with_sdp4bit_through_the_recipe():
-    for losses in run_world(_train_meta_built, 2, recipe.attach_qsdp):
+    for losses in run_pooled(_train_meta_built, 2, recipe.attach_qsdp):
         assert losses[-1] < 0.8 * losses[0]
 
 
 def test_quantize_comms_alone_trains_with_torchtitans_gradient_divide_factor():
     plain = lambda model, group, preset: recipe.qsdp.quantize_comms(model, preset, group=group)  # noqa: E731
-    for losses in run_world(_train_meta_built, 2, plain):
+    for losses in run_pooled(_train_meta_built, 2, plain):
         assert losses[-1] < 0.8 * losses[0]
 
 
@@ -313,7 +313,7 @@ def _pp_llama(rank, world, preset, steps=4):
 
 
 def test_pipeline_stages_through_the_spec_train_with_quantized_comms():
-    for losses, _, stats in run_world(_pp_llama, 4, "spec", 6, local_world_size=1):
+    for losses, _, stats in run_pooled(_pp_llama, 4, "spec", 6, local_world_size=1):
         if losses[0] is not None:  # the last stage
             assert losses[-1] < 0.95 * losses[0]  # native: -10.7% and -11.5% in these 6 steps; sdp4bit -10.3%, -11.2%
         # each stage's reduce-scatters in 4 bits between its dp ranks' nodes (one rank a node)

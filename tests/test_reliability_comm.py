@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 
 pytestmark = pytest.mark.timeout(180)
@@ -48,7 +48,7 @@ def _nan_at_step(rank, world, preset, bad_step, bad_rank):
 
 @pytest.mark.parametrize("preset", ["fsdp", "qsdp", "sdp4bit"])
 def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(preset):
-    results = run_world(_nan_at_step, 4, preset, 3, 2, local_world_size=2)
+    results = run_pooled(_nan_at_step, 4, preset, 3, 2, local_world_size=2)
     for skipped, (p0, s0), (p1, s1), replicas, finite in results:
         assert skipped == [3]
         assert all(torch.equal(a, b) for a, b in zip(p0, p1))  # weights unchanged
@@ -103,7 +103,7 @@ def _first_loss_after(rank, world, action):
 
 @pytest.mark.parametrize("action", ["load_state_dict", "edit", "dcp"])
 def test_parameters_changed_outside_the_optimizer_re_establish_the_replicas(action):
-    for loss, reference, resends in run_world(_first_loss_after, 2, action, local_world_size=1):
+    for loss, reference, resends in run_pooled(_first_loss_after, 2, action, local_world_size=1):
         assert resends >= 1
         assert loss == reference
 
@@ -119,7 +119,7 @@ def _edit_one_group(rank, world):
 
 
 def test_an_edit_of_one_weight_re_establishes_only_its_group():
-    for resends in run_world(_edit_one_group, 2, local_world_size=1):
+    for resends in run_pooled(_edit_one_group, 2, local_world_size=1):
         assert resends == [0, 1, 0]  # root, blocks.0 (edited), blocks.1
 
 
@@ -140,7 +140,7 @@ def _one_rank_edits_alone(rank, world):
 
 
 def test_an_edit_on_one_rank_alone_re_establishes_the_group_on_every_rank():
-    for exact, resends in run_world(_one_rank_edits_alone, 2, local_world_size=1):
+    for exact, resends in run_pooled(_one_rank_edits_alone, 2, local_world_size=1):
         assert resends == [0, 1, 0]  # root, blocks.0 (edited on rank 1 only), blocks.1
         assert exact  # the gathered weights are the edited ones, exactly
 
@@ -153,7 +153,7 @@ def _no_spurious_resends(rank, world):
 
 
 def test_ordinary_training_never_resends_exact_weights():
-    assert run_world(_no_spurious_resends, 2, local_world_size=1) == [0, 0]
+    assert run_pooled(_no_spurious_resends, 2, local_world_size=1) == [0, 0]
 
 
 def _corrupt_replica(rank, world):
@@ -172,7 +172,7 @@ def _corrupt_replica(rank, world):
 @pytest.mark.parametrize("world", [2, 4], ids=["full-replica", "node-replica-2x2"])
 def test_diverged_replicas_are_an_error_naming_the_group_and_step(world):
     # Every rank raises, also those whose own replica rows agree (node replicas: local rank 0).
-    for rank, msg in enumerate(run_world(_corrupt_replica, world, local_world_size=2 if world == 4 else 1)):
+    for rank, msg in enumerate(run_pooled(_corrupt_replica, world, local_world_size=2 if world == 4 else 1)):
         assert "replicas diverged" in msg and "group 1 (blocks.0)" in msg and "at gather" in msg
 
 
@@ -194,7 +194,7 @@ def _silent_peer(rank, world):
 
 
 def test_a_peer_that_stops_answering_ends_the_collective_within_the_timeout():
-    elapsed, msg = run_world(_silent_peer, 2, pg_timeout=3, timeout=40)[0]
+    elapsed, msg = run_pooled(_silent_peer, 2, pg_timeout=3, timeout=40)[0]
     assert elapsed < 10 and "timed out" in msg.lower()
 
 
@@ -208,7 +208,7 @@ def _subgroup_timeouts(rank, world):
 
 def test_node_subgroups_keep_the_timeout_the_world_was_created_with():
     # torch's new_subgroups_* default to the backend's 30 minutes, not the world's timeout.
-    assert run_world(_subgroup_timeouts, 4, local_world_size=2, pg_timeout=7) == [[7.0, 7.0, 7.0]] * 4
+    assert run_pooled(_subgroup_timeouts, 4, local_world_size=2, pg_timeout=7) == [[7.0, 7.0, 7.0]] * 4
 
 
 def _silent_inter_node_peer(rank, world):
@@ -228,7 +228,7 @@ def _silent_inter_node_peer(rank, world):
 
 
 def test_a_silent_peer_on_another_node_ends_the_inter_node_collective_within_the_timeout():
-    elapsed, msg = run_world(_silent_inter_node_peer, 4, local_world_size=2, pg_timeout=3, timeout=40)[1]
+    elapsed, msg = run_pooled(_silent_inter_node_peer, 4, local_world_size=2, pg_timeout=3, timeout=40)[1]
     assert elapsed < 10 and "timed out" in msg.lower()
 
 
@@ -240,6 +240,6 @@ def _losses(rank, world, preset):
 
 @pytest.mark.parametrize("preset", ["fsdp", "qsdp", "sdp4bit", "zeropp"])
 def test_same_seed_and_config_give_identical_losses(preset):
-    a = run_world(_losses, 4, preset, local_world_size=2)
-    b = run_world(_losses, 4, preset, local_world_size=2)
+    a = run_pooled(_losses, 4, preset, local_world_size=2)
+    b = run_pooled(_losses, 4, preset, local_world_size=2)
     assert a == b

@@ -2,7 +2,7 @@
 
 Faults are injected with the loop's test-only environment variables (see
 :mod:`qsdp.train.loop`): ``QSDP_TEST_NAN_AT``, ``QSDP_TEST_KILL_AT`` and ``QSDP_TEST_STALL_AT``.
-Most runs call ``train_worker`` in a forked gloo world (``run_world``); the crash, the stall and
+Most runs call ``train_worker`` in a forked gloo world (``run_pooled``); the crash, the stall and
 the ``raise`` mode also go through the real command line (``qsdp train --nproc 2``: the elastic
 launcher and spawned workers), since what they test is the launcher's behaviour.
 """
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from distributed import run_world
+from distributed import run_pooled, run_world
 from qsdp.train.checkpoint import CHECKPOINT_DIR, LATEST_FILE, latest_checkpoint
 from qsdp.train.loop import TrainArgs, lr_at, train_worker
 from qsdp.train.metrics import METRICS_FILE, read_metrics, read_summary
@@ -26,7 +26,7 @@ TIMING = {"step_time_s", "tokens_per_s"}  # the only fields of a record that may
 @pytest.fixture(autouse=True)
 def _env(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
-    # Spawned workers with one thread each, like run_world's forked ones: the same arithmetic.
+    # Spawned workers with one thread each, like run_pooled's forked ones: the same arithmetic.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                 "QSDP_TEST_NAN_AT", "QSDP_TEST_KILL_AT", "QSDP_TEST_STALL_AT"):
@@ -43,8 +43,10 @@ def _worker(rank, world, args):
     return train_worker(args)
 
 
-def train(args, world=2, lws=None):
-    return run_world(_worker, world, args, local_world_size=lws, timeout=90)
+def train(args, world=2, lws=None, patched=False):
+    """``patched``: ranks forked at the call (run_world), which see the test's monkeypatches."""
+    run = run_world if patched else run_pooled
+    return run(_worker, world, args, local_world_size=lws, timeout=90)
 
 
 def _records(run_dir):
@@ -172,17 +174,17 @@ def test_a_restarted_attempt_resumes_from_the_last_good_checkpoint_or_starts_afr
     assert [r["step"] for r in read_metrics(fresh)] == [1] and latest_checkpoint(fresh) is None
     with open(fresh / METRICS_FILE, "a") as f:
         f.write('{"step": 2, "lo')  # a line cut short by the crash
-    assert run_world(_restarted, 2, args(fresh), timeout=90)[0]["start_step"] == 0
+    assert run_pooled(_restarted, 2, args(fresh), timeout=90)[0]["start_step"] == 0
 
     original = ckpt.dcp.save
     monkeypatch.setattr(ckpt.dcp, "save", _save_then_die(original, 4))  # forked workers inherit it
     with pytest.raises(RuntimeError):
-        train(args(mid_save))
+        train(args(mid_save), patched=True)
     monkeypatch.setattr(ckpt.dcp, "save", original)
     root = mid_save / CHECKPOINT_DIR
     assert (root / LATEST_FILE).read_text().strip() == "step_00000002"
     assert (root / "step_00000004.tmp").is_dir() and not (root / "step_00000004").exists()
-    assert run_world(_restarted, 2, args(mid_save), timeout=90)[0]["start_step"] == 2
+    assert run_pooled(_restarted, 2, args(mid_save), timeout=90)[0]["start_step"] == 2
     assert sorted(p.name for p in root.iterdir()) == [LATEST_FILE, "step_00000002", "step_00000004",
                                                       "step_00000006"]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 import fsdp_models as fm
 
 pytestmark = pytest.mark.timeout(240)
@@ -91,7 +91,7 @@ def _reads_per_step(rank, world, preset, checked, steps=3, plant=None):
     ("sdp4bit", ["tolist from qsdp.comm.host_values"]),
 ])
 def test_a_plain_training_step_reads_at_most_once_inside_qsdp(preset, expected):
-    for per_step in run_world(_reads_per_step, 4, preset, None, local_world_size=2):
+    for per_step in run_pooled(_reads_per_step, 4, preset, None, local_world_size=2):
         assert per_step == [expected] * 3
 
 
@@ -100,7 +100,7 @@ def test_a_plain_training_step_reads_at_most_once_inside_qsdp(preset, expected):
 def test_a_checked_step_reads_once_the_agreement_riding_in_the_check(preset, checked):
     # The check's one read carries the non-finite flags, the norm, the loss and, for sdp4bit,
     # the agreement of the coming optimizer step: the next forward reads nothing.
-    for per_step in run_world(_reads_per_step, 4, preset, checked, local_world_size=2):
+    for per_step in run_pooled(_reads_per_step, 4, preset, checked, local_world_size=2):
         assert per_step == [["tolist from qsdp.gradient_check"]] * 3
 
 
@@ -132,7 +132,7 @@ def _plant_in_the_reduce_scatter(kind: str):
 
 @pytest.mark.parametrize("kind", sorted(_PLANTED))
 def test_the_count_fails_a_step_with_a_planted_host_read(kind):
-    per_step = run_world(_reads_per_step, 2, "fsdp", "nonfinite", 1, _plant_in_the_reduce_scatter(kind))[0]
+    per_step = run_pooled(_reads_per_step, 2, "fsdp", "nonfinite", 1, _plant_in_the_reduce_scatter(kind))[0]
     (reads,) = per_step
     assert len(reads) > 1  # the policy's "at most one" fails
     assert any(r.endswith("from qsdp.comm.base") for r in reads)
@@ -165,7 +165,7 @@ def test_qsdp_train_reads_once_per_step_logging_included(preset, world, hsdp, co
     args = TrainArgs(preset=preset, out=str(tmp_path / "run"), data=corpus, model="tiny", steps=6, batch_size=2,
                      seq_len=32, eval_every=0, ckpt_every=0, log_every=1, progress=False, hsdp=hsdp,
                      local_world_size=2 if hsdp else None)
-    for per_step in run_world(_trainer_reads, world, args, 3, local_world_size=2, timeout=200):
+    for per_step in run_pooled(_trainer_reads, world, args, 3, local_world_size=2, timeout=200):
         assert per_step == [["tolist from qsdp.gradient_check"]] * 3
 
 
@@ -189,7 +189,7 @@ def _rank_local_optimizer(rank, world):
 
 def test_an_optimizer_of_one_rank_alone_starts_no_agreement():
     # Were rank 0's probe step taken for a change, its next gather would agree alone: a hang.
-    params = run_world(_rank_local_optimizer, 2, timeout=60)
+    params = run_pooled(_rank_local_optimizer, 2, timeout=60)
     for a, b in zip(*params):
         assert torch.equal(a, b)
 
@@ -248,6 +248,6 @@ def test_on_cuda_steady_state_steps_of_qsdp_train_sync_only_in_the_check(preset,
     # NCCL runs one rank a GPU: as many ranks as GPUs, up to 2 (with one, FSDP2 calls no comm).
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path / "cache"))
     world = min(2, torch.cuda.device_count())
-    reads = run_world(_no_sync_in_steady_state, world, _gpu_args(tmp_path, preset),
+    reads = run_pooled(_no_sync_in_steady_state, world, _gpu_args(tmp_path, preset),
                       start_method="spawn", backend="nccl", timeout=240)
     assert reads == [3] * world

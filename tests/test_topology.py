@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 from qsdp.comm.topology import NODE_ENV, SHARED_HOST_NAMES, build_topology, node_name
 
 pytestmark = pytest.mark.timeout(180)
@@ -53,7 +53,7 @@ def _layout(rank, world):
 
 
 def test_nodes_come_from_the_machine_not_from_the_rank_order():
-    for rank, got in enumerate(run_world(_as_srun_cyclic(_layout), 4)):
+    for rank, got in enumerate(run_pooled(_as_srun_cyclic(_layout), 4)):
         nodes, per_node, node_of, intra, inter, node_major, intra_group, inter_group = got
         assert (nodes, per_node, node_of) == (2, 2, (0, 1, 0, 1))
         assert intra == ((0, 2), (1, 3)) and inter == ((0, 1), (2, 3)) and not node_major
@@ -64,13 +64,13 @@ def test_the_exact_two_level_route_equals_plain_reduce_scatter_in_any_rank_order
     import torch.distributed as dist
     from test_comm_reduce_scatter import _unquantized_route
 
-    assert all(run_world(_as_srun_cyclic(_unquantized_route), 4, "two_level", 3, dist.ReduceOp.AVG, 32))
+    assert all(run_pooled(_as_srun_cyclic(_unquantized_route), 4, "two_level", 3, dist.ReduceOp.AVG, 32))
 
 
 def test_node_replicas_follow_the_real_nodes_in_any_rank_order():
     from test_comm_all_gather import _node_and_full
 
-    for rank, (outs, meter, rows, shape) in enumerate(run_world(_as_srun_cyclic(_node_and_full), 4, 4)):
+    for rank, (outs, meter, rows, shape) in enumerate(run_pooled(_as_srun_cyclic(_node_and_full), 4, 4)):
         assert all(torch.equal(a, b) for a, b in zip(outs["full"], outs["node"]))
         assert rows == [2 * (rank // 2), 2 * (rank // 2) + 1]  # the ranks with this local index
         assert meter["intra"]["bits_per_element"] == 32.0
@@ -101,7 +101,7 @@ def _error(rank, world, case):
     ("group", 4, ["group= holds ranks", "but FSDP2 shards this rank's parameters over", "leave group= out"]),
 ])
 def test_a_layout_qsdp_cannot_use_is_refused_on_every_rank_with_one_line(case, world, words):
-    for message in run_world(_error, world, case):
+    for message in run_pooled(_error, world, case):
         assert message is not None and "\n" not in message
         for w in words:
             assert w in message

@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 from qsdp.comm.topology import NODE_ENV, RECORD_BYTES, build_topologies, build_topology, setup_bytes_sent
 
 pytestmark = pytest.mark.timeout(180)
@@ -64,7 +64,7 @@ def _layout_and_hsdp(rank, world):
 
 @pytest.mark.parametrize("placement,hosts", [("cyclic", [[0, 2], [1, 3]]), ("block", [[0, 1], [2, 3]])])
 def test_ranks_group_by_host_and_hsdp_shards_inside_each_host(placement, hosts):
-    for rank, (how, got) in enumerate(run_world(_placed(_layout_and_hsdp, placement), 4)):
+    for rank, (how, got) in enumerate(run_pooled(_placed(_layout_and_hsdp, placement), 4)):
         mine = next(h for h in hosts if rank in h)
         other = next(h for h in hosts if rank not in h)
         if how == "uts":
@@ -86,7 +86,7 @@ def _nodes_given(rank, world, nodes):
 
 
 def test_hsdp_nodes_that_contradict_the_hosts_are_refused_naming_both():
-    for _, message in run_world(_placed(_nodes_given, "cyclic"), 4, 4):
+    for _, message in run_pooled(_placed(_nodes_given, "cyclic"), 4, 4):
         assert "nodes=4, but the hosts place the 4 ranks on 2 nodes of 2" in message
 
 
@@ -102,7 +102,7 @@ def _one_host(rank, world, stated):
 
 
 def test_rank_0_warns_once_when_the_launcher_states_other_ranks_per_node_than_the_hosts_hold():
-    results = run_world(_one_host, 4, 1)  # e.g. 4 torchrun agents of one rank each on one host
+    results = run_pooled(_one_host, 4, 1)  # e.g. 4 torchrun agents of one rank each on one host
     assert [nodes for nodes, _ in results] == [1] * 4
     assert len(results[0][1]) == 1 and all(said == [] for _, said in results[1:])
     message = results[0][1][0]
@@ -110,7 +110,7 @@ def test_rank_0_warns_once_when_the_launcher_states_other_ranks_per_node_than_th
 
 
 def test_no_warning_when_the_launcher_agrees_with_the_hosts():
-    assert [said for _, said in run_world(_one_host, 4, 4)] == [[]] * 4
+    assert [said for _, said in run_pooled(_one_host, 4, 4)] == [[]] * 4
 
 
 def _setup_bytes(rank, world):
@@ -134,7 +134,7 @@ def _setup_bytes(rank, world):
 def test_each_rank_sends_one_fixed_size_record_at_setup(world):
     """O(1) bytes a rank (its node's name and a count), whatever the world size, where the
     previous exchange sent every rank's group ranks (O(world x group))."""
-    for rank, (sent, nodes, per_node, intra) in enumerate(run_world(_setup_bytes, world, local_world_size=2)):
+    for rank, (sent, nodes, per_node, intra) in enumerate(run_pooled(_setup_bytes, world, local_world_size=2)):
         assert sent == RECORD_BYTES == 72
         # each half: world / 4 nodes of 2 ranks; its node subgroup, when it has two levels
         assert (nodes, per_node) == (world // 4, 2)
@@ -153,7 +153,7 @@ def _uneven_held_groups(rank, world):
 
 
 def test_ranks_holding_different_numbers_of_groups_are_refused_instead_of_hanging():
-    for message in run_world(_uneven_held_groups, 4, local_world_size=2, timeout=60):
+    for message in run_pooled(_uneven_held_groups, 4, local_world_size=2, timeout=60):
         assert message is not None and "hold different numbers of process groups" in message
         assert "rank 0: " in message and "rank 2: " in message
 
@@ -180,7 +180,7 @@ def _train_hsdp_shard_groups(rank, world, out):
 @pytest.mark.slow  # builds the trainer's model: ~40 s on 2 cores
 @pytest.mark.parametrize("placement,hosts", [("cyclic", [[0, 2], [1, 3]]), ("block", [[0, 1], [2, 3]])])
 def test_qsdp_train_hsdp_shards_inside_each_host(placement, hosts, tmp_path):
-    for rank, (_, (layout, dims, shard)) in enumerate(run_world(_placed(_train_hsdp_shard_groups, placement), 4,
+    for rank, (_, (layout, dims, shard)) in enumerate(run_pooled(_placed(_train_hsdp_shard_groups, placement), 4,
                                                                 str(tmp_path / "run"))):
         # FSDP2's native HSDP mesh, its shard dimension the host's ranks
         assert layout == (2, 2) and dims == ("replicate", "shard") and shard == next(h for h in hosts if rank in h)

@@ -10,7 +10,7 @@ import os
 import pytest
 
 import qsdp
-from distributed import run_world
+from distributed import run_pooled
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -59,7 +59,7 @@ def _three_worlds(rank, world, store_dir):
 def test_destroy_and_init_the_world_twice_in_one_process_trains_every_preset_alike(tmp_path):
     """The two-level reduce-scatter once raised 'not initialized in the world group map' in a
     second world: subgroups were cached by their ranks alone."""
-    for first, second, third in run_world(_three_worlds, 4, str(tmp_path), local_world_size=2, timeout=200):
+    for first, second, third in run_pooled(_three_worlds, 4, str(tmp_path), local_world_size=2, timeout=200):
         assert set(first) == set(qsdp.preset_names())
         assert first == second == third
 
@@ -90,7 +90,7 @@ def _held_after(rank, world):
 def test_close_gives_the_subgroups_back_to_the_world_for_the_next_handle():
     # two subgroups (intra- and inter-node) made once for three handles: held by the topology
     # that a and b share, idle once both closed, taken again by c
-    assert run_world(_held_after, 4, local_world_size=2) == [(2, True, [1, 1], [0, 0], [1, 1])] * 4
+    assert run_pooled(_held_after, 4, local_world_size=2) == [(2, True, [1, 1], [0, 0], [1, 1])] * 4
 
 
 def _post_forward(rank, world):
@@ -112,7 +112,7 @@ def _post_forward(rank, world):
 def test_post_forward_groups_get_no_subgroups_and_may_hold_uneven_ranks_per_node():
     """reshard_after_forward=3 on 3 nodes of 2: the post-forward group {0, 1, 2} holds 2 ranks
     of one node and 1 of another, which its single all-gather does not mind."""
-    for rank, (made, sizes, bare, per_node, losses) in enumerate(run_world(_post_forward, 6, local_world_size=2)):
+    for rank, (made, sizes, bare, per_node, losses) in enumerate(run_pooled(_post_forward, 6, local_world_size=2)):
         assert made == 2  # the FSDP group's intra- and inter-node subgroups only
         assert sizes == [3] and all(bare)
         assert sorted(per_node) == ([1, 2] if rank in (0, 1, 2) else [1, 2])
@@ -136,6 +136,6 @@ def _post_forward_gather_on_another_group(rank, world_size):
 
 def test_a_post_forward_gather_called_on_another_group_names_the_post_forward_group():
     # in a world of its own: a process group made in the test process would outlive it there
-    (message,) = run_world(_post_forward_gather_on_another_group, 1)
+    (message,) = run_pooled(_post_forward_gather_on_another_group, 1)
     assert message is not None and message.startswith("group 1 (blocks.0) after forward: FSDP2's post-forward group")
     assert "has 1 ranks but qsdp was set up for 2" in message and "\n" not in message

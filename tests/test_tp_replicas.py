@@ -17,7 +17,7 @@ import torch.distributed as dist
 import qsdp
 import fsdp_models as fm
 import layouts
-from distributed import run_world
+from distributed import run_pooled
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -54,7 +54,7 @@ def _train_and_compare(rank, world, layout, preset, steps, native=False):
 
 @pytest.mark.parametrize("preset", ["sdp4bit", "qsdp"])
 def test_tp_replicated_parameters_stay_identical_on_dp_x_tp(preset):
-    for compared, differing in run_world(_train_and_compare, 4, "dp_tp", preset, 3, local_world_size=2):
+    for compared, differing in run_pooled(_train_and_compare, 4, "dp_tp", preset, 3, local_world_size=2):
         assert compared == 10 and differing == []
 
 
@@ -63,7 +63,7 @@ def test_tp_replicated_parameters_stay_identical_on_dp_x_tp(preset):
 @pytest.mark.parametrize("preset", ["sdp4bit", "hsdp4"])
 def test_tp_replicated_parameters_stay_identical_on_3d(preset, native):
     """HSDP x TP (2 replicas x 2 shards x 2 TP ranks): the all-reduce across replicas too."""
-    for compared, differing in run_world(_train_and_compare, 8, "3d", preset, 3, native, local_world_size=4,
+    for compared, differing in run_pooled(_train_and_compare, 8, "3d", preset, 3, native, local_world_size=4,
                                          timeout=300):
         assert compared == 10 and differing == []
 
@@ -88,7 +88,7 @@ def _uneven_tp(rank, world, preset):
 
 
 def test_an_uneven_tensor_parallel_split_is_refused_on_every_rank_under_a_quantizing_config():
-    for message in run_world(_uneven_tp, 4, "sdp4bit", local_world_size=2):
+    for message in run_pooled(_uneven_tp, 4, "sdp4bit", local_world_size=2):
         assert message is not None and "splits 1.weight, 1.bias unevenly" in message
-    assert run_world(_uneven_tp, 4, "fsdp", local_world_size=2) == [None] * 4
-    assert run_world(_uneven_tp, 4, "even", local_world_size=2) == [None] * 4
+    assert run_pooled(_uneven_tp, 4, "fsdp", local_world_size=2) == [None] * 4
+    assert run_pooled(_uneven_tp, 4, "even", local_world_size=2) == [None] * 4

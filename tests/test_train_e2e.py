@@ -1,8 +1,8 @@
 """End to end: the training job on real process groups, metrics, summary, checkpoints, resume.
 
-Most runs call ``train_worker`` in a forked gloo world (``run_world``: a second per world);
-one goes through the real command line with ``--nproc 2`` (the elastic launcher, spawned
-workers), and one through the torchrun path (``qsdp.cli.main`` inside an initialized world).
+Most runs call ``train_worker`` in a forked gloo world (``run_pooled``: a world kept from one
+test to the next); one goes through the real command line with ``--nproc 2`` (the elastic
+launcher, spawned workers), and one through the torchrun path (``qsdp.cli.main`` inside an initialized world).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from distributed import run_world
+from distributed import run_pooled, run_world
 from qsdp.train.checkpoint import CHECKPOINT_DIR, LATEST_FILE, latest_checkpoint, read_meta
 from qsdp.train.loop import TrainArgs, train_worker
 from qsdp.train.metrics import read_metrics, read_summary
@@ -38,8 +38,10 @@ def _worker(rank, world, args):
     return train_worker(args)
 
 
-def train(args, world=2, lws=None, timeout=120):
-    return run_world(_worker, world, args, local_world_size=lws, timeout=timeout)
+def train(args, world=2, lws=None, timeout=120, patched=False):
+    """``patched``: ranks forked at the call (run_world), which see the test's monkeypatches."""
+    run = run_world if patched else run_pooled
+    return run(_worker, world, args, local_world_size=lws, timeout=timeout)
 
 
 def _train_losses(run_dir) -> list[float]:
@@ -140,7 +142,7 @@ def test_interrupted_save_keeps_last_good_checkpoint_and_resume_continues(tmp_pa
     train(_args(ref, corpus, **args))
     monkeypatch.setattr(ckpt.dcp, "save", _crashing_save(ckpt.dcp.save, 4))  # forked workers inherit it
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(_args(out, corpus, **args))
+        train(_args(out, corpus, **args), patched=True)
     monkeypatch.undo()
     root = out / CHECKPOINT_DIR
     assert (root / LATEST_FILE).read_text().strip() == "step_00000002"
@@ -180,7 +182,7 @@ def test_cli_under_torchrun_environment_runs_in_process(tmp_path, corpus):
     out = tmp_path / "run"
     argv = ["train", "--preset", "zeropp", "--steps", "4", "--batch-size", "4", "--seq-len", "32",
             "--data", corpus, "--out", str(out), "--no-progress", "--eval-batches", "2"]
-    assert run_world(_cli_in_world, 2, argv, timeout=90) == [0, 0]
+    assert run_pooled(_cli_in_world, 2, argv, timeout=90) == [0, 0]
     check_run_files(out, 4, "zeropp", world=2)
 
 

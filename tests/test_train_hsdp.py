@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from distributed import run_world
+from distributed import run_pooled
 from qsdp.cli import main
 from qsdp.train.checkpoint import CHECKPOINT_DIR, LATEST_FILE, latest_checkpoint
 from qsdp.train.loop import TrainArgs, TrainError, train_worker
@@ -38,7 +38,7 @@ def _worker(rank, world, args):
 
 
 def train(args, world=WORLD, timeout=150):
-    return run_world(_worker, world, args, local_world_size=PER_NODE, timeout=timeout)
+    return run_pooled(_worker, world, args, local_world_size=PER_NODE, timeout=timeout)
 
 
 def _losses(run_dir) -> list[float]:
@@ -129,7 +129,7 @@ def _error_of_worker(rank, world, args):
 @pytest.mark.timeout(120)
 def test_a_worker_with_one_node_refuses_before_any_collective(tmp_path, corpus):
     """Under torchrun (the launcher's checks skipped) every rank raises the same error."""
-    errors = run_world(_error_of_worker, 2, _args(tmp_path, corpus, local_world_size=None), local_world_size=2,
+    errors = run_pooled(_error_of_worker, 2, _args(tmp_path, corpus, local_world_size=None), local_world_size=2,
                        timeout=60)
     assert all(e is not None and "at least 2 nodes" in e for e in errors)
 
@@ -145,7 +145,7 @@ def test_resuming_a_non_hsdp_checkpoint_with_hsdp_is_refused(tmp_path, corpus):
 def test_under_torchrun_the_nodes_come_from_local_world_size_and_the_cli_says_hsdp(tmp_path, corpus):
     """Under torchrun (here: an initialized world with its environment) ``qsdp train --hsdp``
     takes the ranks per node from ``LOCAL_WORLD_SIZE``."""
-    results = run_world(_cli_under_torchrun, WORLD, str(tmp_path), corpus, local_world_size=PER_NODE, timeout=150)
+    results = run_pooled(_cli_under_torchrun, WORLD, str(tmp_path), corpus, local_world_size=PER_NODE, timeout=150)
     assert [rc for rc, _ in results] == [0] * WORLD
     assert "as HSDP (2 nodes x 2)" in results[0][1][-1]
     assert read_summary(tmp_path)["nodes"] == 2
