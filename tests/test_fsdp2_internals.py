@@ -54,7 +54,7 @@ def _lazy_init_seen(rank, world):
 
 def test_whether_fsdp2_has_run_a_model_is_readable():
     # FSDP2's lazy init runs at the first forward through the root, for the root and its children.
-    assert run_world(_lazy_init_seen, 2) == [([False, False], [True, True])] * 2
+    assert run_pooled(_lazy_init_seen, 2) == [([False, False], [True, True])] * 2
 
 
 def _native_all_reduce_routed(rank, world):

@@ -94,11 +94,11 @@ def test_the_wire_bytes_and_results_are_those_of_c14eb26(case):
     assert row["wire_sha256"] == C14EB26_WIRE[case]
 
 
-def _interpreted(selection: str) -> None:
+def _interpreted(selection: str, tests: str | None = None) -> None:
     env = dict(os.environ, QSDP_CENSUS_TEST="interpret", TRITON_INTERPRET="1", QSDP_TRITON_ON_CPU="1")
     env.pop("QSDP_DISABLE_TRITON", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-           "-m", selection, __file__]
+           "-m", selection, *(["-k", tests] if tests else []), __file__]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=os.path.dirname(__file__))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and " passed" in out, out[-4000:]
@@ -106,8 +106,12 @@ def _interpreted(selection: str) -> None:
 
 @pytest.mark.skipif(INTERPRET, reason="the driver itself")
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'qsdp[gpu]')")
-def test_the_fused_path_under_the_triton_interpreter():
-    _interpreted("not slow")
+# In parts, each one process under the interpreter: the pinned bytes, the counts that must not
+# grow, the rest of the counts.
+@pytest.mark.parametrize("tests", ["wire_bytes", "grow", "not wire_bytes and not grow"],
+                         ids=["bytes", "growth", "counts"])
+def test_the_fused_path_under_the_triton_interpreter(tests):
+    _interpreted("not slow", tests)
 
 
 @pytest.mark.slow
