@@ -34,7 +34,7 @@ from qsdp.train.data import load_corpus
 from qsdp.train.files import atomic_write
 from qsdp.train.loop import train_worker
 from qsdp.train.preflight import Plan, preflight, prepare_dataset, require_packages
-from qsdp.train.watchdog import StoppedWorkerWatch, pid_path
+from qsdp.train.watchdog import Poller, StoppedWorkerWatch, pid_path, signal_name, worker_pid_files
 
 __all__ = ["UsageError", "WorkerFailure", "EXIT_USAGE", "run_training", "launch", "plan_run",
            "check_writable", "quiet_elastic_logs", "root_cause", "final_error"]
@@ -188,15 +188,13 @@ def _worker_entry(args: TrainArgs, plan: Plan, error_dir: str) -> dict[str, Any]
         summary = train_worker(args, plan)
         return summary if rank == 0 else None
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
-        rank = int(os.environ.get("RANK", "-1"))
         record = {
-            "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e),
-            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e), "attempt": attempt,
             "user": isinstance(e, USER_ERRORS), "secondary": isinstance(e, (PeerError, PeerLoadError)),
             "traceback": traceback.format_exc(),
         }
         with contextlib.suppress(OSError):
-            path = Path(error_dir) / f"rank{rank}.attempt{record['attempt']}.json"
+            path = Path(error_dir) / f"rank{rank}.attempt{attempt}.json"
             atomic_write(path, lambda f: f.write(json.dumps(record).encode("utf-8")))
         # Exit quietly: the launcher prints the root cause once. os._exit skips the interpreter's
         # teardown, where a process group whose peer died can abort in its C++ threads
@@ -238,38 +236,20 @@ def _how(signal_name: str | None, exitcode: int | None) -> str:
     return f"killed by {signal_name}" if signal_name else f"exit code {exitcode}"
 
 
-class DeathWatch:
+class DeathWatch(Poller):
     """How each local worker process ended and in which poll the launcher first saw it, read
     with ``waitid(WNOWAIT)`` (the elastic agent still reaps them): a rank killed by a signal
     leaves no error record, and its peers' records only say that the connection closed."""
 
     def __init__(self, error_dir: Path, interval_s: float = 0.02) -> None:
-        import threading
-
-        self.error_dir, self.interval_s = error_dir, interval_s
+        super().__init__(interval_s, "qsdp-death-watch", final_look=True)
+        self.error_dir = error_dir
         self.deaths: dict[tuple[int, int], tuple[int, str | None, int | None]] = {}  # (attempt, rank) ->
-        self._polls, self._stop = 0, threading.Event()                                # (poll, signal, code)
-        self._thread = threading.Thread(target=self._run, name="qsdp-death-watch", daemon=True)
+        self._polls = 0                                                                # (poll, signal, code)
 
-    def __enter__(self) -> "DeathWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.poll()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.poll()
-
-    def poll(self) -> None:
-        import signal
-
+    def look(self) -> None:
         self._polls += 1
-        for path in self.error_dir.glob("rank*.attempt*.pid"):
-            rank, attempt = (int(x) for x in path.name[4:-4].split(".attempt"))
+        for rank, attempt, path in worker_pid_files(self.error_dir):
             if (attempt, rank) in self.deaths:
                 continue
             try:
@@ -281,11 +261,7 @@ class DeathWatch:
             if status.si_code == os.CLD_EXITED:
                 self.deaths[(attempt, rank)] = (self._polls, None, status.si_status)
             else:  # killed, or dumped core
-                try:
-                    name = signal.Signals(status.si_status).name
-                except ValueError:
-                    name = f"signal {status.si_status}"
-                self.deaths[(attempt, rank)] = (self._polls, name, None)
+                self.deaths[(attempt, rank)] = (self._polls, signal_name(status.si_status), None)
 
 
 def root_cause(error_dir: Path, failures: dict[int, Any], out: str,

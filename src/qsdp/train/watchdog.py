@@ -31,11 +31,11 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from qsdp.train.files import atomic_write
 
-__all__ = ["StoppedWorkerWatch", "look_interval", "pid_path"]
+__all__ = ["Poller", "StoppedWorkerWatch", "look_interval", "pid_path", "signal_name", "worker_pid_files"]
 
 
 def look_interval(timeout_s: float) -> float:
@@ -46,6 +46,48 @@ def look_interval(timeout_s: float) -> float:
 def pid_path(directory: str | Path, rank: int, attempt: int) -> Path:
     """Where a launched worker writes its pid (the launcher's watches read it)."""
     return Path(directory) / f"rank{rank}.attempt{attempt}.pid"
+
+
+def worker_pid_files(directory: Path) -> Iterator[tuple[int, int, Path]]:
+    """``(rank, attempt, path)`` of every pid file a worker wrote in ``directory`` (:func:`pid_path`)."""
+    for path in directory.glob("rank*.attempt*.pid"):
+        rank, attempt = (int(x) for x in path.name[4:-4].split(".attempt"))
+        yield rank, attempt, path
+
+
+def signal_name(number: int) -> str:
+    """``'SIGSTOP'`` for its number; ``'signal N'`` for one Python does not name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class Poller:
+    """A daemon thread calling :meth:`look` every ``interval_s`` seconds while the ``with`` block
+    runs (and once more after it, with ``final_look``)."""
+
+    def __init__(self, interval_s: float, name: str, final_look: bool = False) -> None:
+        self.interval_s, self._final_look = interval_s, final_look
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._final_look:
+            self.look()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.look()
+
+    def look(self) -> None:
+        raise NotImplementedError
 
 
 def _record_path(directory: Path, rank: int, attempt: int) -> Path:
@@ -64,13 +106,10 @@ def stopped_by(pid: int) -> str | None:
         return None
     if status is None or status.si_code != os.CLD_STOPPED:
         return None
-    try:
-        return signal.Signals(status.si_status).name
-    except ValueError:
-        return f"signal {status.si_status}"
+    return signal_name(status.si_status)
 
 
-class StoppedWorkerWatch:
+class StoppedWorkerWatch(Poller):
     """In the launcher, for the workers whose pid files are in ``directory``
     (``rank{R}.attempt{A}.pid``): a worker stopped by a signal at every look for longer than
     ``timeout_s`` gets a failure record naming it and is killed. Times are the launcher's own
@@ -79,26 +118,12 @@ class StoppedWorkerWatch:
     ``(attempt, rank) -> record`` of each worker it killed."""
 
     def __init__(self, directory: str | Path, timeout_s: float) -> None:
+        super().__init__(look_interval(timeout_s), "qsdp-stopped-worker-watch")
         self.directory, self.timeout_s = Path(directory), timeout_s
-        self.interval_s = look_interval(timeout_s)
         self.host = socket.gethostname()
         self.stopped: dict[tuple[int, int], dict[str, Any]] = {}
         self._since: dict[tuple[int, int], tuple[float, float]] = {}  # seen stopped since (monotonic, wall)
         self._last_look: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="qsdp-stopped-worker-watch", daemon=True)
-
-    def __enter__(self) -> "StoppedWorkerWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.look()
 
     def look(self) -> None:
         """One look at every worker."""
@@ -106,8 +131,7 @@ class StoppedWorkerWatch:
         if self._last_look is not None and now - self._last_look > self.timeout_s / 2:
             self._since.clear()  # this process did not run in between: what it saw before says nothing
         self._last_look = now
-        for path in self.directory.glob("rank*.attempt*.pid"):
-            rank, attempt = (int(x) for x in path.name[4:-4].split(".attempt"))
+        for rank, attempt, path in worker_pid_files(self.directory):
             key = (attempt, rank)
             if key in self.stopped:
                 continue
