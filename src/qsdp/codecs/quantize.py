@@ -32,6 +32,7 @@ non-finite: its scale is infinite, as the arithmetic gives.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -261,18 +262,27 @@ def _scales_(
     is a tensor on the data's device, because CUDA turns a division by a Python scalar into a
     multiplication by its reciprocal; ``+ 0.0`` makes a zero minimum or maximum +0.0, since which
     signed zero amin/amax return depends on the reduction order."""
+    # Finiteness by comparisons (false for NaN): ``isfinite`` is several operators per call on
+    # CPU, and on small chunks torch's per-operator cost is most of the codec's time.
     if symmetric:
         amax = g.abs().amax(dim=1)
-        torch.div(amax, amax.new_full((), 2 ** (bits - 1) - 1), out=scales)
-        bad = ~torch.isfinite(amax)
+        torch.div(amax, _constant(2 ** (bits - 1) - 1, amax.device), out=scales)
+        bad = ~(amax < math.inf)  # an absmax is >= 0 or NaN
     else:
         lo, hi = g.amin(dim=1), g.amax(dim=1)
         torch.add(lo, 0.0, out=zeros)
-        torch.div(hi + 0.0 - zeros, zeros.new_full((), 2**bits - 1), out=scales)
-        bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+        torch.div(hi + 0.0 - zeros, _constant(2**bits - 1, zeros.device), out=scales)
+        bad = ~((lo > -math.inf) & (hi < math.inf))  # min <= max: both finite exactly then
         _non_finite_(zeros, bad)
     _non_finite_(scales, bad)
     return bad
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 0-dim tensor of ``value`` on ``device``, made once (read-only: every use is an
+    operand, never written)."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 def _non_finite_(t: torch.Tensor, bad: torch.Tensor) -> None:
@@ -305,7 +315,7 @@ def quantize_reference(
         g = _grouped(flat[g0 * group_size : g1 * group_size].float(), group_size)
         s = scales[g0:g1]
         bad = _scales_(g, bits, symmetric, s, None if symmetric else zeros[g0:g1])
-        safe = torch.where(s > 0, s, 1.0).unsqueeze(1)
+        safe = torch.where(s > 0, s, _constant(1.0, s.device)).unsqueeze(1)
         if symmetric:
             v = _round_(torch.div(g, safe), rounding, seed, g0, sh).clamp_(-qmax, qmax).add_(qmax + 1)
         else:
@@ -344,7 +354,7 @@ def quantize_rows_reference(
         s = scales[r0:r1, g0:g1].reshape(-1)
         z = None if symmetric else zeros[r0:r1, g0:g1].reshape(-1)
         bad = _scales_(g, bits, symmetric, s, z)
-        safe = torch.where(s > 0, s, 1.0).unsqueeze(1)
+        safe = torch.where(s > 0, s, _constant(1.0, s.device)).unsqueeze(1)
         v = torch.div(g, safe) if symmetric else torch.div(g - z.unsqueeze(1), safe)
         if rounding == "nearest":
             v.round_()
@@ -393,7 +403,8 @@ def dequantize_reference(q: QTensor) -> torch.Tensor:
     codes = unpack_codes(q.codes, q.bits, n)
     vals = torch.empty(q.n_groups, gs, dtype=torch.float32, device=codes.device)
     flat = vals.view(-1)
-    flat[n:].zero_()  # the padding of a partial last group: never returned, but finite
+    if n < flat.numel():
+        flat[n:].zero_()  # the padding of a partial last group: never returned, but finite
     for g0, g1 in _group_chunks(n, gs, codes.device):
         flat[g0 * gs : min(g1 * gs, n)].copy_(codes[g0 * gs : g1 * gs])
         g, s = vals[g0:g1], q.scales[g0:g1].unsqueeze(1)

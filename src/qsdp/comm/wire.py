@@ -495,8 +495,11 @@ class RowCodec:
         total: torch.Tensor | None = None
         for j0, j1 in _row_chunks(sources, dests * lp, buf.device):
             part = self.decode(buf[j0 * dests : j1 * dests], length, keep_padding=True).view(j1 - j0, dests, lp)
-            for rows in part:
-                total = rows.clone() if total is None else total.add_(rows)
+            if total is None:
+                total = _sum_dim1(part.transpose(0, 1))
+            else:
+                for rows in part:
+                    total.add_(rows)
         return total
 
     def _fused(self, t: torch.Tensor) -> bool:
