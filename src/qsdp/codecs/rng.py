@@ -148,12 +148,19 @@ class _RowKeys:
         self.keys = [seed_key(int(s), stream) for s in seeds]
         self.device = device
         # Each row's second term does not depend on the index: made once for all the rows.
-        self.mixed = torch.tensor([_s32(k ^ (k >> 16)) for k in self.keys], dtype=torch.int32, device=device)
+        self.mixed = self._tensor([_s32(k ^ (k >> 16)) for k in self.keys])
 
     def terms(self, r0: int, r1: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        first = torch.tensor([_s32(start * _GOLDEN + k) for k in self.keys[r0:r1]], dtype=torch.int32,
-                             device=self.device)
+        first = self._tensor([_s32(start * _GOLDEN + k) for k in self.keys[r0:r1]])
         return first.unsqueeze(1), self.mixed[r0:r1].unsqueeze(1)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int32)
+        if self.device.type == "cpu":
+            return t
+        # From pinned memory, without blocking: a copy from pageable memory would wait for the
+        # device's queue (a host sync).
+        return t.pin_memory().to(self.device, non_blocking=True)
 
 
 def _row_tiles(rows: int, n: int, device: torch.device) -> list[tuple[int, int, int, int]]:
