@@ -289,7 +289,8 @@ class RowCodec:
 
     # ------------------------------------------------------------------ rounding slices
     # A run of rounding slices (SliceRun) in one launch per step on the fused path, each slice
-    # with its own seed and the bytes of the per-slice calls the reference makes.
+    # with its own seed and the bytes of one call per slice; the torch reference takes the equal
+    # slices of a run as the rows of one call per step (_batches), with the same bytes.
 
     def _slices_fuse(self, run: SliceRun, t: torch.Tensor, codec: "RowCodec | None" = None) -> bool:
         """Whether the kernels can take ``run`` in one launch: every slice whole groups (and
