@@ -362,14 +362,13 @@ class RowCodec:
         dests = out.shape[0]
         batchable = codec._batches_rows(run.per) and not codec._fused(buf)
         for i0, i1 in self._batches(run, buf.shape[0], buf):
-            (a, _), (_, b), (c0, _), (_, c1) = bounds[i0], bounds[i1 - 1], cols[i0], cols[i1 - 1]
-            e0, e1 = cols2[i0][0], cols2[i1 - 1][1]
             if i1 - i0 == 1 or not batchable:
                 for i in range(i0, i1):
                     (a, b), (c0, c1), (e0, e1) = bounds[i], cols[i], cols2[i]
                     self.decode_sum_encode(buf[:, c0:c1], b - a, sources=sources, codec=codec,
                                            seed=fold_seed(prefix, run.first + i), out=out[:, e0:e1])
                 continue
+            (c0, _), (_, c1), (e0, _), (_, e1) = cols[i0], cols[i1 - 1], cols2[i0], cols2[i1 - 1]
             # [slices, sources, D, per] -> the left-to-right sum over the sources, [slices, D, per]
             values = self._decode_batch(buf[:, c0:c1].view(buf.shape[0], i1 - i0, -1).transpose(0, 1), run.per)
             total = _sum_dim1(values.view(i1 - i0, sources, dests, run.per))
