@@ -25,7 +25,11 @@ the others' load, the CPU time the digests add much less. The files are written 
 (DCP's default) and read back from the page cache, as a resume soon after a save reads them.
 Also reported: ``reread_pct``, the share of the payloads the load read again apart from DCP's
 reads (blocks no read held whole), and ``hash_gb_per_s``, one core's speed of each hash over
-256 MiB in memory on this machine.
+256 MiB in memory on this machine, and ``hash_in_cache_gb_per_s``, one core's speed of
+``xxh3-128-64k`` as a load hashes (each piece of a read right after it arrives, in the cache);
+``hash_share_pct`` turns both into what one hash of every byte adds to the load's CPU time, in
+cache and from memory: where the load's ``cpu_overhead_pct`` lies between them says how much of
+the hashing runs at memory speed.
 
 ``--json`` prints one JSON object; ``--save FILE`` also writes it with ``meta`` (command, torch
 version, date, device, and the machine's 1-minute load average before and after: hashing is CPU
@@ -98,6 +102,24 @@ def _hash_speeds(nbytes: int = 256 << 20) -> dict[str, float]:
         best = min(best, time.perf_counter() - start)
     speeds["crc32"] = nbytes / best / 1e9
     return speeds
+
+
+def _in_cache_speed(nbytes: int = 256 << 20) -> float:
+    """GB/s of ``xxh3-128-64k`` as a load hashes: one piece of a read (a slice of
+    :mod:`qsdp.train.digest_reader`) fed to a :class:`~qsdp.train.block_digest.BlockDigest` at a
+    time, still in the CPU's cache; the same buffer at every offset of an ``nbytes`` file (best of 3)."""
+    from qsdp.train import digest_reader
+    from qsdp.train.block_digest import BlockDigest
+
+    piece = memoryview(os.urandom(digest_reader._SLICE))
+    best = math.inf
+    for _ in range(3):
+        start, digest = time.perf_counter(), BlockDigest(nbytes)
+        for offset in range(0, nbytes, piece.nbytes):
+            digest.feed(offset, piece)
+        digest.hexdigest()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
 
 
 def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dict[str, Any] | None:
@@ -183,16 +205,29 @@ def _summary(raw: dict[str, Any]) -> dict[str, Any]:
             "median_cpu_s": cpu, "cpu_overhead_pct": _overhead(cpu)}
 
 
+def _hash_share(result: dict[str, Any]) -> dict[str, float]:
+    """What hashing every byte of the checkpoint once costs, in CPU seconds, as a share of the
+    load's without digests: at the in-cache speed and at the speed over memory. The load's
+    measured ``cpu_overhead_pct`` against these two says where its hashing runs."""
+    load_cpu, nbytes = result["median_cpu_s"]["load"], result["checkpoint_bytes"]
+    speeds = {"in_cache": result["hash_in_cache_gb_per_s"], "from_memory": result["hash_gb_per_s"]["xxh3-128-64k"]}
+    return {k: 100 * nbytes / (v * 1e9) / load_cpu for k, v in speeds.items()}
+
+
 def _text(result: dict[str, Any]) -> str:
     m, o, c = result["median_s"], result["overhead_pct"], result["cpu_overhead_pct"]
     speeds = ", ".join(f"{k} {v:.2f}" for k, v in result["hash_gb_per_s"].items())
+    share = result["hash_share_pct"]
     return (f"checkpoint of {result['checkpoint_bytes'] / 1e9:.2f} GB on {result['nproc']} ranks, "
             f"{result['algorithm']} digests, median of {len(result['times_s']['save'])}:\n"
             f"  save: {m['save']:.2f} s without digests, {m['save_digests']:.2f} s with ({o['save']:+.1f}%; "
             f"CPU time {c['save']:+.1f}%)\n"
             f"  load: {m['load']:.2f} s without digests, {m['load_digests']:.2f} s with ({o['load']:+.1f}%; "
             f"CPU time {c['load']:+.1f}%; {result['reread_pct']:.1f}% of the payloads read again)\n"
-            f"  one core hashes (GB/s): {speeds}")
+            f"  one core hashes (GB/s): {speeds}; xxh3-128-64k as a load hashes, in cache: "
+            f"{result['hash_in_cache_gb_per_s']:.1f}\n"
+            f"  hashing every byte once would add {share['in_cache']:.1f}% to the load's CPU time in cache, "
+            f"{share['from_memory']:.1f}% from memory")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -219,7 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raw = launch_local(_worker, args.nproc, args.gb, args.dim, args.repeats, root, args.algorithm)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {**_summary(raw), "nproc": args.nproc, "hash_gb_per_s": _hash_speeds()}
+    result = {**_summary(raw), "nproc": args.nproc, "hash_gb_per_s": _hash_speeds(),
+              "hash_in_cache_gb_per_s": _in_cache_speed()}
+    result["hash_share_pct"] = _hash_share(result)
     # Other processes on the machine slow both kinds, hashing (CPU) more than fsync (disk).
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     result["meta"] = meta("checkpoint_io", list(argv) if argv is not None else sys.argv[1:], "cpu (gloo)",

@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qsdp
 import fsdp_models as fm
@@ -64,6 +66,50 @@ def test_reads_that_held_every_block_whole_leave_nothing_to_read_again():
     digest.feed(2 * BLOCK, data[2 * BLOCK:])  # the last two blocks, the short one included
     digest.feed(0, data[:2 * BLOCK])
     assert digest.missing_bytes() == 0
+
+
+def test_a_read_ending_inside_a_block_hashes_only_the_blocks_before_it(tmp_path):
+    """A read from a block's start to the middle of a later block (an item's end inside the file):
+    the blocks it holds whole are hashed, the one it ends in is left to be read again."""
+    data = random.Random(4).randbytes(4 * BLOCK)
+    (tmp_path / "f").write_bytes(data)
+    digest = BlockDigest(len(data))
+    digest.feed(BLOCK, data[BLOCK:3 * BLOCK + 5])
+    assert digest.missing_bytes() == 2 * BLOCK
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert digest.fill(fd)
+    finally:
+        os.close(fd)
+    assert digest.hexdigest() == file_block_digest(tmp_path / "f")[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(0, 6 * BLOCK), reads=st.lists(st.tuples(st.integers(0, 6 * BLOCK), st.integers(0, 3 * BLOCK)),
+                                                      max_size=8))
+def test_any_reads_then_the_rest_give_the_file_digest(size, reads, tmp_path_factory):
+    """Reads at any offsets, of any lengths (overlapping, past the end, block-aligned or not),
+    then the blocks none held whole read from the file: always the file's digest, and
+    ``missing_bytes`` is what was read again."""
+    data = random.Random(size).randbytes(size)
+    path = tmp_path_factory.mktemp("f") / "f"
+    path.write_bytes(data)
+    digest = BlockDigest(size)
+    for at, n in reads:
+        digest.feed(at, data[at:at + n])
+    missing = digest.missing_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert digest.fill(fd)
+    finally:
+        os.close(fd)
+    assert digest.missing_bytes() == 0
+    assert digest.hexdigest() == file_block_digest(path)[0]
+    held = set()
+    for at, n in reads:
+        end = min(at + n, size)
+        held |= {i for i in range(-(-at // BLOCK), digest.count) if min((i + 1) * BLOCK, size) <= end}
+    assert missing == sum(min(BLOCK, size - i * BLOCK) for i in range(digest.count) if i not in held)
 
 
 def test_a_file_shorter_than_its_listed_size_is_found(tmp_path):

@@ -32,10 +32,8 @@ ALGORITHM = "xxh3-128-64k"
 BLOCK = 1 << 16
 _FILL = 1 << 20  # what a read of blocks no read held at once reads at a time
 AVAILABLE = xxhash is not None
-
-
-def _hash(data: Any) -> bytes:
-    return xxhash.xxh3_128_digest(data)
+# A block's digest: the C function itself, called once a block (no Python frame around it).
+_hash = xxhash.xxh3_128_digest if AVAILABLE else None
 
 
 def _combine(block_digests: Any) -> str:
@@ -54,51 +52,55 @@ class BlockDigest:
 
     def feed(self, offset: int, data: Any) -> None:
         """Hash every block that ``data`` (the file's bytes from ``offset`` on) holds whole."""
-        view = memoryview(data).cast("B")
+        view = memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
         end = min(offset + view.nbytes, self.size)
         first = -(-offset // BLOCK)
         last = end // BLOCK if end < self.size else self.count  # exclusive; the short last block ends at size
         if first >= last:
             return
-        if not any(self._done[first:last]):  # the usual case: one slice assignment for the run
-            ends = [min((i + 1) * BLOCK, self.size) - offset for i in range(first, last)]
+        # Up to the end of the last whole block: the slices below stop there, the short last one at size.
+        view, done = view[:min(last * BLOCK, self.size) - offset], self._done
+        if done.find(1, first, last) < 0:  # the usual case: no block of the run hashed yet
+            # One Python step a block (a slice, a call): the run's digests go in with one assignment.
             self._digests[16 * first:16 * last] = b"".join(
-                _hash(view[i * BLOCK - offset:e]) for i, e in zip(range(first, last), ends))
-            self._done[first:last] = b"\x01" * (last - first)
+                [_hash(view[start:start + BLOCK]) for start in range(first * BLOCK - offset, view.nbytes, BLOCK)])
+            done[first:last] = b"\x01" * (last - first)
             return
         for i in range(first, last):
-            if not self._done[i]:
-                start = i * BLOCK
-                self._digests[16 * i:16 * i + 16] = _hash(view[start - offset:min(start + BLOCK, self.size) - offset])
-                self._done[i] = 1
+            if not done[i]:
+                start = i * BLOCK - offset
+                self._digests[16 * i:16 * i + 16] = _hash(view[start:start + BLOCK])
+                done[i] = 1
 
     def missing_bytes(self) -> int:
         """How many bytes of the file no fed buffer held as whole blocks."""
-        return sum(min(BLOCK, self.size - i * BLOCK) for i in range(self.count) if not self._done[i])
+        missing = self._done.count(0) * BLOCK
+        if self.count and not self._done[-1]:
+            missing -= self.count * BLOCK - self.size  # the last block is short
+        return missing
 
     def fill(self, fd: int) -> bool:
         """Read and hash the blocks not hashed yet from the open file ``fd``; ``False`` when the
         file ends before ``size`` (it has another size)."""
         buf = memoryview(bytearray(_FILL))
-        i = 0
-        while i < self.count:
-            if self._done[i]:
-                i += 1
-                continue
-            j = i  # a run of blocks to hash: read it in pieces of _FILL bytes at most
-            while j < self.count and not self._done[j] and (j - i + 1) * BLOCK <= _FILL:
-                j += 1
+        done, per_read = self._done, _FILL // BLOCK
+        i = done.find(0)
+        while i >= 0:  # a run of blocks to hash, of _FILL bytes at most: found by bytearray.find, not a loop
+            j = done.find(1, i, min(i + per_read, self.count))
+            j = min(i + per_read, self.count) if j < 0 else j
             start, stop = i * BLOCK, min(j * BLOCK, self.size)
             n = os.preadv(fd, [buf[:stop - start]], start)
             if n != stop - start:
                 return False
             self.feed(start, buf[:n])
-            i = j
+            i = done.find(0, j)
         return True
 
     def hexdigest(self) -> str:
         """The file's digest; every block must have been hashed."""
-        if not all(self._done):
+        if 0 in self._done:
             raise ValueError("blocks are missing")
         return _combine(self._digests)
 
