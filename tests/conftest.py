@@ -43,6 +43,19 @@ def tiny_corpus(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_environment(tmp_path_factory):
+    """Every test runs with the session's token cache (not the user's), and the server that
+    local launches fork their workers from (qsdp.worker_start) starts here, in that environment:
+    a test that changes the environment gets spawned workers, as a user's script would."""
+    from qsdp.worker_start import start_method
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
+        start_method()
+        yield
+
+
 @pytest.fixture
 def outside_torchrun(tmp_path_factory, monkeypatch):
     """The environment of a command typed at a shell: no torchrun variables (nor a stray
