@@ -53,3 +53,15 @@ def test_forked_workers_write_where_the_launcher_writes_at_the_launch(capfd):
 def test_spawn_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.setenv("QSDP_WORKER_START", "spawn")
     assert start_method() == "spawn"
+
+
+def _node_and_kill(_tag: str) -> tuple[int, str | None, str | None]:
+    return os.getppid(), os.environ.get("QSDP_NODE"), os.environ.get("QSDP_TEST_KILL_AT")
+
+
+def test_qsdps_own_run_time_variables_reach_forked_workers_set_or_unset(monkeypatch):
+    monkeypatch.setenv("QSDP_NODE", "node-b")
+    monkeypatch.delenv("QSDP_TEST_KILL_AT", raising=False)
+    assert start_method() == "forkserver"
+    results = launch_local(_node_and_kill, 2, "e")
+    assert set(results.values()) == {(_server_pid(), "node-b", None)}

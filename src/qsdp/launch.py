@@ -41,7 +41,7 @@ def launch_local(
     environment; ``QSDP_WORKER_START=spawn`` always spawns them."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .worker_start import LauncherStdio, run_entry, start_method
+    from .worker_start import LauncherStdio, run_entry, runtime_values, start_method
 
     if nproc < 1:
         raise ValueError(f"nproc={nproc} must be at least 1")
@@ -63,4 +63,4 @@ def launch_local(
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
     if method == "spawn":
         return elastic_launch(config, fn)(*args)
-    return elastic_launch(config, run_entry)(fn, LauncherStdio(), *args)
+    return elastic_launch(config, run_entry)(fn, LauncherStdio(), runtime_values(), *args)

@@ -11,6 +11,9 @@ two ways, and both are handled here:
   at import (``OMP_NUM_THREADS``, ``TORCH_LOGS``), so a worker cannot simply be handed a newer
   one: the forkserver is used only while this process's environment is the one the server
   started with (:func:`start_method`), and a launch after a change spawns its workers;
+  qsdp's own variables that it reads only when it uses them (:data:`RUNTIME_VARIABLES`) are
+  the exception: a worker takes the launcher's values of those, so setting one between two
+  launches keeps the server;
 * its stdout and stderr are the server's. :class:`LauncherStdio` hands each worker the
   launcher's own at the launch, as a spawned worker inherits them (what a test's output capture
   or a redirected launcher expects).
@@ -27,7 +30,7 @@ import multiprocessing.forkserver
 import os
 from typing import Any, Callable
 
-__all__ = ["PRELOAD", "LauncherStdio", "start_method", "run_entry"]
+__all__ = ["PRELOAD", "RUNTIME_VARIABLES", "LauncherStdio", "start_method", "runtime_values", "run_entry"]
 
 # What every worker imports anyway: torch with FSDP2's stack, and qsdp's training path.
 PRELOAD = ("torch", "torch.distributed.fsdp", "qsdp.launch", "qsdp.train.launcher")
@@ -35,11 +38,16 @@ PRELOAD = ("torch", "torch.distributed.fsdp", "qsdp.launch", "qsdp.train.launche
 # worker reads: torch's elastic launcher's signal list, and pytest's name of the running test.
 _SET_BY_LAUNCHER = frozenset({"TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTEST_CURRENT_TEST"})
 
+# qsdp's variables that qsdp reads when it uses them, never at import (unlike QSDP_TRITON_ON_CPU):
+# the node a rank names, the token cache, the codec choice per call, the fault injections.
+RUNTIME_VARIABLES = frozenset({"QSDP_NODE", "QSDP_CACHE_DIR", "QSDP_DISABLE_TRITON", "QSDP_TEST_KILL_AT",
+                               "QSDP_TEST_NAN_AT", "QSDP_TEST_STALL_AT"})
+
 _server_env: dict[str, str] | None = None  # this process's environment when it started the server
 
 
 def _environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _SET_BY_LAUNCHER}
+    return {k: v for k, v in os.environ.items() if k not in _SET_BY_LAUNCHER and k not in RUNTIME_VARIABLES}
 
 
 def _server_running() -> bool | None:
@@ -88,6 +96,17 @@ class LauncherStdio:
         return _adopt_stdio, (DupFd(1), DupFd(2))
 
 
-def run_entry(fn: Callable[..., Any], _stdio: Any, *args: Any) -> Any:
-    """What a forked worker runs: ``fn(*args)``; ``_stdio`` did its work while unpickled."""
+def runtime_values() -> dict[str, str | None]:
+    """The launcher's values of :data:`RUNTIME_VARIABLES` (``None``: unset), for :func:`run_entry`."""
+    return {name: os.environ.get(name) for name in RUNTIME_VARIABLES}
+
+
+def run_entry(fn: Callable[..., Any], _stdio: Any, values: dict[str, str | None], *args: Any) -> Any:
+    """What a forked worker runs: ``fn(*args)`` with the launcher's ``values`` of
+    :data:`RUNTIME_VARIABLES`; ``_stdio`` did its work while unpickled."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     return fn(*args)
