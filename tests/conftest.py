@@ -25,6 +25,27 @@ def pytest_collection_modifyitems(config, items):
     items[:] = items[index::count]
 
 
+def pytest_collection_finish(session):
+    """Queue the subprocesses of the selected tests marked ``prestart`` (tests/prestarted.py)."""
+    from prestarted import PRESTARTED
+
+    commands = {}
+    for item in session.items:
+        marker = item.get_closest_marker("prestart")
+        if marker is None:
+            continue
+        command = marker.args[0](**(item.callspec.params if hasattr(item, "callspec") else {}))
+        if command is not None:
+            commands[item.nodeid] = command
+    PRESTARTED.start(commands)
+
+
+def pytest_unconfigure(config):
+    from prestarted import PRESTARTED
+
+    PRESTARTED.stop()
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> str:
     """A 300 kB slice of the default corpus: the same kind of text, a fraction of the load time."""
