@@ -686,3 +686,31 @@ def test_a_finite_group_whose_range_overflows_keeps_its_infinite_scale():
     x = torch.tensor([3e38, -3e38, 1.0, 0.0])
     q = quantize(x, bits=8, group_size=4, symmetric=False, rounding="nearest")
     assert q.scales.item() == float("inf") and torch.equal(q.zeros, x[1:2])
+
+
+# ----------------------------------------------------------------------------- rows with their own seeds
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=scheme_id)
+def test_quantizing_rows_together_gives_the_bytes_of_each_row_alone(scheme, rounding):
+    from qsdp.codecs.quantize import quantize_reference, quantize_rows_reference
+
+    bits, symmetric = scheme
+    x = torch.randn(5, 4 * 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x[1, 70] = float("nan")  # a non-finite group keeps its encoding
+    seeds = [11, 2**32 + 11, 0, 2**31, 5]
+    codes, scales, zeros = quantize_rows_reference(x, bits=bits, group_size=64, symmetric=symmetric,
+                                                   rounding=rounding, seeds=seeds)
+    for r, seed in enumerate(seeds):
+        c, s, z = quantize_reference(x[r], bits=bits, group_size=64, symmetric=symmetric, rounding=rounding, seed=seed)
+        assert torch.equal(codes[r], c) and torch.equal(scales[r].view(torch.int32), s.view(torch.int32))
+        assert symmetric or torch.equal(zeros[r].view(torch.int32), z.view(torch.int32))
+
+
+def test_quantizing_rows_needs_whole_groups_per_row():
+    from qsdp.codecs.quantize import quantize_rows_reference
+
+    with pytest.raises(ValueError, match="rows of 100 elements are not whole groups of 64"):
+        quantize_rows_reference(torch.zeros(2, 100), bits=4, group_size=64, symmetric=True, rounding="nearest",
+                                seeds=[1, 2])

@@ -73,6 +73,22 @@ def test_add_uniform_adds_exactly_the_uniform_numbers():
     assert torch.equal(w, v + rng.uniform(9, v.numel(), offset=12, stream=1).view_as(v))
 
 
+@pytest.mark.parametrize("rows,n", [(8, 2048), (3, 70_001)], ids=["rows-per-chunk", "chunks-per-row"])
+def test_each_row_gets_the_numbers_of_its_own_seed(rows, n):
+    seeds = [0, 2**31, 2**32 - 1, 2**40 + 5, 7, 1, 99, 12345][:rows]
+    v = torch.randn(rows, n, generator=torch.Generator().manual_seed(1))
+    w = rng.add_uniform_rows_(v.clone(), seeds, offset=2**32 - 40, stream=rng.STREAM_ELEMENT)
+    u = rng.uniform_rows(seeds, n, stream=2)
+    for r, seed in enumerate(seeds):
+        assert torch.equal(w[r], rng.add_uniform_(v[r].clone(), seed, offset=2**32 - 40, stream=rng.STREAM_ELEMENT))
+        assert torch.equal(u[r], rng.uniform(seed, n, stream=2))
+
+
+def test_add_uniform_rows_wants_a_seed_per_row():
+    with pytest.raises(ValueError, match="2 seeds for 3 rows"):
+        rng.add_uniform_rows_(torch.zeros(3, 4), [1, 2])
+
+
 @pytest.mark.parametrize("bad", [torch.zeros(8, dtype=torch.float64), torch.zeros(4, 4).t()], ids=["fp64", "strided"])
 def test_add_uniform_rejects_what_it_cannot_update_in_place(bad):
     with pytest.raises(ValueError, match="contiguous float32"):

@@ -316,3 +316,38 @@ def test_encoding_into_columns_of_a_wider_buffer_writes_the_same_bytes(bits):
     codec.decode_sum_encode(wide[:, 8:8 + alone.shape[1]], 40, sources=2, codec=hop2, seed=6,
                             out=wide2[:, 4:])
     assert torch.equal(wide2[:, 4:], summed) and (wide2[:, :4] == 7).all()
+
+
+def test_the_torch_reference_dispatches_no_more_operators_for_more_rounding_slices():
+    # sdp4bit's 8 slices on gloo travel in one exchange per hop; the CPU path (torch reference)
+    # takes each codec step of that exchange in one operator sequence for all of them.
+    from qsdp.bench.census import Case, run_case
+
+    rows = [run_case(Case("sdp4bit", "reduce_scatter", shard=4096, slices=k, calls=1))[0] for k in (1, 2, 8)]
+    assert [(row["slices"], row["fused"], row["collectives"]) for row in rows] == [(k, False, 2) for k in (1, 2, 8)]
+    one, two, eight = (row["torch"] for row in rows)
+    assert eight <= one and two <= one, (one, two, eight)
+
+
+def test_a_runs_slices_taken_together_give_the_bytes_of_one_call_per_slice():
+    from qsdp.codecs.rng import fold_seed
+    from qsdp.comm.wire import RowCodec, SliceRun
+
+    hop1 = RowCodec(bits=8, group_size=16, hadamard_block=8)
+    hop2 = RowCodec(bits=4, group_size=16, hadamard_block=8)
+    run = SliceRun(first=1, count=5, per=32, end=6 * 32 - 16)  # 4 equal slices and a shorter last one
+    x = _grad(0, 4 * run.end).view(4, run.end)
+    order = torch.tensor([2, 0, 3, 1])
+    send = torch.empty(4, run.nbytes(hop1), dtype=torch.uint8)
+    hop1.encode_slices(x, run, prefix=9, out=send, order=order)
+    mid = torch.empty(2, run.nbytes(hop2), dtype=torch.uint8)
+    hop1.decode_sum_encode_slices(send, run, sources=2, codec=hop2, prefix=10, out=mid)
+    total = torch.full((run.end,), 7.0)
+    hop2.decode_sum_slices(mid, run, total)
+    for k, (a, b), (c0, c1), (e0, e1) in zip(range(1, 6), run.bounds(), run.columns(hop1), run.columns(hop2)):
+        alone = hop1.encode(x[order, a:b], seed=fold_seed(9, k))
+        assert torch.equal(send[:, c0:c1], alone), k
+        summed = hop1.decode_sum_encode(alone, b - a, sources=2, codec=hop2, seed=fold_seed(10, k))
+        assert torch.equal(mid[:, e0:e1], summed), k
+        assert torch.equal(total[a:b], hop2.decode_sum(summed, b - a, finish=True)), k
+    assert (total[:run.start] == 7).all()

@@ -6,6 +6,8 @@ Two 4-bit codes share a byte (element ``2i`` in the low nibble), four 2-bit code
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -14,6 +16,12 @@ SUPPORTED_BITS = (2, 4, 8)
 def packed_nbytes(numel: int, bits: int) -> int:
     """Bytes that ``numel`` codes of ``bits`` bits occupy once packed."""
     return (numel * bits + 7) // 8
+
+
+@functools.lru_cache(maxsize=16)
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    """The shift of each code in its byte, uint8 ``[8 // bits]``, made once per device (read-only)."""
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -29,8 +37,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
     c = codes.to(torch.uint8).view(-1, per_byte)
-    out = c[:, 0].clone()
-    for k in range(1, per_byte):
+    out = c[:, 0] | (c[:, 1] << bits)
+    for k in range(2, per_byte):
         out |= c[:, k] << (k * bits)
     return out
 
@@ -48,6 +56,5 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     if bits == 8:
         return packed[:numel]
     mask = (1 << bits) - 1
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = packed.unsqueeze(1) >> shifts
+    codes = packed.unsqueeze(1) >> _shifts(bits, packed.device)
     return codes.bitwise_and_(mask).view(-1)[:numel]

@@ -32,6 +32,7 @@ non-finite: its scale is infinite, as the arithmetic gives.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -261,18 +262,27 @@ def _scales_(
     is a tensor on the data's device, because CUDA turns a division by a Python scalar into a
     multiplication by its reciprocal; ``+ 0.0`` makes a zero minimum or maximum +0.0, since which
     signed zero amin/amax return depends on the reduction order."""
+    # Finiteness by comparisons (false for NaN): ``isfinite`` is several operators per call on
+    # CPU, and on small chunks torch's per-operator cost is most of the codec's time.
     if symmetric:
         amax = g.abs().amax(dim=1)
-        torch.div(amax, amax.new_full((), 2 ** (bits - 1) - 1), out=scales)
-        bad = ~torch.isfinite(amax)
+        torch.div(amax, _constant(2 ** (bits - 1) - 1, amax.device), out=scales)
+        bad = ~(amax < math.inf)  # an absmax is >= 0 or NaN
     else:
         lo, hi = g.amin(dim=1), g.amax(dim=1)
         torch.add(lo, 0.0, out=zeros)
-        torch.div(hi + 0.0 - zeros, zeros.new_full((), 2**bits - 1), out=scales)
-        bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+        torch.div(hi + 0.0 - zeros, _constant(2**bits - 1, zeros.device), out=scales)
+        bad = ~((lo > -math.inf) & (hi < math.inf))  # min <= max: both finite exactly then
         _non_finite_(zeros, bad)
     _non_finite_(scales, bad)
     return bad
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 0-dim tensor of ``value`` on ``device``, made once (read-only: every use is an
+    operand, never written)."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 def _non_finite_(t: torch.Tensor, bad: torch.Tensor) -> None:
@@ -305,7 +315,7 @@ def quantize_reference(
         g = _grouped(flat[g0 * group_size : g1 * group_size].float(), group_size)
         s = scales[g0:g1]
         bad = _scales_(g, bits, symmetric, s, None if symmetric else zeros[g0:g1])
-        safe = torch.where(s > 0, s, 1.0).unsqueeze(1)
+        safe = torch.where(s > 0, s, _constant(1.0, s.device)).unsqueeze(1)
         if symmetric:
             v = _round_(torch.div(g, safe), rounding, seed, g0, sh).clamp_(-qmax, qmax).add_(qmax + 1)
         else:
@@ -313,6 +323,63 @@ def quantize_reference(
             v = _round_(v, rounding, seed, g0, sh).clamp_(0, 2**bits - 1)
         codes[g0:g1].copy_(v.masked_fill_(bad.unsqueeze(1), 0))  # a non-finite group's codes are 0
     return pack_codes(codes.view(-1)[:n], bits), scales, zeros
+
+
+def quantize_rows_reference(
+    x: torch.Tensor, *, bits: int, group_size: int, symmetric: bool, rounding: str, seeds
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Each row of ``x`` (``[rows, n]``, float, ``n`` whole groups packing into whole bytes)
+    quantized as :func:`quantize_reference` quantizes it alone with the seed ``seeds[r]``, in
+    one pass of each step for all the rows of a cache-sized chunk: ``(codes [rows, packed
+    bytes], scales [rows, n / group_size], zeros)``. The rounding slices of one exchange are
+    such rows; one call per slice would pay torch's per-operation cost once per slice."""
+    rows, n = x.shape
+    if n % group_size or (n * bits) % 8:
+        raise ValueError(f"quantize_rows_reference: rows of {n} elements are not whole groups of {group_size} "
+                         f"packing into whole bytes at {bits} bits")
+    if len(seeds) != rows:
+        raise ValueError(f"quantize_rows_reference: {len(seeds)} seeds for {rows} rows")
+    record_run("torch")
+    dev, per_row = x.device, n // group_size
+    scales = torch.empty(rows, per_row, dtype=SCALE_DTYPE, device=dev)
+    zeros = None if symmetric else torch.empty(rows, per_row, dtype=SCALE_DTYPE, device=dev)
+    codes = torch.empty(rows, n, dtype=torch.uint8, device=dev)
+    qmax = 2 ** (bits - 1) - 1
+    shifts = None
+    if rounding == "shift":
+        shifts = rng.uniform_rows(seeds, per_row, stream=rng.STREAM_GROUP, device=dev)
+    # Tiles of whole groups: rows of whole rows, or one row's run of groups (see rng._row_tiles).
+    for r0, r1, g0, g1 in _group_tiles(rows, per_row, group_size, dev):
+        g = x[r0:r1, g0 * group_size : g1 * group_size].float().reshape(-1, group_size)
+        s = scales[r0:r1, g0:g1].reshape(-1)
+        z = None if symmetric else zeros[r0:r1, g0:g1].reshape(-1)
+        bad = _scales_(g, bits, symmetric, s, z)
+        safe = torch.where(s > 0, s, _constant(1.0, s.device)).unsqueeze(1)
+        v = torch.div(g, safe) if symmetric else torch.div(g - z.unsqueeze(1), safe)
+        if rounding == "nearest":
+            v.round_()
+        elif rounding == "stochastic":
+            rng.add_uniform_rows_(v.view(r1 - r0, -1), seeds[r0:r1], offset=g0 * group_size,
+                                  stream=rng.STREAM_ELEMENT)
+            v.floor_()
+        else:
+            v.add_(shifts[r0:r1, g0:g1].reshape(-1, 1)).floor_()
+        v = v.clamp_(-qmax, qmax).add_(qmax + 1) if symmetric else v.clamp_(0, 2**bits - 1)
+        codes[r0:r1, g0 * group_size : g1 * group_size].copy_(v.masked_fill_(bad.unsqueeze(1), 0).view(r1 - r0, -1))
+    return pack_codes(codes.view(-1), bits).view(rows, -1), scales, zeros
+
+
+def _group_tiles(rows: int, per_row: int, group_size: int, device: torch.device) -> list[tuple[int, int, int, int]]:
+    """``(first row, end row, first group, end group)`` tiles of about :data:`_CHUNK` elements on
+    CPU (as many whole rows as fit, or one row's groups in chunks where a row is larger), the
+    whole tensor at once on other devices."""
+    if device.type != "cpu":
+        return [(0, rows, 0, per_row)]
+    step = max(1, _CHUNK // group_size)  # groups per tile
+    if per_row <= step:
+        r_step = max(1, step // max(per_row, 1))
+        return [(r0, min(rows, r0 + r_step), 0, per_row) for r0 in range(0, rows, r_step)]
+    return [(r, r + 1, g0, min(per_row, g0 + step)) for r in range(rows) for g0 in range(0, per_row, step)]
 
 
 def dequantize(q: QTensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -336,7 +403,8 @@ def dequantize_reference(q: QTensor) -> torch.Tensor:
     codes = unpack_codes(q.codes, q.bits, n)
     vals = torch.empty(q.n_groups, gs, dtype=torch.float32, device=codes.device)
     flat = vals.view(-1)
-    flat[n:].zero_()  # the padding of a partial last group: never returned, but finite
+    if n < flat.numel():
+        flat[n:].zero_()  # the padding of a partial last group: never returned, but finite
     for g0, g1 in _group_chunks(n, gs, codes.device):
         flat[g0 * gs : min(g1 * gs, n)].copy_(codes[g0 * gs : g1 * gs])
         g, s = vals[g0:g1], q.scales[g0:g1].unsqueeze(1)

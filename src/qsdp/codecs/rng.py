@@ -115,20 +115,104 @@ _cpu_ramp = functools.lru_cache(maxsize=1)(lambda: _golden_ramp(_CHUNK, torch.de
 
 
 def _uniform_bits(
-    start: int, key: int, ramp: torch.Tensor, x: torch.Tensor, tmp: torch.Tensor
+    start: int | torch.Tensor, key: int | torch.Tensor, ramp: torch.Tensor, x: torch.Tensor, tmp: torch.Tensor
 ) -> torch.Tensor:
     """The hash's top 24 bits for indices ``start + j`` (``j < x.numel()``; ``ramp`` the matching
     slice of :func:`_golden_ramp`), written into the int32 buffer ``x`` (returned) as values in
-    [0, 2**24); ``tmp`` is scratch of the same size."""
-    torch.add(ramp, _s32(start * _GOLDEN + key), out=x)
+    [0, 2**24); ``tmp`` is scratch of the same size.
+
+    Per-row keys (:func:`_RowKeys`): ``start`` and ``key`` are then the int32 ``[rows, 1]``
+    terms ``_s32(start * _GOLDEN + key)`` and ``_s32(key ^ (key >> 16))`` of each row, and
+    ``x`` is ``[rows, ramp.numel()]``: the same wrapping int32 arithmetic, broadcast."""
+    if isinstance(key, torch.Tensor):
+        torch.add(ramp, start, out=x)
+        mixed_key = key
+    else:
+        torch.add(ramp, _s32(start * _GOLDEN + key), out=x)
+        mixed_key = _s32(key ^ (key >> 16))
     # mix(mix(a) ^ key) with the first mix's closing xorshift and the second's opening one
     # cancelled: y ^ (y >> 16) ^ key, shifted and xor-ed again, is y ^ key ^ (key >> 16)
     # (a 32-bit word shifted right by 32 is 0). Same bits, six passes fewer.
     _mix32_head_(x, tmp)
-    x.bitwise_xor_(_s32(key ^ (key >> 16)))
+    x.bitwise_xor_(mixed_key)
     _mix32_tail_(x, tmp)
     x.bitwise_right_shift_(8)
     return x.bitwise_and_(0xFFFFFF)
+
+
+class _RowKeys:
+    """The keys of ``seeds`` (one per row) on ``stream``, folded on the host as :func:`seed_key`
+    folds one; :meth:`terms` gives a block of rows' int32 terms for :func:`_uniform_bits`."""
+
+    def __init__(self, seeds, stream: int, device: torch.device) -> None:
+        self.keys = [seed_key(int(s), stream) for s in seeds]
+        self.device = device
+        # Each row's second term does not depend on the index: made once for all the rows.
+        self.mixed = self._tensor([_s32(k ^ (k >> 16)) for k in self.keys])
+
+    def terms(self, r0: int, r1: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first = self._tensor([_s32(start * _GOLDEN + k) for k in self.keys[r0:r1]])
+        return first.unsqueeze(1), self.mixed[r0:r1].unsqueeze(1)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int32)
+        if self.device.type == "cpu":
+            return t
+        # From pinned memory, without blocking: a copy from pageable memory would wait for the
+        # device's queue (a host sync).
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+
+def _row_tiles(rows: int, n: int, device: torch.device) -> list[tuple[int, int, int, int]]:
+    """``(first row, end row, first column, end column)`` tiles of a ``[rows, n]`` tensor: whole
+    rows, as many as fit in one cache-sized chunk, or a row cut into chunks where one is larger
+    (CPU); the whole tensor at once on other devices."""
+    if device.type != "cpu":
+        return [(0, rows, 0, n)]
+    if n <= _CHUNK:
+        step = max(1, _CHUNK // max(n, 1))
+        return [(r0, min(rows, r0 + step), 0, n) for r0 in range(0, rows, step)]
+    return [(r, r + 1, c0, min(n, c0 + _CHUNK)) for r in range(rows) for c0 in range(0, n, _CHUNK)]
+
+
+def _tile_buffers(tiles, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The ramp of the widest tile and the int32 buffer and scratch of the largest."""
+    r0, r1, c0, c1 = tiles[0]
+    size = (r1 - r0) * (c1 - c0)
+    ramp = _cpu_ramp()[: c1 - c0] if device.type == "cpu" else _golden_ramp(n, device)
+    x = torch.empty(size, dtype=torch.int32, device=device)
+    return ramp, x, torch.empty_like(x)
+
+
+def add_uniform_rows_(v: torch.Tensor, seeds, *, offset: int = 0, stream: int = 0) -> torch.Tensor:
+    """``v[r] += uniform(seeds[r], v.shape[1], offset=offset, stream=stream)`` for every row of
+    the contiguous float32 ``[rows, n]`` tensor ``v``, in place, returned: the same bits as one
+    :func:`add_uniform_` per row, with the rows of a cache-sized chunk in one pass of each step."""
+    if v.dtype != torch.float32 or not v.is_contiguous() or v.dim() != 2:
+        raise ValueError(f"add_uniform_rows_ needs a contiguous float32 [rows, n] tensor, got {v.dtype} "
+                         f"{list(v.shape)}")
+    rows, n = v.shape
+    if len(seeds) != rows:
+        raise ValueError(f"add_uniform_rows_: {len(seeds)} seeds for {rows} rows")
+    if v.numel() == 0:
+        return v
+    keys = _RowKeys(seeds, stream, v.device)
+    tiles = _row_tiles(rows, n, v.device)
+    ramp, xb, tb = _tile_buffers(tiles, n, v.device)
+    for r0, r1, c0, c1 in tiles:
+        shape = (r1 - r0, c1 - c0)
+        x, tmp = (b[: shape[0] * shape[1]].view(shape) for b in (xb, tb))
+        first, mixed = keys.terms(r0, r1, offset + c0)
+        # As add_uniform_: the integers (below 2**24) become fp32 exactly inside the addition.
+        v[r0:r1, c0:c1].add_(_uniform_bits(first, mixed, ramp[: shape[1]], x, tmp), alpha=_INV24)
+    return v
+
+
+def uniform_rows(seeds, n: int, *, offset: int = 0, stream: int = 0,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[len(seeds), n]``: row ``r`` is ``uniform(seeds[r], n, offset=offset, stream=stream)``."""
+    return add_uniform_rows_(torch.zeros(len(seeds), n, dtype=torch.float32, device=device), seeds,
+                             offset=offset, stream=stream)
 
 
 def _chunks(n: int, device: torch.device) -> list[tuple]:
@@ -150,10 +234,11 @@ def add_uniform_(v: torch.Tensor, seed: int, *, offset: int = 0, stream: int = 0
         raise ValueError(f"add_uniform_ needs a contiguous float32 tensor, got {v.dtype}")
     key = seed_key(seed, stream)
     flat = v.view(-1)
-    for b, e, ramp, x, tmp, f in _chunks(flat.numel(), v.device):
-        f.copy_(_uniform_bits(offset + b, key, ramp, x, tmp))
-        # The product with 2**-24 is exact, so this is ``v + u`` rounded once, FMA or not.
-        flat[b:e].add_(f, alpha=_INV24)
+    for b, e, ramp, x, tmp, _ in _chunks(flat.numel(), v.device):
+        # The integers (below 2**24) become fp32 exactly inside the addition, and the product
+        # with 2**-24 is exact, so this is ``v + u`` rounded once, FMA or not: no fp32 copy of
+        # the numbers is made (one operator fewer per chunk).
+        flat[b:e].add_(_uniform_bits(offset + b, key, ramp, x, tmp), alpha=_INV24)
     return v
 
 

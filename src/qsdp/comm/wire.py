@@ -25,7 +25,7 @@ import torch
 
 from ..codecs import dequantize, hadamard, inverse_hadamard, quantize
 from ..codecs.dispatch import use_triton
-from ..codecs.quantize import QTensor, _group_chunks
+from ..codecs.quantize import QTensor, _group_chunks, quantize_rows_reference
 from ..codecs.rng import fold_seed
 from .row_layout import RowLayout
 
@@ -289,7 +289,8 @@ class RowCodec:
 
     # ------------------------------------------------------------------ rounding slices
     # A run of rounding slices (SliceRun) in one launch per step on the fused path, each slice
-    # with its own seed and the bytes of the per-slice calls the reference makes.
+    # with its own seed and the bytes of one call per slice; the torch reference takes the equal
+    # slices of a run as the rows of one call per step (_batches), with the same bytes.
 
     def _slices_fuse(self, run: SliceRun, t: torch.Tensor, codec: "RowCodec | None" = None) -> bool:
         """Whether the kernels can take ``run`` in one launch: every slice whole groups (and
@@ -331,10 +332,15 @@ class RowCodec:
                 slices=self._slices(run, prefix),
             )
             return out
-        # One slice at a time: no copy of the whole gradient is made.
-        for k, (a, b), (c0, c1) in zip(range(run.first, run.first + run.count), run.bounds(), run.columns(self)):
-            self.encode(_pad_cols(layout.columns(x, order, a, b).float(), b - a), seed=fold_seed(prefix, k),
-                        out=out[:, c0:c1])
+        bounds, cols = run.bounds(), run.columns(self)
+        for i0, i1 in self._batches(run, len(order), x):
+            (a, _), (_, b), (c0, _), (_, c1) = bounds[i0], bounds[i1 - 1], cols[i0], cols[i1 - 1]
+            values = _pad_cols(layout.columns(x, order, a, b).float(), b - a)
+            if i1 - i0 == 1:
+                self.encode(values, seed=fold_seed(prefix, run.first + i0), out=out[:, c0:c1])
+            else:
+                self._encode_batch(values.view(len(order), i1 - i0, run.per).transpose(0, 1),
+                                   _seeds(prefix, run.first + i0, run.first + i1), out[:, c0:c1])
         return out
 
     def decode_sum_encode_slices(self, buf: torch.Tensor, run: SliceRun, *, sources: int, codec: "RowCodec",
@@ -352,10 +358,22 @@ class RowCodec:
                 slices=self._slices(run, prefix, codec),
             )
             return out
-        for k, (a, b), (c0, c1), (e0, e1) in zip(range(run.first, run.first + run.count), run.bounds(), run.columns(self),
-                                                  run.columns(codec)):
-            self.decode_sum_encode(buf[:, c0:c1], b - a, sources=sources, codec=codec, seed=fold_seed(prefix, k),
-                                   out=out[:, e0:e1])
+        bounds, cols, cols2 = run.bounds(), run.columns(self), run.columns(codec)
+        dests = out.shape[0]
+        batchable = codec._batches_rows(run.per) and not codec._fused(buf)
+        for i0, i1 in self._batches(run, buf.shape[0], buf):
+            if i1 - i0 == 1 or not batchable:
+                for i in range(i0, i1):
+                    (a, b), (c0, c1), (e0, e1) = bounds[i], cols[i], cols2[i]
+                    self.decode_sum_encode(buf[:, c0:c1], b - a, sources=sources, codec=codec,
+                                           seed=fold_seed(prefix, run.first + i), out=out[:, e0:e1])
+                continue
+            (c0, _), (_, c1), (e0, _), (_, e1) = cols[i0], cols[i1 - 1], cols2[i0], cols2[i1 - 1]
+            # [slices, sources, D, per] -> the left-to-right sum over the sources, [slices, D, per]
+            values = self._decode_batch(buf[:, c0:c1].view(buf.shape[0], i1 - i0, -1).transpose(0, 1), run.per)
+            total = _sum_dim1(values.view(i1 - i0, sources, dests, run.per))
+            codec._encode_batch(total, _seeds(prefix, run.first + i0, run.first + i1), out[:, e0:e1],
+                                transformed=True)
         return out
 
     def decode_sum_slices(self, buf: torch.Tensor, run: SliceRun, out: torch.Tensor) -> torch.Tensor:
@@ -372,9 +390,78 @@ class RowCodec:
                 slices=self._slices(run, 0),
             )
             return out
-        for (a, b), (c0, c1) in zip(run.bounds(), run.columns(self)):
-            out[a:b] = self.decode_sum(buf[:, c0:c1], b - a, finish=True)
+        bounds, cols = run.bounds(), run.columns(self)
+        for i0, i1 in self._batches(run, buf.shape[0], buf):
+            (a, _), (_, b), (c0, _), (_, c1) = bounds[i0], bounds[i1 - 1], cols[i0], cols[i1 - 1]
+            if i1 - i0 == 1:
+                out[a:b] = self.decode_sum(buf[:, c0:c1], b - a, finish=True)
+                continue
+            values = self._decode_batch(buf[:, c0:c1].view(buf.shape[0], i1 - i0, -1).transpose(0, 1), run.per)
+            total = _sum_dim1(values)  # [slices, per]: each slice's rows summed left to right
+            if self.hadamard_block:
+                total = inverse_hadamard(total, block=self.hadamard_block)
+            out[a:b].view(i1 - i0, run.per).copy_(total)
         return out
+
+    # The torch reference takes the equal slices of a run together (cache-sized batches of them on
+    # CPU): each step is then one torch call for all of them, each slice still with its own seed,
+    # its own groups and the bytes of its own call. One call per slice would pay torch's
+    # per-operation cost (microseconds, more than the arithmetic of a small slice) per slice.
+
+    def _batches_rows(self, length: int) -> bool:
+        """Whether slices of ``length`` elements can be encoded as rows of one
+        :func:`~qsdp.codecs.quantize.quantize_rows_reference` call: whole codec units, whole bytes."""
+        return not self.exact and self.padded_len(length) == length and (length * self.bits) % 8 == 0
+
+    def _batches(self, run: SliceRun, rows: int, t: torch.Tensor) -> list[tuple[int, int]]:
+        """The slices of ``run`` (indices ``[i0, i1)`` into its bounds) that the torch reference
+        takes together, ``rows`` rows of each: the equal slices in batches of about a cache-sized
+        chunk on CPU (all of them elsewhere); a shorter last slice, or every slice where they
+        cannot be batched (the fused path, the exact codec), alone."""
+        bounds = run.bounds()
+        if self._fused(t) or not self._batches_rows(run.per):
+            return [(i, i + 1) for i in range(run.count)]
+        equal = run.count - (bounds[-1][1] - bounds[-1][0] != run.per)
+        batches = _group_chunks(equal * rows * run.per, rows * run.per, t.device) if equal else []
+        return batches + [(equal, run.count)] * (equal < run.count)
+
+    def _encode_batch(self, values: torch.Tensor, seeds: list[int], out: torch.Tensor, *,
+                      transformed: bool = False) -> torch.Tensor:
+        """``values``: float ``[S, R, per]``, ``S`` slices of ``R`` rows; ``out``: uint8 ``[R, S *
+        row_nbytes(per)]`` (columns of a send buffer). Slice ``s`` is ``encode(values[s],
+        seed=seeds[s], transformed=transformed)`` into its columns of ``out`` (returned)."""
+        slices, rows, per = values.shape
+        if self.hadamard_block and not transformed:
+            values = hadamard(values, block=self.hadamard_block)  # blockwise: no block spans two slices
+        codes, scales, zeros = quantize_rows_reference(
+            values.reshape(slices, rows * per), bits=self.bits, group_size=self.group_size,
+            symmetric=self.symmetric, rounding=self.rounding, seeds=seeds,
+        )
+        dest = out.view(rows, slices, -1)
+        col = 0
+        for part in (scales, zeros, codes):
+            if part is not None:
+                part = part.view(slices, rows, -1).view(torch.uint8).transpose(0, 1)
+                dest[:, :, col : col + part.shape[2]] = part
+                col += part.shape[2]
+        if dest.shape[2] > col:
+            dest[:, :, col:].zero_()  # each row's 4-byte padding, as _alloc zeroes it
+        return out
+
+    def _decode_batch(self, buf: torch.Tensor, length: int) -> torch.Tensor:
+        """``buf``: uint8 ``[A, B, row_nbytes(length)]`` (any strides), each ``[a, b]`` an encoded
+        row. Returns float32 ``[A, B, length]``, the rows decoded (in the Hadamard domain)."""
+        a, b, _ = buf.shape
+        sb = length // self.group_size * 4
+        scales = buf[:, :, :sb].contiguous().view(torch.float32).reshape(-1)
+        off, zeros = sb, None
+        if not self.symmetric:
+            zeros = buf[:, :, off : off + sb].contiguous().view(torch.float32).reshape(-1)
+            off += sb
+        codes = buf[:, :, off : off + length * self.bits // 8].reshape(-1)
+        q = QTensor(codes, scales, zeros, torch.Size([a * b * length]), torch.float32,
+                    self.bits, self.group_size, self.symmetric)
+        return dequantize(q).view(a, b, length)
 
     def _sum_sources(
         self, buf: torch.Tensor, length: int, sources: int, *, finish: bool
@@ -408,8 +495,11 @@ class RowCodec:
         total: torch.Tensor | None = None
         for j0, j1 in _row_chunks(sources, dests * lp, buf.device):
             part = self.decode(buf[j0 * dests : j1 * dests], length, keep_padding=True).view(j1 - j0, dests, lp)
-            for rows in part:
-                total = rows.clone() if total is None else total.add_(rows)
+            if total is None:
+                total = _sum_dim1(part.transpose(0, 1))
+            else:
+                for rows in part:
+                    total.add_(rows)
         return total
 
     def _fused(self, t: torch.Tensor) -> bool:
@@ -467,6 +557,19 @@ class RowCodec:
 
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _seeds(prefix: int, first: int, end: int) -> list[int]:
+    """The seeds of rounding slices ``first .. end - 1`` (:class:`SliceRun`)."""
+    return [fold_seed(prefix, k) for k in range(first, end)]
+
+
+def _sum_dim1(x: torch.Tensor) -> torch.Tensor:
+    """``x[:, 0] + x[:, 1] + ...`` added left to right, as :func:`sum_rows` adds (a new tensor)."""
+    total = x[:, 0] + x[:, 1] if x.shape[1] > 1 else x[:, 0].clone()
+    for j in range(2, x.shape[1]):
+        total += x[:, j]
+    return total
 
 
 def _tk():
