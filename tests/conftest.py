@@ -25,6 +25,27 @@ def pytest_collection_modifyitems(config, items):
     items[:] = items[index::count]
 
 
+def pytest_collection_finish(session):
+    """Queue the subprocesses of the selected tests marked ``prestart`` (tests/prestarted.py)."""
+    from prestarted import PRESTARTED
+
+    commands = {}
+    for item in session.items:
+        marker = item.get_closest_marker("prestart")
+        if marker is None:
+            continue
+        command = marker.args[0](**(item.callspec.params if hasattr(item, "callspec") else {}))
+        if command is not None:
+            commands[item.nodeid] = command
+    PRESTARTED.start(commands)
+
+
+def pytest_unconfigure(config):
+    from prestarted import PRESTARTED
+
+    PRESTARTED.stop()
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> str:
     """A 300 kB slice of the default corpus: the same kind of text, a fraction of the load time."""
@@ -41,6 +62,19 @@ def tiny_corpus(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "text.txt"
     path.write_text("hello there, how are you today?\nfine thanks.\n" * 400, encoding="utf-8")
     return str(path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_environment(tmp_path_factory):
+    """Every test runs with the session's token cache (not the user's), and the server that
+    local launches fork their workers from (qsdp.worker_start) starts here, in that environment:
+    a test that changes the environment gets spawned workers, as a user's script would."""
+    from qsdp.worker_start import start_method
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
+        start_method()
+        yield
 
 
 @pytest.fixture

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from prestarted import PRESTARTED, Command
 
 INTERPRET = os.environ.get("QSDP_HSDP_KERNEL_TEST") == "interpret"
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -17,15 +18,23 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.timeout(300)
 
 
+def _interpreted_command() -> Command | None:
+    """This file in a pytest subprocess under the interpreter (``None`` where the driver does not run)."""
+    if INTERPRET or not HAVE_TRITON:
+        return None
+    env = dict(os.environ, QSDP_HSDP_KERNEL_TEST="interpret", TRITON_INTERPRET="1", QSDP_TRITON_ON_CPU="1")
+    for name in ("QSDP_DISABLE_TRITON", "PYTEST_CURRENT_TEST"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", __file__]
+    return Command.of(cmd, env, os.path.dirname(__file__))
+
+
 @pytest.mark.skipif(INTERPRET, reason="the driver itself")
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'qsdp[gpu]')")
-def test_the_all_reduce_under_the_triton_interpreter():
-    env = dict(os.environ, QSDP_HSDP_KERNEL_TEST="interpret", TRITON_INTERPRET="1", QSDP_TRITON_ON_CPU="1")
-    env.pop("QSDP_DISABLE_TRITON", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=os.path.dirname(__file__))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and " passed" in out, out[-4000:]
+@pytest.mark.prestart(lambda: _interpreted_command())  # starts with the run, at low priority
+def test_the_all_reduce_under_the_triton_interpreter(request):
+    rc, out = PRESTARTED.result(request.node.nodeid, _interpreted_command(), timeout=280)
+    assert rc == 0 and " passed" in out, out[-4000:]
 
 
 def _fused_and_reference(rank, world, preset):

@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from prestarted import PRESTARTED, Command
 
 from qsdp.bench.census import Case, run_case
 
@@ -94,31 +94,40 @@ def test_the_wire_bytes_and_results_are_those_of_c14eb26(case):
     assert row["wire_sha256"] == C14EB26_WIRE[case]
 
 
-def _interpreted(selection: str, tests: str | None = None) -> None:
+def _interpreted_command(selection: str, tests: str | None = None) -> Command | None:
+    """This file's tests of ``selection`` (and ``-k tests``) in a pytest subprocess under the
+    interpreter (``None`` where the driver does not run)."""
+    if INTERPRET or not HAVE_TRITON:
+        return None
     env = dict(os.environ, QSDP_CENSUS_TEST="interpret", TRITON_INTERPRET="1", QSDP_TRITON_ON_CPU="1")
-    env.pop("QSDP_DISABLE_TRITON", None)
+    for name in ("QSDP_DISABLE_TRITON", "PYTEST_CURRENT_TEST"):
+        env.pop(name, None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
            "-m", selection, *(["-k", tests] if tests else []), __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=os.path.dirname(__file__))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and " passed" in out, out[-4000:]
+    return Command.of(cmd, env, os.path.dirname(__file__))
+
+
+def _interpreted(request, selection: str, tests: str | None = None) -> None:
+    rc, out = PRESTARTED.result(request.node.nodeid, _interpreted_command(selection, tests), timeout=280)
+    assert rc == 0 and " passed" in out, out[-4000:]
 
 
 @pytest.mark.skipif(INTERPRET, reason="the driver itself")
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'qsdp[gpu]')")
 # In parts, each one process under the interpreter: the pinned bytes, the counts that must not
-# grow, the rest of the counts.
+# grow, the rest of the counts. Each starts with the run, at low priority (tests/prestarted.py).
 @pytest.mark.parametrize("tests", ["wire_bytes", "grow", "not wire_bytes and not grow"],
                          ids=["bytes", "growth", "counts"])
-def test_the_fused_path_under_the_triton_interpreter(tests):
-    _interpreted("not slow", tests)
+@pytest.mark.prestart(lambda tests: _interpreted_command("not slow", tests))
+def test_the_fused_path_under_the_triton_interpreter(request, tests):
+    _interpreted(request, "not slow", tests)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRET, reason="the driver itself")
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install 'qsdp[gpu]')")
-def test_the_fused_path_of_the_large_worlds_under_the_triton_interpreter():
-    _interpreted("slow")
+def test_the_fused_path_of_the_large_worlds_under_the_triton_interpreter(request):
+    _interpreted(request, "slow")
 
 
 def _counts(case: Case) -> dict[str, int]:

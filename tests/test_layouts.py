@@ -17,7 +17,7 @@ from distributed import run_pooled
 
 pytestmark = pytest.mark.timeout(600)
 
-STEPS = 12
+STEPS = 6  # the first step sets the weight replicas; the rest update them by differences
 FEATURES = {
     "zero3": {"reshard": True},
     "zero2": {"reshard": False},

@@ -8,7 +8,8 @@ The file runs in three modes (``QSDP_TRITON_TEST_MODE``):
 * ``driver`` (plain pytest, CPU CI included): :func:`test_interpreter_suite` re-runs this file
   in a subprocess in ``interpret`` mode, :func:`test_kernels_compile_for_sm90` in ``compile``
   mode; both skip when triton is not installed. Triton's interpreter must be switched on before
-  triton is first imported, hence the subprocess.
+  triton is first imported, hence the subprocess; it starts with the run, at low priority, and
+  the driver waits for it (tests/prestarted.py).
 * ``interpret``: ``TRITON_INTERPRET=1`` and ``QSDP_TRITON_ON_CPU=1``: the kernels run on CPU
   tensors under the interpreter and the codec functions dispatch to them. The interpreter's
   float min/max are first given the GPU's NaN rule (:func:`_interpret_with_gpu_nan_semantics`);
@@ -26,11 +27,12 @@ import contextlib
 import importlib.util
 import itertools
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from prestarted import PRESTARTED, Command
 
 MODE = os.environ.get("QSDP_TRITON_TEST_MODE", "driver")
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -141,9 +143,13 @@ def sid(s) -> str:
 # ----------------------------------------------------------------------------- drivers
 
 
-def _run_mode(mode: str, timeout: float, shard: str | None = None) -> None:
+def _mode_command(mode: str, shard: str | None = None) -> Command | None:
+    """The pytest subprocess of this file in ``mode`` (``None`` where the driver does not run)."""
+    if MODE != "driver" or not HAVE_TRITON:
+        return None
     env = dict(os.environ, QSDP_TRITON_TEST_MODE=mode, PYTHONHASHSEED="0")
-    env.pop("QSDP_TEST_SHARD", None)
+    for name in ("QSDP_TEST_SHARD", "PYTEST_CURRENT_TEST", "QSDP_DISABLE_TRITON"):
+        env.pop(name, None)
     if shard is not None:
         env["QSDP_TEST_SHARD"] = shard  # tests/conftest.py: this part of the suite only
     if mode == "interpret":
@@ -151,11 +157,13 @@ def _run_mode(mode: str, timeout: float, shard: str | None = None) -> None:
     else:
         env.pop("TRITON_INTERPRET", None)
         env.pop("QSDP_TRITON_ON_CPU", None)
-    env.pop("QSDP_DISABLE_TRITON", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(__file__))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{mode} subprocess failed (rc={proc.returncode}):\n{out[-8000:]}"
+    return Command.of(cmd, env, os.path.dirname(__file__))
+
+
+def _run_mode(request, mode: str, timeout: float, shard: str | None = None) -> None:
+    rc, out = PRESTARTED.result(request.node.nodeid, _mode_command(mode, shard), timeout)
+    assert rc == 0, f"{mode} subprocess failed (rc={rc}):\n{out[-8000:]}"
     assert " passed" in out and "no tests ran" not in out, out[-2000:]
 
 
@@ -168,14 +176,16 @@ INTERPRET_SHARDS = 3
 @pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
 @pytest.mark.parametrize("shard", [f"{i}/{INTERPRET_SHARDS}" for i in range(INTERPRET_SHARDS)],
                          ids=[f"part{i + 1}of{INTERPRET_SHARDS}" for i in range(INTERPRET_SHARDS)])
-def test_interpreter_suite(shard):
-    _run_mode("interpret", timeout=280, shard=shard)
+@pytest.mark.prestart(lambda shard: _mode_command("interpret", shard))
+def test_interpreter_suite(request, shard):
+    _run_mode(request, "interpret", timeout=280, shard=shard)
 
 
 @pytest.mark.skipif(MODE != "driver", reason="the driver itself")
 @pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
-def test_kernels_compile_for_sm90():
-    _run_mode("compile", timeout=280)
+@pytest.mark.prestart(lambda: _mode_command("compile"))
+def test_kernels_compile_for_sm90(request):
+    _run_mode(request, "compile", timeout=280)
 
 
 # ----------------------------------------------------------------------------- comparison helpers

@@ -34,8 +34,14 @@ def launch_local(
     """Run ``fn(*args)`` in ``nproc`` local worker processes (``fn`` must be a picklable
     top-level function; each worker finds RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
     MASTER_ADDR/PORT in its environment). Returns ``{rank: return value}``. A failed worker
-    raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``."""
+    raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError``.
+
+    Workers are forked from a server that imported torch and qsdp once per process
+    (:mod:`qsdp.worker_start`), or spawned where that server would not see this process's
+    environment; ``QSDP_WORKER_START=spawn`` always spawns them."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .worker_start import LauncherStdio, run_entry, runtime_values, start_method
 
     if nproc < 1:
         raise ValueError(f"nproc={nproc} must be at least 1")
@@ -48,11 +54,13 @@ def launch_local(
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=(method := start_method()),
         logs_specs=None,
     )
     if log_dir is not None:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-    return elastic_launch(config, fn)(*args)
+    if method == "spawn":
+        return elastic_launch(config, fn)(*args)
+    return elastic_launch(config, run_entry)(fn, LauncherStdio(), runtime_values(), *args)
