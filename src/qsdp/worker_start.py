@@ -25,6 +25,7 @@ field and spawns whenever it cannot tell whose it is.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -38,10 +39,12 @@ PRELOAD = ("torch", "torch.distributed.fsdp", "qsdp.launch", "qsdp.train.launche
 # worker reads: torch's elastic launcher's signal list, and pytest's name of the running test.
 _SET_BY_LAUNCHER = frozenset({"TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTEST_CURRENT_TEST"})
 
-# qsdp's variables that qsdp reads when it uses them, never at import (unlike QSDP_TRITON_ON_CPU):
-# the node a rank names, the token cache, the codec choice per call, the fault injections.
+# Variables read when they are used, never at import: qsdp's own (unlike QSDP_TRITON_ON_CPU), the
+# node a rank names, the token cache, the codec choice per call, the fault injections; and
+# inductor's cache folder, which torch itself writes into the environment of a process that
+# compiles (a launcher that ran torch.compile would otherwise never fork again).
 RUNTIME_VARIABLES = frozenset({"QSDP_NODE", "QSDP_CACHE_DIR", "QSDP_DISABLE_TRITON", "QSDP_TEST_KILL_AT",
-                               "QSDP_TEST_NAN_AT", "QSDP_TEST_STALL_AT"})
+                               "QSDP_TEST_NAN_AT", "QSDP_TEST_STALL_AT", "TORCHINDUCTOR_CACHE_DIR"})
 
 _server_env: dict[str, str] | None = None  # this process's environment when it started the server
 
@@ -72,7 +75,12 @@ def start_method() -> str:
         _server_env = _environment()
         multiprocessing.forkserver.ensure_running()
         return "forkserver"
-    return "forkserver" if _environment() == _server_env else "spawn"
+    if _environment() == _server_env:
+        return "forkserver"
+    changed = sorted(k for k in _environment().keys() | _server_env.keys() if os.environ.get(k) != _server_env.get(k))
+    logging.getLogger(__name__).info("spawning workers: the environment changed since the fork server started (%s)",
+                                     ", ".join(changed))
+    return "spawn"
 
 
 def _adopt_stdio(out: Any, err: Any) -> tuple[int, int]:
