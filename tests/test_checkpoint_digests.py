@@ -43,6 +43,15 @@ def test_pieces_front_to_back_give_the_file_digest(size, tmp_path):
     assert digest.size == size
 
 
+def _fill_from(digest: BlockDigest, path) -> None:
+    """The blocks no read held whole, read from the file at ``path`` (of the digest's size)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert digest.fill(fd)
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_reads_at_any_offsets_in_any_order_give_the_file_digest(size, tmp_path):
     """What the reads held whole is hashed from them; the rest is read from the file."""
@@ -52,11 +61,7 @@ def test_reads_at_any_offsets_in_any_order_give_the_file_digest(size, tmp_path):
     for _ in range(6):
         at = rng.randrange(size + 1)
         digest.feed(at, data[at:at + rng.choice([3, BLOCK + 9, 4 * BLOCK])])
-    fd = os.open(tmp_path / "f", os.O_RDONLY)
-    try:
-        assert digest.fill(fd)
-    finally:
-        os.close(fd)
+    _fill_from(digest, tmp_path / "f")
     assert digest.hexdigest() == file_block_digest(tmp_path / "f")[0]
 
 
@@ -76,11 +81,7 @@ def test_a_read_ending_inside_a_block_hashes_only_the_blocks_before_it(tmp_path)
     digest = BlockDigest(len(data))
     digest.feed(BLOCK, data[BLOCK:3 * BLOCK + 5])
     assert digest.missing_bytes() == 2 * BLOCK
-    fd = os.open(tmp_path / "f", os.O_RDONLY)
-    try:
-        assert digest.fill(fd)
-    finally:
-        os.close(fd)
+    _fill_from(digest, tmp_path / "f")
     assert digest.hexdigest() == file_block_digest(tmp_path / "f")[0]
 
 
@@ -98,11 +99,7 @@ def test_any_reads_then_the_rest_give_the_file_digest(size, reads, tmp_path_fact
     for at, n in reads:
         digest.feed(at, data[at:at + n])
     missing = digest.missing_bytes()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        assert digest.fill(fd)
-    finally:
-        os.close(fd)
+    _fill_from(digest, path)
     assert digest.missing_bytes() == 0
     assert digest.hexdigest() == file_block_digest(path)[0]
     held = set()
