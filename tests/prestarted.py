@@ -43,6 +43,17 @@ class Command:
     def of(cls, argv: list[str], env: dict[str, str], cwd: str) -> Command:
         return cls(tuple(argv), tuple(sorted(env.items())), cwd)
 
+    @classmethod
+    def pytest(cls, test_file: str, *args: str, set_env: dict[str, str], drop_env: tuple[str, ...] = ()) -> Command:
+        """``python -m pytest -q [args] test_file`` run from the file's folder, in this run's
+        environment plus ``set_env``, less ``drop_env`` and what belongs to this run alone (the
+        current test's name, a disabled Triton)."""
+        dropped = {"PYTEST_CURRENT_TEST", "QSDP_DISABLE_TRITON", *drop_env}
+        env = {k: v for k, v in os.environ.items() if k not in dropped} | set_env
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
+                *args, test_file]
+        return cls.of(argv, env, os.path.dirname(test_file))
+
 
 def _claim(folder: Path, index: int) -> bool:
     """Whether this process is the first to claim command ``index`` (the runner or its test)."""
@@ -121,9 +132,18 @@ class Queue:
 
 
 def _run_here(command: Command, timeout: float) -> tuple[int, str]:
-    proc = subprocess.run(command.argv, env=dict(command.env), cwd=command.cwd, capture_output=True, text=True,
-                          timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
+    """Run ``command`` now, in its own process group: on ``timeout`` the whole group is killed (a
+    pytest subprocess's own children with it) and ``subprocess.TimeoutExpired`` raised."""
+    with subprocess.Popen(command.argv, env=dict(command.env), cwd=command.cwd, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                          start_new_session=True) as proc:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop_group(proc.pid)
+            proc.communicate()
+            raise
+    return proc.returncode, output
 
 
 def _run_queue(folder: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
@@ -22,11 +21,8 @@ def _interpreted_command() -> Command | None:
     """This file in a pytest subprocess under the interpreter (``None`` where the driver does not run)."""
     if INTERPRET or not HAVE_TRITON:
         return None
-    env = dict(os.environ, QSDP_HSDP_KERNEL_TEST="interpret", TRITON_INTERPRET="1", QSDP_TRITON_ON_CPU="1")
-    for name in ("QSDP_DISABLE_TRITON", "PYTEST_CURRENT_TEST"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", __file__]
-    return Command.of(cmd, env, os.path.dirname(__file__))
+    return Command.pytest(__file__, set_env={"QSDP_HSDP_KERNEL_TEST": "interpret", "TRITON_INTERPRET": "1",
+                                             "QSDP_TRITON_ON_CPU": "1"})
 
 
 @pytest.mark.skipif(INTERPRET, reason="the driver itself")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
@@ -99,12 +98,8 @@ def _interpreted_command(selection: str, tests: str | None = None) -> Command | 
     interpreter (``None`` where the driver does not run)."""
     if INTERPRET or not HAVE_TRITON:
         return None
-    env = dict(os.environ, QSDP_CENSUS_TEST="interpret", TRITON_INTERPRET="1", QSDP_TRITON_ON_CPU="1")
-    for name in ("QSDP_DISABLE_TRITON", "PYTEST_CURRENT_TEST"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-           "-m", selection, *(["-k", tests] if tests else []), __file__]
-    return Command.of(cmd, env, os.path.dirname(__file__))
+    return Command.pytest(__file__, "-m", selection, *(["-k", tests] if tests else []),
+                          set_env={"QSDP_CENSUS_TEST": "interpret", "TRITON_INTERPRET": "1", "QSDP_TRITON_ON_CPU": "1"})
 
 
 def _interpreted(request, selection: str, tests: str | None = None) -> None:

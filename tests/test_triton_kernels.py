@@ -27,7 +27,6 @@ import contextlib
 import importlib.util
 import itertools
 import os
-import sys
 
 import pytest
 import torch
@@ -147,18 +146,15 @@ def _mode_command(mode: str, shard: str | None = None) -> Command | None:
     """The pytest subprocess of this file in ``mode`` (``None`` where the driver does not run)."""
     if MODE != "driver" or not HAVE_TRITON:
         return None
-    env = dict(os.environ, QSDP_TRITON_TEST_MODE=mode, PYTHONHASHSEED="0")
-    for name in ("QSDP_TEST_SHARD", "PYTEST_CURRENT_TEST", "QSDP_DISABLE_TRITON"):
-        env.pop(name, None)
+    set_env = {"QSDP_TRITON_TEST_MODE": mode, "PYTHONHASHSEED": "0"}
+    drop_env: tuple[str, ...] = ("QSDP_TEST_SHARD",)
     if shard is not None:
-        env["QSDP_TEST_SHARD"] = shard  # tests/conftest.py: this part of the suite only
+        set_env["QSDP_TEST_SHARD"] = shard  # tests/conftest.py: this part of the suite only
     if mode == "interpret":
-        env.update(TRITON_INTERPRET="1", QSDP_TRITON_ON_CPU="1")
+        set_env.update(TRITON_INTERPRET="1", QSDP_TRITON_ON_CPU="1")
     else:
-        env.pop("TRITON_INTERPRET", None)
-        env.pop("QSDP_TRITON_ON_CPU", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", __file__]
-    return Command.of(cmd, env, os.path.dirname(__file__))
+        drop_env += ("TRITON_INTERPRET", "QSDP_TRITON_ON_CPU")
+    return Command.pytest(__file__, set_env=set_env, drop_env=drop_env)
 
 
 def _run_mode(request, mode: str, timeout: float, shard: str | None = None) -> None:

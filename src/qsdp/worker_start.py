@@ -75,9 +75,10 @@ def start_method() -> str:
         _server_env = _environment()
         multiprocessing.forkserver.ensure_running()
         return "forkserver"
-    if _environment() == _server_env:
+    env = _environment()
+    if env == _server_env:
         return "forkserver"
-    changed = sorted(k for k in _environment().keys() | _server_env.keys() if os.environ.get(k) != _server_env.get(k))
+    changed = sorted(k for k in env.keys() | _server_env.keys() if env.get(k) != _server_env.get(k))
     logging.getLogger(__name__).info("spawning workers: the environment changed since the fork server started (%s)",
                                      ", ".join(changed))
     return "spawn"
