@@ -3,10 +3,7 @@ real command line, and every command not marked `# long-running` runs (see tests
 
 import contextlib
 import io
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -14,6 +11,7 @@ import pytest
 import qsdp.cli
 
 from docs_check import ROOT, broken_links, doc_commands, markdown_files, parse_error, python_blocks, run_command
+from scripts import run_script
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -162,12 +160,8 @@ def test_the_own_loop_checkpoint_example_trains_saves_and_resumes_as_shown(tmp_p
     [script] = [b for b in python_blocks(ROOT / "docs" / "checkpoints.md") if b.startswith("# own_loop.py")]
     (tmp_path / "own_loop.py").write_text(script, encoding="utf-8")
 
-    def run() -> str:
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "own_loop.py"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout
+    def run() -> str:  # torchrun --nproc-per-node 2 own_loop.py, on forked workers (tests/scripts.py)
+        return run_script(2, "own_loop.py", cwd=str(tmp_path))
 
     assert "trained steps 0-4, saved runs/own_loop/checkpoints/step_00000005" in run()
     assert "trained steps 5-9, saved runs/own_loop/checkpoints/step_00000010" in run()

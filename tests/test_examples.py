@@ -1,11 +1,13 @@
-"""The examples run under torchrun as they are written: the two-line FSDP2 one on 2 ranks, the
-HSDP one as 2 nodes x 2 ranks on one machine."""
+"""The examples run as they are written: the two-line FSDP2 one under torchrun on 2 ranks, then
+it and the HSDP one as 2 nodes x 2 ranks on one machine, on workers of torch's elastic agent forked
+rather than started afresh (tests/scripts.py; torchrun's command line is the first test's)."""
 
 import os
 import subprocess
 import sys
 
 import pytest
+from scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,6 +24,10 @@ def _torchrun(nproc: int, script: str, *args: str) -> str:
     return out.stdout
 
 
+def _example(script: str) -> str:
+    return os.path.join(ROOT, "examples", script)
+
+
 def test_two_line_example_on_one_machine_sends_nothing_between_nodes():
     stdout = _torchrun(2, "fsdp2_two_lines.py", "--steps", "6", "--preset", "qsdp")
     last = [line for line in stdout.splitlines() if line.startswith("step   5")]
@@ -29,21 +35,21 @@ def test_two_line_example_on_one_machine_sends_nothing_between_nodes():
 
 
 def test_two_line_example_emulating_two_nodes_shows_4_bit_traffic_between_them():
-    stdout = _torchrun(4, "fsdp2_two_lines.py", "--steps", "6", "--preset", "sdp4bit", "--emulate-nodes", "2")
+    stdout = run_script(4, _example("fsdp2_two_lines.py"), "--steps", "6", "--preset", "sdp4bit", "--emulate-nodes", "2")
     last = [line for line in stdout.splitlines() if line.startswith("step   5")]
     assert last and "intra 32.00" in last[0] and "grads inter  4." in last[0], stdout
     weights_inter = float(last[0].split("weights inter")[1].split()[0])
     assert 4.0 < weights_inter < 8.0  # differences in 4 bits plus scales and padding, not 32
 
 
-def test_hsdp_example_trains_under_torchrun_with_4_bit_gradients_between_nodes():
-    stdout = _torchrun(4, "hsdp.py", "--nodes", "2", "--steps", "6")
+def test_hsdp_example_trains_on_2_nodes_x_2_ranks_with_4_bit_gradients_between_nodes():
+    stdout = run_script(4, _example("hsdp.py"), "--nodes", "2", "--steps", "6")
     last = [line for line in stdout.splitlines() if line.startswith("step   5")]
     assert last and "between nodes 4." in last[0] and "inside 32.00" in last[0]
 
 
 @pytest.mark.slow
 def test_hsdp_example_on_fsdp2s_native_mesh_sends_4_bit_gradients_between_nodes():
-    stdout = _torchrun(4, "hsdp.py", "--nodes", "2", "--steps", "6", "--native")
+    stdout = run_script(4, _example("hsdp.py"), "--nodes", "2", "--steps", "6", "--native")
     last = [line for line in stdout.splitlines() if line.startswith("step   5")]
     assert last and "between nodes 4." in last[0] and "inside 32.00" in last[0]
