@@ -3,6 +3,7 @@ determinism."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -176,25 +177,40 @@ def test_diverged_replicas_are_an_error_naming_the_group_and_step(world):
         assert "replicas diverged" in msg and "group 1 (blocks.0)" in msg and "at gather" in msg
 
 
-def _silent_peer(rank, world):
+def _silent_until(seen: str, cap: float = 12.0) -> None:
+    """A peer that stops answering: silent until its peers have raised their timeout (they
+    create ``seen``), or ``cap`` seconds."""
+    deadline = time.monotonic() + cap
+    while not os.path.exists(seen) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _timed(collective, seen: str) -> tuple[float, str] | None:
+    """Seconds until ``collective()`` raised and its message (``None`` if it returned); ``seen``
+    is created either way, so that the silent peer returns."""
+    start = time.monotonic()
+    try:
+        collective()
+    except RuntimeError as e:
+        return time.monotonic() - start, str(e)
+    finally:
+        open(seen, "w").close()
+    return None
+
+
+def _silent_peer(rank, world, seen):
     from qsdp.comm import QuantizedAllGather, build_topology
     import torch.distributed as dist
 
     comm = QuantizedAllGather(qsdp.resolve_config("qsdp"), build_topology(), 0)
     if rank == 1:
-        time.sleep(12)  # a peer that stops answering (longer than the 3 s timeout)
-        return None
+        return _silent_until(seen)  # longer than the 3 s timeout
     out = torch.empty(2 * 64)
-    start = time.monotonic()
-    try:
-        comm(output_tensor=out, input_tensor=out[:64], group=dist.group.WORLD)
-    except RuntimeError as e:
-        return time.monotonic() - start, str(e)
-    return None
+    return _timed(lambda: comm(output_tensor=out, input_tensor=out[:64], group=dist.group.WORLD), seen)
 
 
-def test_a_peer_that_stops_answering_ends_the_collective_within_the_timeout():
-    elapsed, msg = run_pooled(_silent_peer, 2, pg_timeout=3, timeout=40)[0]
+def test_a_peer_that_stops_answering_ends_the_collective_within_the_timeout(tmp_path):
+    elapsed, msg = run_pooled(_silent_peer, 2, str(tmp_path / "seen"), pg_timeout=3, timeout=40)[0]
     assert elapsed < 10 and "timed out" in msg.lower()
 
 
@@ -211,24 +227,21 @@ def test_node_subgroups_keep_the_timeout_the_world_was_created_with():
     assert run_pooled(_subgroup_timeouts, 4, local_world_size=2, pg_timeout=7) == [[7.0, 7.0, 7.0]] * 4
 
 
-def _silent_inter_node_peer(rank, world):
+def _silent_inter_node_peer(rank, world, seen):
     from qsdp.comm import build_topology
     import torch.distributed as dist
 
     topo = build_topology(ranks_per_node=2)
     if rank == 3:
-        time.sleep(12)  # the peer on the other node stops answering (longer than the 3 s timeout)
-        return None
-    start = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(8), group=topo.inter_group)
-    except RuntimeError as e:
-        return time.monotonic() - start, str(e)
-    return None
+        return _silent_until(seen)  # the peer on the other node stops answering
+    if rank != 1:
+        return None  # ranks 0 and 2: the other inter-node pair
+    return _timed(lambda: dist.all_reduce(torch.ones(8), group=topo.inter_group), seen)
 
 
-def test_a_silent_peer_on_another_node_ends_the_inter_node_collective_within_the_timeout():
-    elapsed, msg = run_pooled(_silent_inter_node_peer, 4, local_world_size=2, pg_timeout=3, timeout=40)[1]
+def test_a_silent_peer_on_another_node_ends_the_inter_node_collective_within_the_timeout(tmp_path):
+    elapsed, msg = run_pooled(_silent_inter_node_peer, 4, str(tmp_path / "seen"), local_world_size=2, pg_timeout=3,
+                              timeout=40)[1]
     assert elapsed < 10 and "timed out" in msg.lower()
 
 
