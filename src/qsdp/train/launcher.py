@@ -175,8 +175,14 @@ def final_error(error_dir: str | Path) -> dict[str, Any] | None:
     return None
 
 
-def _worker_entry(args: TrainArgs, plan: Plan, error_dir: str) -> dict[str, Any] | None:
-    """What each launched worker runs (top level, so the spawn start method can pickle it)."""
+def _worker_entry(args: TrainArgs, plan: Plan, error_dir: str, threads: int | None = None) -> dict[str, Any] | None:
+    """What each launched worker runs (top level, so the spawn start method can pickle it), on
+    ``threads`` intra-op threads where the launcher chose them."""
+    if threads is not None:
+        # Set here, not in the launcher's environment: a changed environment would make the launch
+        # spawn its workers instead of forking them (qsdp.worker_start).
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) and final_error(error_dir) is not None:
         # The elastic agent restarts on any failure; this one would fail the same way again
         # (--max-restarts is for crashes): end at once, and the launcher reports the error.
@@ -328,22 +334,19 @@ def launch(args: TrainArgs, plan: Plan, max_restarts: int = 0) -> dict[str, Any]
     rank 0's summary."""
     nproc = plan.world_size
     # torchrun's default is one thread per worker; here the machine's cores shared by the workers.
-    env_threads = "OMP_NUM_THREADS" not in os.environ
-    if env_threads:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    threads = None if "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // nproc)
     error_dir = Path(tempfile.mkdtemp(prefix="qsdp-errors-"))
     watch = DeathWatch(error_dir)
     try:
         with quiet_elastic_logs(), watch, StoppedWorkerWatch(error_dir, args.timeout_s):
-            results = launch_local(_worker_entry, nproc, args, plan, str(error_dir), max_restarts=max_restarts)
+            results = launch_local(_worker_entry, nproc, args, plan, str(error_dir), threads,
+                                   max_restarts=max_restarts)
         if final_error(error_dir) is not None:  # the restart ended at once: report what it would repeat
             raise root_cause(error_dir, {}, args.out)
     except ChildFailedError as e:
         raise root_cause(error_dir, e.failures, args.out, watch.deaths) from None
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
-        if env_threads:
-            os.environ.pop("OMP_NUM_THREADS", None)
     return results[0]
 
 
