@@ -47,9 +47,10 @@ class Command:
     def pytest(cls, test_file: str, *args: str, set_env: dict[str, str], drop_env: tuple[str, ...] = ()) -> Command:
         """``python -m pytest -q [args] test_file`` run from the file's folder, in this run's
         environment plus ``set_env``, less ``drop_env`` and what belongs to this run alone (the
-        current test's name, a disabled Triton)."""
+        current test's name, a disabled Triton). ``QSDP_TEST_SUBPROCESS`` tells its session not
+        to start the workers' fork server (tests/conftest.py): its tests fork their own ranks."""
         dropped = {"PYTEST_CURRENT_TEST", "QSDP_DISABLE_TRITON", *drop_env}
-        env = {k: v for k, v in os.environ.items() if k not in dropped} | set_env
+        env = {k: v for k, v in os.environ.items() if k not in dropped} | set_env | {"QSDP_TEST_SUBPROCESS": "1"}
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
                 *args, test_file]
         return cls.of(argv, env, os.path.dirname(test_file))
