@@ -83,3 +83,14 @@ def test_qsdp_train_forks_its_workers_each_on_its_share_of_the_cores(tmp_path, c
     summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
     assert f", {threads} threads/rank)" in summary["device"]
     assert "OMP_NUM_THREADS" not in os.environ or os.environ["OMP_NUM_THREADS"] == threads
+
+
+def _imported_at_start() -> list[str]:
+    return [name for name in ("torch.distributed.fsdp", "torch._dynamo", "qsdp.train.launcher") if name in sys.modules]
+
+
+def test_a_forked_worker_starts_with_what_fsdp2s_first_fully_shard_imports():
+    # torch._dynamo alone took about 1 s of a core a worker, at its first fully_shard.
+    assert start_method() == "forkserver"
+    results = launch_local(_imported_at_start, 2)
+    assert list(results.values()) == [["torch.distributed.fsdp", "torch._dynamo", "qsdp.train.launcher"]] * 2

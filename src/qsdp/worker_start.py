@@ -34,7 +34,8 @@ from typing import Any, Callable
 __all__ = ["PRELOAD", "RUNTIME_VARIABLES", "LauncherStdio", "start_method", "runtime_values", "run_entry"]
 
 # What every worker imports anyway: torch with FSDP2's stack, and qsdp's training path.
-PRELOAD = ("torch", "torch.distributed.fsdp", "qsdp.launch", "qsdp.train.launcher")
+# torch._dynamo: FSDP2's first fully_shard imports it (about 1 s of a core, per worker otherwise).
+PRELOAD = ("torch", "torch.distributed.fsdp", "torch._dynamo", "qsdp.launch", "qsdp.train.launcher")
 # Variables written into the launching process's own environment by the tools around it, which no
 # worker reads: torch's elastic launcher's signal list, and pytest's name of the running test.
 _SET_BY_LAUNCHER = frozenset({"TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTEST_CURRENT_TEST"})
