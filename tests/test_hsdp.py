@@ -308,14 +308,21 @@ def test_a_custom_gradient_divide_factor_is_the_whole_division_as_in_native_hsdp
             assert torch.allclose(ga, gb, rtol=1e-6, atol=1e-6 * ga.abs().max().item())
 
 
+# 20 steps: the runs are deterministic, and hsdp4's and sdp4bit's last losses are as close to
+# native at 20 as at 40 (0.17 and 0.12 of the bound below, against 0.29 and 0.26; the slow
+# hsdp8 and zeropp: 0.03 and 0.59, against 0.03 and 0.53), the loss fallen to 0.30 of its start
+# at most (the bound: 0.5).
+CURVE_STEPS = 20
+
+
 @pytest.fixture(scope="module")
 def native_losses():
-    return run_pooled(_train_losses, 4, None, 40, local_world_size=PER_NODE)
+    return run_pooled(_train_losses, 4, None, CURVE_STEPS, local_world_size=PER_NODE)
 
 
 def test_the_exact_route_matches_native_hsdp(native_losses):
     # fsdp preset: plain reduce-scatter in the node, fp32 all-reduce across nodes
-    got = run_pooled(_train_losses, 4, "fsdp", 40, local_world_size=PER_NODE)
+    got = run_pooled(_train_losses, 4, "fsdp", CURVE_STEPS, local_world_size=PER_NODE)
     for ours, native in zip(got, native_losses):
         assert ours == pytest.approx(native, rel=1e-4, abs=1e-6)
 
@@ -328,7 +335,7 @@ def test_the_exact_route_matches_native_hsdp(native_losses):
     pytest.param("zeropp", 0.5, 0.05, marks=pytest.mark.slow),
 ])
 def test_quantized_hsdp_trains_close_to_native_hsdp(preset, rel, slack, native_losses):
-    got = run_pooled(_train_losses, 4, preset, 40, local_world_size=PER_NODE)
+    got = run_pooled(_train_losses, 4, preset, CURVE_STEPS, local_world_size=PER_NODE)
     for ours, native in zip(got, native_losses):
         last, base = sum(ours[-5:]) / 5, sum(native[-5:]) / 5
         assert last < 0.5 * sum(ours[:5]) / 5
