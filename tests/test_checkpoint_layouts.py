@@ -13,7 +13,7 @@ import torch
 import qsdp
 import fsdp_models as fm
 import layouts
-from distributed import run_world
+from distributed import run_pooled
 from qsdp.train.checkpoint import load_checkpoint, save_checkpoint, step_dirname
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,8 +52,8 @@ def _resume(rank, world, layout, out, presets):
 def _resumes_bit_identically(tmp_path, layout, presets):
     world, per_node = layouts.WORLD[layout], layouts.PER_NODE[layout]
     args = (layout, str(tmp_path), presets)
-    uninterrupted = run_world(_save_and_go_on, world, *args, local_world_size=per_node, timeout=240)
-    resumed = run_world(_resume, world, *args, local_world_size=per_node, timeout=240)
+    uninterrupted = run_pooled(_save_and_go_on, world, *args, local_world_size=per_node, timeout=240)
+    resumed = run_pooled(_resume, world, *args, local_world_size=per_node, timeout=240)
     for rank in range(world):
         for preset in presets:
             assert resumed[rank][preset] == uninterrupted[rank][preset], (rank, preset)

@@ -204,7 +204,9 @@ def _hook_or_composed(rank, world, preset, reduce_dtype, composed):
 
 
 # fp32 reduces with AVG (divided in the hook); fp16 makes FSDP2 divide before and after the hook.
-@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+# bf16 takes fp32's path (FSDP2's _get_gradient_divide_factors: no overflow risk): make test-all.
+@pytest.mark.parametrize("reduce_dtype", [
+    torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow), torch.float16], ids=str)
 @pytest.mark.parametrize("preset", ["hsdp4", "sdp4bit"])
 def test_the_hook_gives_the_bits_and_bytes_of_the_all_reduce_composed_into_the_reduce_scatter(preset, reduce_dtype):
     hooked = run_pooled(_hook_or_composed, 4, preset, reduce_dtype, False, local_world_size=PER_NODE)
@@ -306,14 +308,21 @@ def test_a_custom_gradient_divide_factor_is_the_whole_division_as_in_native_hsdp
             assert torch.allclose(ga, gb, rtol=1e-6, atol=1e-6 * ga.abs().max().item())
 
 
+# 20 steps: the runs are deterministic, and hsdp4's and sdp4bit's last losses are as close to
+# native at 20 as at 40 (0.17 and 0.12 of the bound below, against 0.29 and 0.26; the slow
+# hsdp8 and zeropp: 0.03 and 0.59, against 0.03 and 0.53), the loss fallen to 0.30 of its start
+# at most (the bound: 0.5).
+CURVE_STEPS = 20
+
+
 @pytest.fixture(scope="module")
 def native_losses():
-    return run_pooled(_train_losses, 4, None, 40, local_world_size=PER_NODE)
+    return run_pooled(_train_losses, 4, None, CURVE_STEPS, local_world_size=PER_NODE)
 
 
 def test_the_exact_route_matches_native_hsdp(native_losses):
     # fsdp preset: plain reduce-scatter in the node, fp32 all-reduce across nodes
-    got = run_pooled(_train_losses, 4, "fsdp", 40, local_world_size=PER_NODE)
+    got = run_pooled(_train_losses, 4, "fsdp", CURVE_STEPS, local_world_size=PER_NODE)
     for ours, native in zip(got, native_losses):
         assert ours == pytest.approx(native, rel=1e-4, abs=1e-6)
 
@@ -326,7 +335,7 @@ def test_the_exact_route_matches_native_hsdp(native_losses):
     pytest.param("zeropp", 0.5, 0.05, marks=pytest.mark.slow),
 ])
 def test_quantized_hsdp_trains_close_to_native_hsdp(preset, rel, slack, native_losses):
-    got = run_pooled(_train_losses, 4, preset, 40, local_world_size=PER_NODE)
+    got = run_pooled(_train_losses, 4, preset, CURVE_STEPS, local_world_size=PER_NODE)
     for ours, native in zip(got, native_losses):
         last, base = sum(ours[-5:]) / 5, sum(native[-5:]) / 5
         assert last < 0.5 * sum(ours[:5]) / 5
