@@ -204,6 +204,27 @@ def test_real_cli_launches_two_workers_and_resumes(tmp_path, corpus, capsys):
     assert read_summary(out)["start_step"] == 6
 
 
+@pytest.mark.timeout(90)
+def test_a_local_launch_forks_its_workers_each_on_its_share_of_the_cores(tmp_path, tiny_corpus, caplog):
+    """`qsdp train --nproc 2` from a process whose fork server started before it (as any
+    later launch does): the workers are forked, not spawned, and each runs the launcher's
+    OMP_NUM_THREADS or its share of the cores, set inside the worker (the launcher's
+    OMP_NUM_THREADS is left as it was)."""
+    import os
+
+    from qsdp.cli import main
+
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
+    before = os.environ.get("OMP_NUM_THREADS")
+    with caplog.at_level("INFO", logger="qsdp.worker_start"):
+        assert main(["train", "--preset", "fsdp", "--nproc", "2", "--batch-size", "2", "--seq-len", "16",
+                     "--data", tiny_corpus, "--out", str(tmp_path), "--steps", "1", "--eval-every", "0",
+                     "--eval-batches", "1", "--no-progress"]) == 0
+    assert [r.message for r in caplog.records if "spawning workers" in r.message] == []
+    assert f", {threads} threads/rank)" in read_summary(tmp_path)["device"]
+    assert os.environ.get("OMP_NUM_THREADS") == before
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_prints_the_table_and_writes_plots(tmp_path, capsys):
