@@ -1,8 +1,8 @@
 """End to end: the training job on real process groups, metrics, summary, checkpoints, resume.
 
 Most runs call ``train_worker`` in a forked gloo world (``run_pooled``: a world kept from one
-test to the next); one goes through the real command line with ``--nproc 2`` (the elastic
-launcher, spawned workers), and one through the torchrun path (``qsdp.cli.main`` inside an initialized world).
+test to the next); two go through the real command line with ``--nproc 2`` (the elastic
+launcher, workers forked from the session's fork server), and one through the torchrun path (``qsdp.cli.main`` inside an initialized world).
 """
 
 from __future__ import annotations
@@ -188,20 +188,21 @@ def test_cli_under_torchrun_environment_runs_in_process(tmp_path, corpus):
 
 @pytest.mark.timeout(240)
 def test_real_cli_launches_two_workers_and_resumes(tmp_path, corpus, capsys):
-    """`qsdp train --nproc 2` through the elastic launcher, then `--resume` to more steps."""
+    """`qsdp train --nproc 2` through the elastic launcher, then `--resume` to more steps (a
+    checkpoint and two steps after it: the bit-identical resume is test_resume_is_bit_identical's)."""
     from qsdp.cli import main
 
     out = tmp_path / "run"
     argv = ["train", "--preset", "sdp4bit", "--nproc", "2", "--batch-size", "4", "--seq-len", "32",
-            "--data", corpus, "--out", str(out), "--eval-every", "3", "--eval-batches", "2",
-            "--ckpt-every", "3", "--no-progress", "--set", "grads.pipeline_slices=2"]
-    assert main(argv + ["--steps", "6"]) == 0
-    check_run_files(out, 6, "sdp4bit", world=2)
+            "--data", corpus, "--out", str(out), "--eval-every", "2", "--eval-batches", "2",
+            "--ckpt-every", "2", "--no-progress", "--set", "grads.pipeline_slices=2"]
+    assert main(argv + ["--steps", "2"]) == 0
+    check_run_files(out, 2, "sdp4bit", world=2)
     assert read_summary(out)["config"]["grads"]["pipeline_slices"] == 2
     assert "final val loss" in capsys.readouterr().out
-    assert main(argv + ["--steps", "9", "--resume"]) == 0
-    check_run_files(out, 9, "sdp4bit", world=2)
-    assert read_summary(out)["start_step"] == 6
+    assert main(argv + ["--steps", "4", "--resume"]) == 0
+    check_run_files(out, 4, "sdp4bit", world=2)
+    assert read_summary(out)["start_step"] == 2
 
 
 @pytest.mark.timeout(90)
