@@ -4,10 +4,9 @@ it goes where the run's output goes (its --out), and onto the terminal when no f
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -18,40 +17,53 @@ from qsdp.train.launcher import root_cause
 
 pytestmark = pytest.mark.timeout(120)
 
-# Two ranks as torchrun starts them: each joins the job's process group (as `qsdp train` does),
-# leaves it, and then rank 1 alone fails on a bad input.
-_RANK = textwrap.dedent("""
-    import sys
+def _job(argv):
+    """What `qsdp presets` runs here: join the job's process group (as `qsdp train` does), leave
+    it, and then rank 1 alone fails on a bad input."""
     import torch.distributed as dist
-    import qsdp.preset_table
-    from qsdp.cli import main
+
     from qsdp.train.args import TrainArgs, TrainError
     from qsdp.train.runtime import init_process_group
 
-    def job(argv):
-        init_process_group(TrainArgs(device="cpu", backend="gloo", timeout_s=60))
-        rank = dist.get_rank()
-        dist.barrier()
-        dist.destroy_process_group()
-        if rank == 1:
-            raise TrainError("a file only rank 1 cannot read")
-        return 0
-
-    qsdp.preset_table.main = job
-    sys.exit(main(["presets"]))
-""")
+    init_process_group(TrainArgs(device="cpu", backend="gloo", timeout_s=60))
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 1:
+        raise TrainError("a file only rank 1 cannot read")
+    return 0
 
 
-def test_a_user_error_on_a_rank_other_than_local_rank_0_reaches_the_terminal_with_its_rank():
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
-           "LOCAL_WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+def _rank(env, stderr_path):
+    """One rank as torchrun starts it (its own process, environment and stderr), forked from
+    the test process, which has imported torch already: `qsdp presets` ends it with its exit code."""
+    import qsdp.preset_table
+
+    os.environ.update(env)
+    with open(stderr_path, "w") as err:
+        os.dup2(err.fileno(), 2)
+    sys.stderr = os.fdopen(2, "w", closefd=False)
+    qsdp.preset_table.main = _job
+    code = main(["presets"])
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def test_a_user_error_on_a_rank_other_than_local_rank_0_reaches_the_terminal_with_its_rank(tmp_path):
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    paths = [tmp_path / f"rank{r}.err" for r in range(2)]
+    procs = [multiprocessing.get_context("fork").Process(
+        target=_rank, args=({**env, "RANK": str(r), "LOCAL_RANK": str(r)}, str(paths[r]))) for r in range(2)]
+    for p in procs:
+        p.start()
     try:
-        ended = [(p.wait(timeout=90), p.stderr.read()) for p in procs]
+        for p in procs:
+            p.join(timeout=90)
     finally:
         for p in procs:
             p.kill()
+            p.join()
+    ended = [(p.exitcode, path.read_text()) for p, path in zip(procs, paths)]
     errors = [line for _, err in ended for line in err.splitlines() if line.startswith("qsdp: error:")]
     assert [code for code, _ in ended] == [0, 2]
     assert errors == ["qsdp: error: rank 1: a file only rank 1 cannot read"]

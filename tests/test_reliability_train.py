@@ -4,7 +4,8 @@ Faults are injected with the loop's test-only environment variables (see
 :mod:`qsdp.train.loop`): ``QSDP_TEST_NAN_AT``, ``QSDP_TEST_KILL_AT`` and ``QSDP_TEST_STALL_AT``.
 Most runs call ``train_worker`` in a forked gloo world (``run_pooled``); the crash, the stall and
 the ``raise`` mode also go through the real command line (``qsdp train --nproc 2``: the elastic
-launcher and spawned workers), since what they test is the launcher's behaviour.
+launcher and its workers, forked from the session's fork server), since what they test is the
+launcher's behaviour.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ TIMING = {"step_time_s", "tokens_per_s"}  # the only fields of a record that may
 @pytest.fixture(autouse=True)
 def _env(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
-    # Spawned workers with one thread each, like run_pooled's forked ones: the same arithmetic.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                 "QSDP_TEST_NAN_AT", "QSDP_TEST_KILL_AT", "QSDP_TEST_STALL_AT"):
         monkeypatch.delenv(var, raising=False)
@@ -201,17 +200,19 @@ def test_a_killed_worker_restarts_the_group_which_resumes_bit_identically(tmp_pa
     checkpoint of step 4 and the record of step 5); the elastic agent restarts both workers,
     they resume from step 4 (the record of step 5 is dropped and written again), and the run
     ends with the metrics and final state of an uninterrupted run, bit for bit."""
-    from qsdp.cli import _parser, _train_args, main
+    from qsdp.cli import main
 
     common = ["--preset", "sdp4bit", "--batch-size", "4", "--seq-len", "32", "--data", corpus,
               "--steps", "7", "--ckpt-every", "4", "--eval-every", "3", "--eval-batches", "2",
-              "--no-progress"]
+              "--no-progress", "--nproc", "2"]
     ref, crash = tmp_path / "ref", tmp_path / "crash"
-    train(_train_args(_parser().parse_args(["train", *common, "--out", str(ref)])))  # same TrainArgs
+    # The reference by the same command: its workers run the same threads as the crashed run's
+    # on any machine (qsdp.train.launcher.worker_threads), so the same arithmetic.
+    assert main(["train", *common, "--out", str(ref)]) == 0
 
     monkeypatch.setenv("QSDP_TEST_KILL_AT", "6:1")
     t0 = time.monotonic()
-    assert main(["train", *common, "--out", str(crash), "--nproc", "2", "--max-restarts", "1"]) == 0
+    assert main(["train", *common, "--out", str(crash), "--max-restarts", "1"]) == 0
     elapsed = time.monotonic() - t0
     a, b = read_summary(ref), read_summary(crash)
     assert b["restarts"] == 1 and b["start_step"] == 4, (b["restarts"], b["start_step"], elapsed)

@@ -1,8 +1,8 @@
 """End to end: the training job on real process groups, metrics, summary, checkpoints, resume.
 
 Most runs call ``train_worker`` in a forked gloo world (``run_pooled``: a world kept from one
-test to the next); one goes through the real command line with ``--nproc 2`` (the elastic
-launcher, spawned workers), and one through the torchrun path (``qsdp.cli.main`` inside an initialized world).
+test to the next); two go through the real command line with ``--nproc 2`` (the elastic
+launcher, workers forked from the session's fork server), and one through the torchrun path (``qsdp.cli.main`` inside an initialized world).
 """
 
 from __future__ import annotations
@@ -109,9 +109,10 @@ def test_each_preset_trains_and_writes_complete_metrics(tmp_path, corpus, preset
 ])
 def test_resume_is_bit_identical(tmp_path, corpus, preset, world, lws):
     """2k steps == k steps (on the 2k-step schedule), stopped, resumed for k more."""
-    k = 3
+    k = 2
     full, half = tmp_path / "full", tmp_path / "half"
-    common = dict(preset=preset, local_world_size=lws, eval_every=2)
+    # Evaluations every 3 steps: the half run's own one at k is not one of the full run's.
+    common = dict(preset=preset, local_world_size=lws, eval_every=3)
     train(_args(full, corpus, steps=2 * k, **common), world, lws)
     train(_args(half, corpus, steps=k, decay_steps=2 * k, **common), world, lws)
     assert latest_checkpoint(half).name == f"step_{k:08d}"
@@ -188,20 +189,42 @@ def test_cli_under_torchrun_environment_runs_in_process(tmp_path, corpus):
 
 @pytest.mark.timeout(240)
 def test_real_cli_launches_two_workers_and_resumes(tmp_path, corpus, capsys):
-    """`qsdp train --nproc 2` through the elastic launcher, then `--resume` to more steps."""
+    """`qsdp train --nproc 2` through the elastic launcher, then `--resume` to more steps (a
+    checkpoint and two steps after it: the bit-identical resume is test_resume_is_bit_identical's)."""
     from qsdp.cli import main
 
     out = tmp_path / "run"
     argv = ["train", "--preset", "sdp4bit", "--nproc", "2", "--batch-size", "4", "--seq-len", "32",
-            "--data", corpus, "--out", str(out), "--eval-every", "3", "--eval-batches", "2",
-            "--ckpt-every", "3", "--no-progress", "--set", "grads.pipeline_slices=2"]
-    assert main(argv + ["--steps", "6"]) == 0
-    check_run_files(out, 6, "sdp4bit", world=2)
+            "--data", corpus, "--out", str(out), "--eval-every", "2", "--eval-batches", "2",
+            "--ckpt-every", "2", "--no-progress", "--set", "grads.pipeline_slices=2"]
+    assert main(argv + ["--steps", "2"]) == 0
+    check_run_files(out, 2, "sdp4bit", world=2)
     assert read_summary(out)["config"]["grads"]["pipeline_slices"] == 2
     assert "final val loss" in capsys.readouterr().out
-    assert main(argv + ["--steps", "9", "--resume"]) == 0
-    check_run_files(out, 9, "sdp4bit", world=2)
-    assert read_summary(out)["start_step"] == 6
+    assert main(argv + ["--steps", "4", "--resume"]) == 0
+    check_run_files(out, 4, "sdp4bit", world=2)
+    assert read_summary(out)["start_step"] == 2
+
+
+@pytest.mark.timeout(90)
+def test_a_local_launch_forks_its_workers_each_on_its_share_of_the_cores(tmp_path, tiny_corpus, caplog):
+    """`qsdp train --nproc 2` from a process whose fork server started before it (as any
+    later launch does): the workers are forked, not spawned, and each runs the launcher's
+    OMP_NUM_THREADS or its share of the cores, set inside the worker (the launcher's
+    OMP_NUM_THREADS is left as it was)."""
+    import os
+
+    from qsdp.cli import main
+
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
+    before = os.environ.get("OMP_NUM_THREADS")
+    with caplog.at_level("INFO", logger="qsdp.worker_start"):
+        assert main(["train", "--preset", "fsdp", "--nproc", "2", "--batch-size", "2", "--seq-len", "16",
+                     "--data", tiny_corpus, "--out", str(tmp_path), "--steps", "1", "--eval-every", "0",
+                     "--eval-batches", "1", "--no-progress"]) == 0
+    assert [r.message for r in caplog.records if "spawning workers" in r.message] == []
+    assert f", {threads} threads/rank)" in read_summary(tmp_path)["device"]
+    assert os.environ.get("OMP_NUM_THREADS") == before
 
 
 @pytest.mark.slow

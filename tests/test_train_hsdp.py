@@ -85,18 +85,18 @@ def test_quantized_hsdp_trains_close_to_the_exact_route(tmp_path, corpus, exact_
 @pytest.mark.parametrize("preset", ["sdp4bit", *(pytest.param(p, marks=pytest.mark.slow)
                                                  for p in ("fsdp", "hsdp4", "qsdp", "zeropp"))])
 def test_resume_under_hsdp_is_bit_identical(tmp_path, corpus, preset):
-    """6 steps straight == the same run stopped at its step-3 checkpoint and resumed."""
+    """4 steps straight == the same run stopped at its step-2 checkpoint and resumed."""
     full, half = tmp_path / "full", tmp_path / "half"
-    common = dict(preset=preset, steps=6, ckpt_every=3, keep_checkpoints=0, eval_every=3)
+    common = dict(preset=preset, steps=4, ckpt_every=2, keep_checkpoints=0, eval_every=2)
     train(_args(full, corpus, **common))
-    # The run as it stood after step 3: its step-3 checkpoint is the latest one.
+    # The run as it stood after step 2: its step-2 checkpoint is the latest one.
     shutil.copytree(full, half)
-    shutil.rmtree(half / CHECKPOINT_DIR / "step_00000006")
-    (half / CHECKPOINT_DIR / LATEST_FILE).write_text("step_00000003\n")
-    assert latest_checkpoint(half).name == "step_00000003"
+    shutil.rmtree(half / CHECKPOINT_DIR / "step_00000004")
+    (half / CHECKPOINT_DIR / LATEST_FILE).write_text("step_00000002\n")
+    assert latest_checkpoint(half).name == "step_00000002"
     train(_args(half, corpus, resume=True, **common))
     a, b = read_summary(full), read_summary(half)
-    assert b["start_step"] == 3
+    assert b["start_step"] == 2
     assert _losses(half) == _losses(full)
     assert b["final_weights_sha256"] == a["final_weights_sha256"]
     assert b["final_optimizer_sha256"] == a["final_optimizer_sha256"]

@@ -67,24 +67,6 @@ def test_qsdps_own_run_time_variables_reach_forked_workers_set_or_unset(monkeypa
     assert set(results.values()) == {(_server_pid(), "node-b", None)}
 
 
-def test_qsdp_train_forks_its_workers_each_on_its_share_of_the_cores(tmp_path, corpus, caplog):
-    """The launcher gives each worker its threads inside the worker: set in the launcher's
-    environment, they would make every `qsdp train --nproc` spawn its workers."""
-    import json
-
-    from qsdp.cli import main
-
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
-    with caplog.at_level("INFO", logger="qsdp.worker_start"):
-        assert main(["train", "--preset", "fsdp", "--nproc", "2", "--batch-size", "2", "--seq-len", "16",
-                     "--data", corpus, "--out", str(tmp_path), "--steps", "1", "--eval-every", "0",
-                     "--eval-batches", "1", "--no-progress"]) == 0
-    assert not [r.message for r in caplog.records if "spawning workers" in r.message]
-    summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
-    assert f", {threads} threads/rank)" in summary["device"]
-    assert "OMP_NUM_THREADS" not in os.environ or os.environ["OMP_NUM_THREADS"] == threads
-
-
 def _imported_at_start() -> list[str]:
     return [name for name in ("torch.distributed.fsdp", "torch._dynamo", "qsdp.train.launcher") if name in sys.modules]
 

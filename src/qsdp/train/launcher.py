@@ -37,7 +37,7 @@ from qsdp.train.preflight import Plan, preflight, prepare_dataset, require_packa
 from qsdp.train.watchdog import Poller, StoppedWorkerWatch, pid_path, signal_name, worker_pid_files
 
 __all__ = ["UsageError", "WorkerFailure", "EXIT_USAGE", "run_training", "launch", "plan_run",
-           "check_writable", "quiet_elastic_logs", "root_cause", "final_error"]
+           "check_writable", "quiet_elastic_logs", "root_cause", "final_error", "worker_threads"]
 
 EXIT_USAGE = 2
 
@@ -176,12 +176,10 @@ def final_error(error_dir: str | Path) -> dict[str, Any] | None:
 
 
 def _worker_entry(args: TrainArgs, plan: Plan, error_dir: str, threads: int | None = None) -> dict[str, Any] | None:
-    """What each launched worker runs (top level, so the spawn start method can pickle it), on
-    ``threads`` intra-op threads where the launcher chose them."""
+    """What each launched worker runs (top level, so the spawn start method can pickle it), with
+    ``threads`` intra-op threads (:func:`worker_threads`) where given."""
     if threads is not None:
-        # Set here, not in the launcher's environment: a changed environment would make the launch
-        # spawn its workers instead of forking them (qsdp.worker_start).
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # what this worker's own children inherit
         torch.set_num_threads(threads)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) and final_error(error_dir) is not None:
         # The elastic agent restarts on any failure; this one would fail the same way again
@@ -328,18 +326,32 @@ def _record_failure(first: dict[str, Any], out: str) -> WorkerFailure:
     return WorkerFailure(f"{message} (traceback: {path})")
 
 
+def worker_threads(nproc: int) -> int:
+    """The intra-op threads of each of ``nproc`` local workers: ``OMP_NUM_THREADS`` where the
+    launcher's environment sets it, else the machine's cores shared by the workers (torchrun's
+    default is one a worker).
+
+    Each worker sets them itself (:func:`_worker_entry`) rather than reading a variable the launcher
+    would write into its own environment: that write would differ from the environment the fork
+    server started with wherever the server started first (an earlier launch with the variable
+    set differently, a program that started it), and every such launch would spawn its workers, 3.5 s
+    of imports each (:mod:`qsdp.worker_start`)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
 def launch(args: TrainArgs, plan: Plan, max_restarts: int = 0) -> dict[str, Any]:
     """Run ``train_worker(args, plan)`` in ``plan.world_size`` local processes (restarted up to
     ``max_restarts`` times; a restarted group resumes from the run's last checkpoint); returns
     rank 0's summary."""
     nproc = plan.world_size
-    # torchrun's default is one thread per worker; here the machine's cores shared by the workers.
-    threads = None if "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // nproc)
     error_dir = Path(tempfile.mkdtemp(prefix="qsdp-errors-"))
     watch = DeathWatch(error_dir)
     try:
         with quiet_elastic_logs(), watch, StoppedWorkerWatch(error_dir, args.timeout_s):
-            results = launch_local(_worker_entry, nproc, args, plan, str(error_dir), threads,
+            results = launch_local(_worker_entry, nproc, args, plan, str(error_dir), worker_threads(nproc),
                                    max_restarts=max_restarts)
         if final_error(error_dir) is not None:  # the restart ended at once: report what it would repeat
             raise root_cause(error_dir, {}, args.out)
