@@ -207,11 +207,11 @@ def test_real_cli_launches_two_workers_and_resumes(tmp_path, corpus, capsys):
 
 
 @pytest.mark.timeout(90)
-def test_a_local_launch_forks_its_workers_each_on_its_share_of_the_cores(tmp_path, tiny_corpus, caplog):
-    """`qsdp train --nproc 2` from a process whose fork server started before it (as any
-    later launch does): the workers are forked, not spawned, and each runs the launcher's
-    OMP_NUM_THREADS or its share of the cores, set inside the worker (the launcher's
-    OMP_NUM_THREADS is left as it was)."""
+def test_a_local_launch_gives_each_worker_its_share_of_the_cores_and_leaves_its_environment(tmp_path, tiny_corpus,
+                                                                                             caplog):
+    """`qsdp train --nproc 2`: each worker runs the launcher's OMP_NUM_THREADS or its share of
+    the cores, set inside the worker; the launcher's own environment is left as it was (a
+    changed one would make every later local launch of the process, a benchmark's, spawn)."""
     import os
 
     from qsdp.cli import main

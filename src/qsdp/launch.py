@@ -30,6 +30,7 @@ def launch_local(
     *args: Any,
     max_restarts: int = 0,
     log_dir: str | None = None,
+    fork: bool = True,
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` local worker processes (``fn`` must be a picklable
     top-level function; each worker finds RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
@@ -38,7 +39,8 @@ def launch_local(
 
     Workers are forked from a server that imported torch and qsdp once per process
     (:mod:`qsdp.worker_start`), or spawned where that server would not see this process's
-    environment; ``QSDP_WORKER_START=spawn`` always spawns them."""
+    environment; ``QSDP_WORKER_START=spawn`` or ``fork=False`` always spawns them (a launcher
+    that reads how its workers ended with ``waitid`` needs them as its own children)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from .worker_start import LauncherStdio, run_entry, runtime_values, start_method
@@ -54,7 +56,7 @@ def launch_local(
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method=(method := start_method()),
+        start_method=(method := start_method() if fork else "spawn"),
         logs_specs=None,
     )
     if log_dir is not None:

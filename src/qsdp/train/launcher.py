@@ -351,8 +351,10 @@ def launch(args: TrainArgs, plan: Plan, max_restarts: int = 0) -> dict[str, Any]
     watch = DeathWatch(error_dir)
     try:
         with quiet_elastic_logs(), watch, StoppedWorkerWatch(error_dir, args.timeout_s):
+            # Spawned: DeathWatch reads how each worker ended with waitid, which sees only this
+            # process's own children, not the workers a fork server would start.
             results = launch_local(_worker_entry, nproc, args, plan, str(error_dir), worker_threads(nproc),
-                                   max_restarts=max_restarts)
+                                   max_restarts=max_restarts, fork=False)
         if final_error(error_dir) is not None:  # the restart ended at once: report what it would repeat
             raise root_cause(error_dir, {}, args.out)
     except ChildFailedError as e:
