@@ -4,8 +4,7 @@ Faults are injected with the loop's test-only environment variables (see
 :mod:`qsdp.train.loop`): ``QSDP_TEST_NAN_AT``, ``QSDP_TEST_KILL_AT`` and ``QSDP_TEST_STALL_AT``.
 Most runs call ``train_worker`` in a forked gloo world (``run_pooled``); the crash, the stall and
 the ``raise`` mode also go through the real command line (``qsdp train --nproc 2``: the elastic
-launcher and its workers, forked from the session's fork server), since what they test is the
-launcher's behaviour.
+launcher and its spawned workers), since what they test is the launcher's behaviour.
 """
 
 from __future__ import annotations
@@ -200,19 +199,19 @@ def test_a_killed_worker_restarts_the_group_which_resumes_bit_identically(tmp_pa
     checkpoint of step 4 and the record of step 5); the elastic agent restarts both workers,
     they resume from step 4 (the record of step 5 is dropped and written again), and the run
     ends with the metrics and final state of an uninterrupted run, bit for bit."""
-    from qsdp.cli import main
+    from qsdp.cli import _parser, _train_args, main
 
     common = ["--preset", "sdp4bit", "--batch-size", "4", "--seq-len", "32", "--data", corpus,
               "--steps", "7", "--ckpt-every", "4", "--eval-every", "3", "--eval-batches", "2",
-              "--no-progress", "--nproc", "2"]
+              "--no-progress"]
     ref, crash = tmp_path / "ref", tmp_path / "crash"
-    # The reference by the same command: its workers run the same threads as the crashed run's
-    # on any machine (qsdp.train.launcher.worker_threads), so the same arithmetic.
-    assert main(["train", *common, "--out", str(ref)]) == 0
-
+    train(_train_args(_parser().parse_args(["train", *common, "--out", str(ref)])))  # same TrainArgs
+    # The command's workers on one thread each, like the reference's forked ranks: the same
+    # arithmetic on any machine (qsdp train spawns them, so the variable reaches them).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("QSDP_TEST_KILL_AT", "6:1")
     t0 = time.monotonic()
-    assert main(["train", *common, "--out", str(crash), "--max-restarts", "1"]) == 0
+    assert main(["train", *common, "--out", str(crash), "--nproc", "2", "--max-restarts", "1"]) == 0
     elapsed = time.monotonic() - t0
     a, b = read_summary(ref), read_summary(crash)
     assert b["restarts"] == 1 and b["start_step"] == 4, (b["restarts"], b["start_step"], elapsed)
