@@ -204,8 +204,8 @@ def _script_main(rank, world, root, argv):
 
 
 def test_the_recipe_scripts_fabric_mode_trains_and_prints_its_final_loss(tmp_path):
-    # The script's own main with --fabric on ranks that look like a torchrun launch (the launch
-    # itself is the test above): rank 0 prints, the others stay quiet.
+    # The script's own main with --fabric on ranks that look like a torchrun launch, each rank's
+    # output apart (tests/scripts.py joins them): rank 0 prints, the others stay quiet.
     printed = run_world(_script_main, 2, str(tmp_path), ["--devices", "2", "--steps", "4", "--fabric"])
     assert "step   0" in printed[0] and not printed[1]
     final = [line for line in printed[0].splitlines() if line.startswith("final loss ")]

@@ -332,10 +332,10 @@ def worker_threads(nproc: int) -> int:
     default is one a worker).
 
     Each worker sets them itself (:func:`_worker_entry`) rather than reading a variable the launcher
-    would write into its own environment: that write would differ from the environment the fork
-    server started with wherever the server started first (an earlier launch with the variable
-    set differently, a program that started it), and every such launch would spawn its workers, 3.5 s
-    of imports each (:mod:`qsdp.worker_start`)."""
+    would write into its own environment: that write would leave the process's environment
+    different from the one its fork server started with, and every later local launch of the
+    process that forks (a benchmark's, :mod:`qsdp.worker_start`) would spawn its workers instead,
+    3.5 s of imports each."""
     value = os.environ.get("OMP_NUM_THREADS", "")
     if value.isdigit() and int(value) > 0:
         return int(value)
