@@ -2,13 +2,16 @@
 collective timeout, named and killed; a worker that runs, however busy, is never taken for one.
 
 The watch (:mod:`qsdp.train.watchdog`) runs on real processes here: children of the test, as
-the workers are the launcher's, stopped or not; and a real ``qsdp train --nproc 2`` whose rank 1
-gets SIGSTOP from outside, as a user (or a debugger) would send it.
+spawned workers are the launcher's, stopped or not; workers forked by the fork server, which
+are not; and a real ``qsdp train --nproc 2`` whose rank 1 gets SIGSTOP from outside, as a user
+(or a debugger) would send it. The launcher's death watch, which tells in which order workers
+ended and how, on forked workers too.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -22,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from qsdp.train.metrics import read_metrics, read_summary
-from qsdp.train.watchdog import StoppedWorkerWatch, pid_path, stopped_by
+from qsdp.train.launcher import DeathWatch
+from qsdp.train.watchdog import STOP_SIGNAL, StoppedWorkerWatch, pid_path, stopped_by
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "waitid"), reason="needs waitid (POSIX)")
 
@@ -104,6 +108,66 @@ def test_a_look_that_comes_late_starts_the_count_again(tmp_path):
         child.wait()
 
 
+def _forked(directory: Path, rank: int) -> multiprocessing.Process:
+    """A worker as a forking launch starts one: the fork server's child, not this process's
+    (it sleeps), with its pid where a launched worker of ``rank`` writes it."""
+    worker = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,))
+    worker.start()
+    pid_path(directory, rank, 0).write_text(str(worker.pid))
+    with pytest.raises(ChildProcessError):
+        os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    return worker
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_worker_stopped_by_a_signal_is_seen_stopped_though_not_the_launchers_child(tmp_path):
+    worker = _forked(tmp_path, 0)
+    try:
+        assert stopped_by(worker.pid) is None
+        os.kill(worker.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while stopped_by(worker.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stopped_by(worker.pid) == STOP_SIGNAL  # which signal, only its parent could tell
+        os.kill(worker.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while stopped_by(worker.pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stopped_by(worker.pid) is None
+    finally:
+        worker.kill()
+        worker.join()
+
+
+@pytest.mark.skipif(not DeathWatch.sees_forked_workers(), reason="needs pidfd_open (Linux 5.3)")
+@pytest.mark.timeout(60)
+def test_the_death_watch_sees_in_which_order_and_how_forked_workers_ended(tmp_path):
+    """Rank 1 is killed first, rank 0 after it: the launcher's death watch has both, in that
+    order, with their signals, though neither is its child (the order is what names the root
+    cause of a failed run, :func:`qsdp.train.launcher.root_cause`)."""
+    rank0, rank1 = _forked(tmp_path, 0), _forked(tmp_path, 1)
+    try:
+        with DeathWatch(tmp_path) as watch:
+            deadline = time.monotonic() + 10
+            while len(watch._watched) < 2 and time.monotonic() < deadline:  # noqa: SLF001 - both pids read
+                time.sleep(0.01)
+            os.kill(rank1.pid, signal.SIGKILL)
+            while (0, 1) not in watch.deaths and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(rank0.pid, signal.SIGTERM)
+            while (0, 0) not in watch.deaths and time.monotonic() < deadline:
+                time.sleep(0.01)
+            rank1.join()  # as the elastic agent joins its workers
+            rank0.join()
+    finally:
+        for worker in (rank0, rank1):
+            worker.kill()
+            worker.join()
+    (first, killed, code1), (second, termed, code0) = watch.deaths[(0, 1)], watch.deaths[(0, 0)]
+    assert (killed, code1, termed, code0) == ("SIGKILL", None, "SIGTERM", None)
+    assert first < second
+
+
 # ---------------------------------------------------------------------------------------------
 # Through the real command line
 
@@ -111,7 +175,6 @@ def test_a_look_that_comes_late_starts_the_count_again(tmp_path):
 @pytest.fixture(autouse=True)
 def _env(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(var, raising=False)
 
@@ -167,7 +230,9 @@ def test_a_worker_stopped_with_sigstop_ends_the_run_within_the_timeout_naming_it
     assert ended - stop["at"] < timeout + 5, ended - stop["at"]
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("qsdp:")]
     assert len(lines) == 1, lines
-    assert re.fullmatch(rf"qsdp: error: rank 1 \(pid {stop['pid']} on host '[^']+'\) was stopped by SIGSTOP for "
+    # A forked worker is the fork server's child: the launcher sees that it is stopped, not by which signal.
+    assert re.fullmatch(rf"qsdp: error: rank 1 \(pid {stop['pid']} on host '[^']+'\) was stopped by "
+                        rf"(SIGSTOP|{STOP_SIGNAL}) for "
                         r"[0-9.]+ s, longer than the timeout \(10 s, --timeout\): its peers' collectives could not "
                         r"complete; the launcher killed it", lines[0]), lines[0]
     assert not Path(f"/proc/{stop['pid']}").exists()  # killed and reaped, nothing left behind

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from distributed import run_pooled, run_world
+import qsdp.train.launcher as launcher
 from qsdp.train.checkpoint import CHECKPOINT_DIR, LATEST_FILE, latest_checkpoint
 from qsdp.train.loop import TrainArgs, lr_at, train_worker
 from qsdp.train.metrics import METRICS_FILE, read_metrics, read_summary
@@ -206,9 +207,9 @@ def test_a_killed_worker_restarts_the_group_which_resumes_bit_identically(tmp_pa
               "--no-progress"]
     ref, crash = tmp_path / "ref", tmp_path / "crash"
     train(_train_args(_parser().parse_args(["train", *common, "--out", str(ref)])))  # same TrainArgs
-    # The command's workers on one thread each, like the reference's forked ranks: the same
-    # arithmetic on any machine (qsdp train spawns them, so the variable reaches them).
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # The command's workers on one thread each, like the reference's ranks: the same arithmetic
+    # on any machine. (Not through OMP_NUM_THREADS: a changed environment spawns the workers.)
+    monkeypatch.setattr(launcher, "worker_threads", lambda nproc: 1)
     monkeypatch.setenv("QSDP_TEST_KILL_AT", "6:1")
     t0 = time.monotonic()
     assert main(["train", *common, "--out", str(crash), "--nproc", "2", "--max-restarts", "1"]) == 0

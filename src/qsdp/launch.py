@@ -39,8 +39,9 @@ def launch_local(
 
     Workers are forked from a server that imported torch and qsdp once per process
     (:mod:`qsdp.worker_start`), or spawned where that server would not see this process's
-    environment; ``QSDP_WORKER_START=spawn`` or ``fork=False`` always spawns them (a launcher
-    that reads how its workers ended with ``waitid`` needs them as its own children)."""
+    environment; ``QSDP_WORKER_START=spawn`` or ``fork=False`` always spawns them (a caller that
+    must have its workers as its own children: ``qsdp train`` where its death watch cannot see
+    another process's, :class:`qsdp.train.launcher.DeathWatch`)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from .worker_start import LauncherStdio, run_entry, runtime_values, start_method

@@ -21,6 +21,11 @@ two ways, and both are handled here:
 The server is a private detail of Python's ``multiprocessing`` (a process-wide one, which other
 libraries may start first); :func:`start_method` reads whether it runs through one private
 field and spawns whenever it cannot tell whose it is.
+
+A forked worker is the server's child, not the launcher's: the launcher cannot ``waitid`` it.
+How it ended reaches the launcher through ``multiprocessing``'s own process object, which the
+elastic agent keeps to itself; :func:`started_processes` finds those objects in
+``multiprocessing``'s registry of this process's children (another private field).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import multiprocessing.forkserver
 import os
 from typing import Any, Callable
 
-__all__ = ["PRELOAD", "RUNTIME_VARIABLES", "LauncherStdio", "start_method", "runtime_values", "run_entry"]
+__all__ = ["PRELOAD", "RUNTIME_VARIABLES", "LauncherStdio", "start_method", "runtime_values", "run_entry",
+           "started_processes"]
 
 # What every worker imports anyway: torch with FSDP2's stack, and qsdp's training path.
 # torch._dynamo: FSDP2's first fully_shard imports it (about 1 s of a core, per worker otherwise).
@@ -120,3 +126,15 @@ def run_entry(fn: Callable[..., Any], _stdio: Any, values: dict[str, str | None]
         else:
             os.environ[name] = value
     return fn(*args)
+
+
+def started_processes() -> dict[int, multiprocessing.process.BaseProcess]:
+    """The ``multiprocessing`` processes this process started and has not joined yet, by pid
+    (the workers of a running local launch among them), without asking any of them how it is:
+    a process's ``exitcode`` reads its end from a pipe once, so a second thread asking while the
+    elastic agent joins the process could take the agent's answer (and give it a made-up one).
+    Empty where ``multiprocessing`` keeps no such registry (a Python this code does not know)."""
+    children = getattr(multiprocessing.process, "_children", None)  # noqa: SLF001 - see the module doc
+    if not isinstance(children, set):
+        return {}
+    return {process.pid: process for process in list(children) if process.pid is not None}

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import shutil
 import sys
 import tempfile
@@ -28,6 +29,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from qsdp.launch import launch_local, under_torchrun
+from qsdp.worker_start import started_processes
 from qsdp.train.args import USER_ERRORS, PeerError, TrainArgs, validate_args
 from qsdp.train.checkpoint import PeerLoadError
 from qsdp.train.data import load_corpus
@@ -241,31 +243,77 @@ def _how(signal_name: str | None, exitcode: int | None) -> str:
 
 
 class DeathWatch(Poller):
-    """How each local worker process ended and in which poll the launcher first saw it, read
-    with ``waitid(WNOWAIT)`` (the elastic agent still reaps them): a rank killed by a signal
-    leaves no error record, and its peers' records only say that the connection closed."""
+    """How each local worker process ended and in which poll the launcher first saw it: a rank
+    killed by a signal leaves no error record, and its peers' records only say that the
+    connection closed.
+
+    The end is seen on a ``pidfd`` of each worker (readable once the process has exited),
+    whoever its parent is: the launcher for a spawned worker, the fork server for a forked one
+    (:mod:`qsdp.worker_start`). How it ended is read with ``waitid(WNOWAIT)`` from a child not
+    yet reaped (the elastic agent reaps it), else, after the launch, from the ``multiprocessing``
+    process the agent started it as (:func:`qsdp.worker_start.started_processes`), which the
+    fork server tells how its child ended."""
 
     def __init__(self, error_dir: Path, interval_s: float = 0.02) -> None:
         super().__init__(interval_s, "qsdp-death-watch", final_look=True)
         self.error_dir = error_dir
         self.deaths: dict[tuple[int, int], tuple[int, str | None, int | None]] = {}  # (attempt, rank) ->
         self._polls = 0                                                                # (poll, signal, code)
+        self._watched: dict[tuple[int, int], tuple[int, int | None]] = {}  # (attempt, rank) -> (pid, pidfd)
+        self._processes: dict[int, Any] = {}  # pid -> the multiprocessing process it was started as
+        self._unknown: set[tuple[int, int]] = set()  # ended, how not read yet
+
+    @staticmethod
+    def sees_forked_workers() -> bool:
+        """Whether this system gives the watch a ``pidfd`` of a process that is not its child."""
+        return hasattr(os, "pidfd_open")
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)  # the final look
+        for key in sorted(self._unknown):  # the agent has joined its processes: each knows its end
+            poll = self.deaths[key][0]
+            process = self._processes.get(self._watched[key][0])
+            code = process.exitcode if process is not None else None
+            if code is not None:
+                self.deaths[key] = (poll, signal_name(-code), None) if code < 0 else (poll, None, code)
+        self._unknown.clear()
+        for _, pidfd in self._watched.values():
+            if pidfd is not None:
+                os.close(pidfd)
+        self._watched.clear()
 
     def look(self) -> None:
         self._polls += 1
+        self._processes.update(started_processes())
         for rank, attempt, path in worker_pid_files(self.error_dir):
-            if (attempt, rank) in self.deaths:
+            if (attempt, rank) not in self._watched:
+                with contextlib.suppress(OSError, ValueError):  # not written yet, or the process is gone
+                    pid = int(path.read_text())
+                    self._watched[(attempt, rank)] = (pid, os.pidfd_open(pid) if self.sees_forked_workers() else None)
+        live = {key: ends for key, ends in self._watched.items() if key not in self.deaths}
+        pidfds = [pidfd for _, pidfd in live.values() if pidfd is not None]
+        ended = set(select.select(pidfds, [], [], 0)[0]) if pidfds else set()
+        for key, (pid, pidfd) in live.items():
+            how = self._how(pid) if pidfd is None or pidfd in ended else None
+            if pidfd is None and how == (None, None):  # no pidfd here: only a child's end, from waitid
                 continue
-            try:
-                status = os.waitid(os.P_PID, int(path.read_text()), os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except (OSError, ValueError):  # reaped already, or not written yet
-                continue
-            if status is None:
-                continue
-            if status.si_code == os.CLD_EXITED:
-                self.deaths[(attempt, rank)] = (self._polls, None, status.si_status)
-            else:  # killed, or dumped core
-                self.deaths[(attempt, rank)] = (self._polls, signal_name(status.si_status), None)
+            if how is not None:
+                self.deaths[key] = (self._polls, *how)
+                if how == (None, None):
+                    self._unknown.add(key)
+
+    @staticmethod
+    def _how(pid: int) -> tuple[str | None, int | None]:
+        """``(signal, None)`` or ``(None, exit code)`` of an ended child not reaped yet; else ``(None, None)``."""
+        try:
+            status = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # another process's child, or reaped already
+            return None, None
+        if status is None:
+            return None, None
+        if status.si_code == os.CLD_EXITED:
+            return None, status.si_status
+        return signal_name(status.si_status), None  # killed, or dumped core
 
 
 def root_cause(error_dir: Path, failures: dict[int, Any], out: str,
@@ -334,8 +382,8 @@ def worker_threads(nproc: int) -> int:
     Each worker sets them itself (:func:`_worker_entry`) rather than reading a variable the launcher
     would write into its own environment: that write would leave the process's environment
     different from the one its fork server started with, and every later local launch of the
-    process that forks (a benchmark's, :mod:`qsdp.worker_start`) would spawn its workers instead,
-    3.5 s of imports each."""
+    process (this one's restarts, a benchmark's: :mod:`qsdp.worker_start`) would spawn its workers
+    instead, 3.5 s of imports each."""
     value = os.environ.get("OMP_NUM_THREADS", "")
     if value.isdigit() and int(value) > 0:
         return int(value)
@@ -351,10 +399,8 @@ def launch(args: TrainArgs, plan: Plan, max_restarts: int = 0) -> dict[str, Any]
     watch = DeathWatch(error_dir)
     try:
         with quiet_elastic_logs(), watch, StoppedWorkerWatch(error_dir, args.timeout_s):
-            # Spawned: DeathWatch reads how each worker ended with waitid, which sees only this
-            # process's own children, not the workers a fork server would start.
             results = launch_local(_worker_entry, nproc, args, plan, str(error_dir), worker_threads(nproc),
-                                   max_restarts=max_restarts, fork=False)
+                                   max_restarts=max_restarts, fork=DeathWatch.sees_forked_workers())
         if final_error(error_dir) is not None:  # the restart ended at once: report what it would repeat
             raise root_cause(error_dir, {}, args.out)
     except ChildFailedError as e:

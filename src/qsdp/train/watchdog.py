@@ -5,8 +5,10 @@ elastic agent, told of their exit, sends it SIGTERM, which a stopped process nev
 job then waited for the agent's own deadline (30 s) before its SIGKILL, and the error named the
 peer whose collective timed out.
 
-The launcher, the workers' parent and not stopped itself, sees the stop: ``waitid(WSTOPPED |
-WNOWAIT)`` reports a child stopped by a signal without taking the report from anyone.
+The launcher, not stopped itself, sees the stop: ``waitid(WSTOPPED | WNOWAIT)`` reports a child
+stopped by a signal without taking the report from anyone; a worker forked by the fork server
+(:mod:`qsdp.worker_start`) is that server's child, and its state in ``/proc`` says that it is
+stopped (not by which signal).
 :class:`StoppedWorkerWatch` looks at every worker ten times per timeout; a worker seen stopped
 at every look for longer than the timeout gets a failure record (its rank, pid and host, and the
 signal) where the workers write theirs, and is then killed with SIGKILL, which a stopped process
@@ -17,8 +19,8 @@ is never stopped, so never taken for one: its peers' collective timeout stays th
 A heartbeat from a thread of each worker was tried first and dropped: a worker's threads can all
 be held for seconds while it runs (a live rank 0 went 5.7 s without a beat, under ``--timeout 5``
 on a loaded machine, before its first step), so a missing beat does not tell a stopped rank from
-a busy one. Only the local launcher can watch this way: under ``torchrun`` the ranks are not its
-children.
+a busy one. Only the local launcher can watch this way: under ``torchrun``, qsdp runs inside each
+rank and no process of its own watches them.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from typing import Any, Iterator
 
 from qsdp.train.files import atomic_write
 
-__all__ = ["Poller", "StoppedWorkerWatch", "look_interval", "pid_path", "signal_name", "worker_pid_files"]
+__all__ = ["STOP_SIGNAL", "Poller", "StoppedWorkerWatch", "look_interval", "pid_path", "signal_name", "stopped_by",
+           "worker_pid_files"]
 
 
 def look_interval(timeout_s: float) -> float:
@@ -95,18 +98,35 @@ def _record_path(directory: Path, rank: int, attempt: int) -> Path:
     return directory / f"rank{rank}.attempt{attempt}.stopped.json"
 
 
+# What a stopped process that is not this process's child is stopped by, as far as this process can
+# tell: the kernel shows its state, not the signal (SIGSTOP, SIGTSTP, SIGTTIN or SIGTTOU).
+STOP_SIGNAL = "a stop signal"
+
+
 def stopped_by(pid: int) -> str | None:
-    """The signal that keeps ``pid``, a child of this process, stopped now (``'SIGSTOP'``), or
-    ``None``: running, exited, or not a child of this process (or no ``waitid`` here to tell)."""
+    """The signal that keeps ``pid`` stopped now (``'SIGSTOP'``), or ``None``: running, exited,
+    or no way to tell here. A child of this process says which signal (``waitid``); another
+    process (a worker forked by :mod:`qsdp.worker_start`'s server) only that it is stopped,
+    from ``/proc``: :data:`STOP_SIGNAL`."""
     if not hasattr(os, "waitid") or not hasattr(os, "WSTOPPED"):
         return None
     try:
         status = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
-        return None
+        return STOP_SIGNAL if _state(pid) == "T" else None
     if status is None or status.si_code != os.CLD_STOPPED:
         return None
     return signal_name(status.si_status)
+
+
+def _state(pid: int) -> str | None:
+    """The state letter of ``/proc/PID/stat`` (``'T'``: stopped by a signal), or ``None``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    end = stat.rfind(")")  # the command name in parentheses may itself hold spaces and parentheses
+    return stat[end + 2:end + 3] or None
 
 
 class StoppedWorkerWatch(Poller):
