@@ -12,7 +12,9 @@ not reached when its test comes is run by the test itself, at normal priority.
 
 A test opts in with ``@pytest.mark.prestart(spec)``: ``spec(**params)`` (the test's
 parametrization) returns the :class:`Command` it will run, or ``None`` where the test would not
-run it (skipped in this mode). tests/conftest.py queues the commands of the selected tests once
+run it (skipped in this mode). Besides the pytest subprocesses, commands that start a fresh
+interpreter to see it fail or stand without a package (:meth:`Command.python`) run ahead too:
+each spends seconds importing torch, in a process of its own. tests/conftest.py queues the commands of the selected tests once
 collection is done (one runner process, ``python prestarted.py QUEUE_DIR``, without threads in
 the test process) and stops the runner at the end of the run.
 """
@@ -54,6 +56,14 @@ class Command:
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
                 *args, test_file]
         return cls.of(argv, env, os.path.dirname(test_file))
+
+
+    @classmethod
+    def python(cls, *args: str, cwd: str, env: dict[str, str] | None = None) -> Command:
+        """``python ARGS`` run from ``cwd`` in ``env`` (this run's environment where not given),
+        less what belongs to the current test alone (its name)."""
+        env = {k: v for k, v in (os.environ if env is None else env).items() if k != "PYTEST_CURRENT_TEST"}
+        return cls.of([sys.executable, *args], env, cwd)
 
 
 def _claim(folder: Path, index: int) -> bool:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from distributed import run_pooled
+from prestarted import PRESTARTED, Command
 from qsdp.bench import netns
 from qsdp.bench.cluster import (
     Job,
@@ -132,24 +133,34 @@ def test_missing_root_and_netlink_package_are_named():
     assert missing_requirements(euid=0, package=None) == []
 
 
+# Both run ahead of their tests (a fresh interpreter's imports each): stdout and stderr come together.
+_WITHOUT_PYROUTE2 = ("--presets", "fsdp")
+_CUDA_HERE = ("--presets", "fsdp", "--device", "cuda")
+
+
+def _ahead(*args: str, prelude: str = "") -> Command:
+    return Command.python(*_cluster_cmd(*args, prelude=prelude)[1:], cwd=os.path.dirname(os.path.abspath(__file__)))
+
+
 @pytest.mark.timeout(60)
-def test_without_pyroute2_the_error_names_the_package_and_the_extra():
+@pytest.mark.prestart(lambda: _ahead(*_WITHOUT_PYROUTE2, prelude="sys.modules['pyroute2'] = None; "))
+def test_without_pyroute2_the_error_names_the_package_and_the_extra(request):
     # pyroute2 made unimportable in the child, as on a machine where the extra is not installed.
-    out = subprocess.run(_cluster_cmd("--presets", "fsdp", prelude="sys.modules['pyroute2'] = None; "),
-                         capture_output=True, text=True, timeout=50)
-    assert out.returncode == 2
-    assert "package pyroute2" in out.stderr and "qsdp[bench]" in out.stderr and "lacks" in out.stderr
-    assert out.stdout == ""
+    rc, printed = PRESTARTED.result(request.node.nodeid, _ahead(*_WITHOUT_PYROUTE2,
+                                                               prelude="sys.modules['pyroute2'] = None; "), timeout=50)
+    assert rc == 2
+    assert printed.startswith("qsdp bench cluster: cannot emulate nodes, this machine lacks:\n"), printed
+    assert "package pyroute2" in printed and "qsdp[bench]" in printed and "lacks" in printed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.timeout(60)
-def test_device_cuda_without_cuda_is_refused_before_any_namespace_exists():
-    proc = subprocess.run(_cluster_cmd("--presets", "fsdp", "--device", "cuda"), capture_output=True, text=True,
-                          timeout=50)
-    assert proc.returncode == 2
-    assert "--device cuda" in proc.stderr and "torch.cuda.is_available() is False" in proc.stderr
-    assert "stale" not in proc.stderr and "Mbit/s" not in proc.stderr  # nothing was set up
+@pytest.mark.prestart(lambda: None if torch.cuda.is_available() else _ahead(*_CUDA_HERE))
+def test_device_cuda_without_cuda_is_refused_before_any_namespace_exists(request):
+    rc, printed = PRESTARTED.result(request.node.nodeid, _ahead(*_CUDA_HERE), timeout=50)
+    assert rc == 2
+    assert "--device cuda" in printed and "torch.cuda.is_available() is False" in printed
+    assert "stale" not in printed and "Mbit/s" not in printed  # nothing was set up
 
 
 def test_rates_are_read_in_mbit_per_second():

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,6 +18,7 @@ from hypothesis import strategies as st
 import qsdp
 import fsdp_models as fm
 from distributed import run_world
+from prestarted import PRESTARTED, Command
 from qsdp.train.block_digest import BLOCK, BlockDigest, SequentialDigest, file_block_digest
 from qsdp.train.checkpoint import CHECKPOINT_DIR, save_checkpoint, step_dirname
 
@@ -154,19 +153,27 @@ def test_each_payload_is_hashed_by_the_rank_that_reads_most_of_it(tmp_path):
     assert run_world(_owners, 2, str(step), timeout=90) == [(["__0_0.distcp"], None), (["__1_0.distcp"], None)]
 
 
-def test_without_xxhash_a_save_writes_sha256_and_an_xxh3_list_names_the_package(tmp_path):
-    """An install without dependencies: digests stay verifiable, the one that cannot be says why."""
-    (tmp_path / "digests.json").write_text(json.dumps({"algorithm": "xxh3-128-64k", "files": {}}))
-    body = textwrap.dedent(f"""
-        import sys
-        sys.modules["xxhash"] = None  # what import finds where the package is not installed
-        from qsdp.train.integrity import WRITTEN, read_digests
-        print(WRITTEN)
+# In a fresh interpreter (run ahead of its test) where xxhash cannot be imported, as where the
+# package is not installed: what a save writes, and what reading an xxh3 list says.
+_WITHOUT_XXHASH = textwrap.dedent("""
+    import json, sys, tempfile
+    sys.modules["xxhash"] = None  # what import finds where the package is not installed
+    from qsdp.train.integrity import WRITTEN, read_digests
+    print(WRITTEN)
+    with tempfile.TemporaryDirectory() as folder:
+        with open(folder + "/digests.json", "w") as f:
+            json.dump({"algorithm": "xxh3-128-64k", "files": {}}, f)
         try:
-            read_digests({str(tmp_path)!r})
+            read_digests(folder)
         except ValueError as e:
             print(e)
-    """)
-    out = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, timeout=100, check=True).stdout
-    assert out.splitlines() == ["sha256", "digests.json lists xxh3-128-64k digests, which need the xxhash package: "
-                                          "pip install xxhash"]
+""")
+
+
+@pytest.mark.prestart(lambda: Command.python("-c", _WITHOUT_XXHASH, cwd=os.path.dirname(os.path.abspath(__file__))))
+def test_without_xxhash_a_save_writes_sha256_and_an_xxh3_list_names_the_package(request):
+    """An install without dependencies: digests stay verifiable, the one that cannot be says why."""
+    rc, printed = PRESTARTED.result(request.node.nodeid, Command.python(
+        "-c", _WITHOUT_XXHASH, cwd=os.path.dirname(os.path.abspath(__file__))), timeout=100)
+    assert rc == 0 and printed.splitlines() == [
+        "sha256", "digests.json lists xxh3-128-64k digests, which need the xxhash package: pip install xxhash"], printed

@@ -10,6 +10,7 @@ import torch
 from benchmarks import convergence as convergence_module
 from benchmarks._cli import run_script
 from benchmarks.convergence import MergeError, check_targets, merge, qsdp_halves
+from prestarted import PRESTARTED, Command
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -215,15 +216,18 @@ def test_the_installed_command_names_the_script_that_replaced_it(name, capsys):
     assert f"python -m benchmarks.{name}" in err
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _as_module(script: str, argv: list[str]) -> Command:
+    return Command.python("-m", f"benchmarks.{script}", *argv, cwd=ROOT)
+
+
 @pytest.mark.parametrize("script, argv, message", [
     ("convergence", ["--variants", "qsdp"], "must include the baseline 'fsdp'"),
     ("soak", ["--minutes", "0"], "--minutes must be a positive number"),
 ])
-def test_each_script_runs_as_a_module_from_the_repository_root(script, argv, message):
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *argv], cwd=root, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 2 and f"python -m benchmarks.{script}: error:" in out.stderr and message in out.stderr
+@pytest.mark.prestart(lambda script, argv, message: _as_module(script, argv))  # a fresh interpreter, run ahead
+def test_each_script_runs_as_a_module_from_the_repository_root(script, argv, message, request):
+    rc, printed = PRESTARTED.result(request.node.nodeid, _as_module(script, argv), timeout=120)
+    assert rc == 2 and f"python -m benchmarks.{script}: error:" in printed and message in printed, printed

@@ -1,8 +1,8 @@
 """The library without its extras: ``pip install qsdp`` brings torch, numpy and xxhash only.
 
-Each check runs a fresh Python in which the packages of ``qsdp[train]`` are not there: its path
-finder (the one that finds installed packages) answers for them what it answers for a package
-that is not installed, so ``importlib.util.find_spec`` gives ``None`` and ``import`` raises
+Each check runs a fresh Python (run ahead of its test) in which the packages of ``qsdp[train]``
+are not there: its path finder (the one that finds installed packages) answers for them what it
+answers for a package that is not installed, so ``importlib.util.find_spec`` gives ``None`` and ``import`` raises
 ``ModuleNotFoundError``. The core imports and quantizes, ``qsdp train`` on a text file trains,
 and each command that needs a missing package stops with one line naming the extra.
 """
@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from prestarted import PRESTARTED, Command
 from qsdp.extras import EXTRA_OF
 
 TRAIN_PACKAGES = sorted(m for m, (_, extra) in EXTRA_OF.items() if extra == "train")
@@ -38,62 +36,84 @@ BLOCK = textwrap.dedent(f"""
 """)
 
 
-def _run_without_extras(body: str, tmp_path, timeout: float = 200) -> dict:
-    """Run ``body`` after the blocker in a fresh interpreter; it prints one JSON line last."""
+# Each check runs from a folder of its own, with a token cache of its own, as a user's fresh
+# shell would; the three run ahead of their tests (tests/prestarted.py): a fresh interpreter's
+# imports each.
+_IN_A_FOLDER = textwrap.dedent("""
+    import atexit, os, shutil, tempfile
+    os.chdir(tempfile.mkdtemp(prefix="qsdp-no-extras-"))
+    atexit.register(shutil.rmtree, os.getcwd(), True)
+    os.environ["QSDP_CACHE_DIR"] = os.path.join(os.getcwd(), "cache")
+""")
+
+
+def _without_extras(body: str) -> Command:
+    """``body`` after the blocker in a fresh interpreter, outside any torchrun; it prints one JSON line last."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")}
-    env["QSDP_CACHE_DIR"] = str(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, "-c", BLOCK + textwrap.dedent(body)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return Command.python("-c", BLOCK + _IN_A_FOLDER + textwrap.dedent(body), cwd=os.path.dirname(__file__), env=env)
+
+
+def _result(request, command: Command, timeout: float = 200) -> dict:
+    rc, printed = PRESTARTED.result(request.node.nodeid, command, timeout=timeout)
+    assert rc == 0, printed[-6000:]
+    return json.loads(printed.strip().splitlines()[-1])
+
+
+IMPORTS = _without_extras("""
+    import json
+    import torch
+    import qsdp
+    import qsdp.cli  # the command line itself loads without them
+    from qsdp.codecs import dequantize, quantize
+    from qsdp.comm.wire import RowCodec
+
+    x = torch.randn(1000)
+    q = quantize(x, bits=4, group_size=128, symmetric=True, rounding="stochastic", seed=1)
+    err = (dequantize(q) - x).abs().max().item()
+    buf = RowCodec(bits=8, group_size=64).encode(x.view(2, 500), seed=2)
+    print(json.dumps({"presets": sorted(qsdp.PRESETS), "quantize_comms": callable(qsdp.quantize_comms),
+                      "err": err, "rows": list(buf.shape),
+                      "loaded": sorted(m for m in BLOCKED if m in sys.modules)}))
+""")
 
 
 @pytest.mark.timeout(120)
-def test_the_library_imports_and_quantizes_without_the_train_packages(tmp_path):
-    got = _run_without_extras("""
-        import json
-        import torch
-        import qsdp
-        import qsdp.cli  # the command line itself loads without them
-        from qsdp.codecs import dequantize, quantize
-        from qsdp.comm.wire import RowCodec
-
-        x = torch.randn(1000)
-        q = quantize(x, bits=4, group_size=128, symmetric=True, rounding="stochastic", seed=1)
-        err = (dequantize(q) - x).abs().max().item()
-        buf = RowCodec(bits=8, group_size=64).encode(x.view(2, 500), seed=2)
-        print(json.dumps({"presets": sorted(qsdp.PRESETS), "quantize_comms": callable(qsdp.quantize_comms),
-                          "err": err, "rows": list(buf.shape),
-                          "loaded": sorted(m for m in BLOCKED if m in sys.modules)}))
-    """, tmp_path)
+@pytest.mark.prestart(lambda: IMPORTS)
+def test_the_library_imports_and_quantizes_without_the_train_packages(request):
+    got = _result(request, IMPORTS, timeout=110)
     assert {"fsdp", "qsdp", "sdp4bit", "zeropp"} <= set(got["presets"]) and got["quantize_comms"]
     assert 0 < got["err"] < 1 and got["rows"][0] == 2 and got["loaded"] == []
 
 
-@pytest.mark.timeout(200)
-def test_commands_that_need_a_missing_package_exit_with_one_line_naming_the_extra(tmp_path):
-    got = _run_without_extras(f"""
-        import contextlib, io, json
-        from qsdp.cli import main
-        from qsdp.train.data import sample_corpus_path
+COMMANDS = _without_extras("""
+    import contextlib, io, json
+    from qsdp.cli import main
+    from qsdp.train.data import sample_corpus_path
 
-        sample = sample_corpus_path()
-        cases = {{
-            "train": ["train", "--steps", "1", "--out", "a"],
-            "progress": ["train", "--data", sample, "--steps", "1", "--out", "b"],
-            "bpe": ["train", "--data", sample, "--tokenizer", "bpe", "--no-progress", "--out", "c"],
-            "demo": ["demo", "--out", "d"],
-            "plot": ["plot", "e"],
-        }}
-        results = {{}}
-        for name, argv in cases.items():
-            err = io.StringIO()
-            with contextlib.redirect_stderr(err):
-                rc = main(argv)
-            results[name] = [rc, err.getvalue()]
-        print(json.dumps(results))
-    """, tmp_path)
+    sample = sample_corpus_path()
+    cases = {
+        "train": ["train", "--steps", "1", "--out", "a"],
+        "progress": ["train", "--data", sample, "--steps", "1", "--out", "b"],
+        "bpe": ["train", "--data", sample, "--tokenizer", "bpe", "--no-progress", "--out", "c"],
+        "demo": ["demo", "--out", "d"],
+        "plot": ["plot", "e"],
+    }
+    results = {}
+    for name, argv in cases.items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = main(argv)
+        results[name] = [rc, err.getvalue()]
+    results["wrote"] = os.path.exists("a")
+    print(json.dumps(results))
+""")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.prestart(lambda: COMMANDS)
+def test_commands_that_need_a_missing_package_exit_with_one_line_naming_the_extra(request):
+    got = _result(request, COMMANDS)
     needs = {"train": ("the default corpus", "chitchat-dataset", "--data FILE.txt"),
              "progress": ("the progress bar", "tqdm", "--no-progress"),
              "bpe": ("--tokenizer bpe", "tokenizers", "--tokenizer byte"),
@@ -104,32 +124,33 @@ def test_commands_that_need_a_missing_package_exit_with_one_line_naming_the_extr
         assert rc == 2 and err.count("\n") == 1, (name, rc, err)
         assert err.startswith(f"qsdp: error: {what} needs the Python package {package}: pip install 'qsdp[train]'")
         assert alternative in err, (name, err)
-    assert not (tmp_path / "a").exists()  # stopped before anything was written
+    assert not got["wrote"]  # stopped before anything was written
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+TRAIN = _without_extras("""
+    import json, socket
+    with socket.socket() as s:  # a free port for the one-rank world
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from qsdp.cli import main
+    from qsdp.train.data import sample_corpus_path
+    from qsdp.train.metrics import read_summary
+
+    rc = main(["train", "--preset", "sdp4bit", "--data", sample_corpus_path(), "--no-progress",
+               "--model", "tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+               "--eval-batches", "1", "--ckpt-every", "0", "--device", "cpu", "--out", "run"])
+    summary = read_summary("run")
+    print(json.dumps({"rc": rc, "steps": summary["steps"], "loss": summary["final_val_loss"],
+                      "codec_kernels": summary["codec_kernels"],
+                      "loaded": sorted(m for m in BLOCKED if m in sys.modules)}))
+""")
 
 
 @pytest.mark.timeout(200)
-def test_train_on_the_sample_text_needs_none_of_them(tmp_path):
-    got = _run_without_extras(f"""
-        import json, os
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT="{_free_port()}")
-        from qsdp.cli import main
-        from qsdp.train.data import sample_corpus_path
-        from qsdp.train.metrics import read_summary
-
-        rc = main(["train", "--preset", "sdp4bit", "--data", sample_corpus_path(), "--no-progress",
-                   "--model", "tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
-                   "--eval-batches", "1", "--ckpt-every", "0", "--device", "cpu", "--out", "run"])
-        summary = read_summary("run")
-        print(json.dumps({{"rc": rc, "steps": summary["steps"], "loss": summary["final_val_loss"],
-                          "codec_kernels": summary["codec_kernels"],
-                          "loaded": sorted(m for m in BLOCKED if m in sys.modules)}}))
-    """, tmp_path)
+@pytest.mark.prestart(lambda: TRAIN)
+def test_train_on_the_sample_text_needs_none_of_them(request):
+    got = _result(request, TRAIN)
     assert got["rc"] == 0 and got["steps"] == 2 and got["loss"] > 0 and got["loaded"] == []
     assert got["codec_kernels"] == "none"  # one rank: nothing travels, so nothing was quantized
