@@ -1,12 +1,12 @@
-"""The examples run as they are written: the two-line FSDP2 one under torchrun on 2 ranks, then
-it and the HSDP one as 2 nodes x 2 ranks on one machine, on workers of torch's elastic agent forked
-rather than started afresh (tests/scripts.py; torchrun's command line is the first test's)."""
+"""The examples run as they are written: the two-line FSDP2 one under torchrun on 2 ranks (run
+ahead of its test, tests/prestarted.py), then it and the HSDP one as 2 nodes x 2 ranks on one
+machine, on workers of torch's elastic agent forked rather than started afresh (tests/scripts.py;
+torchrun's command line is the first test's)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
+from prestarted import PRESTARTED, Command
 from scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -14,23 +14,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(180)
 
 
-def _torchrun(nproc: int, script: str, *args: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         os.path.join(ROOT, "examples", script), *args],
-        capture_output=True, text=True, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
+def _torchrun(nproc: int, script: str, *args: str) -> Command:
+    # --standalone: a free port of its own, as it runs beside other tests' ranks.
+    return Command.python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                          os.path.join(ROOT, "examples", script), *args, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _example(script: str) -> str:
     return os.path.join(ROOT, "examples", script)
 
 
-def test_two_line_example_on_one_machine_sends_nothing_between_nodes():
-    stdout = _torchrun(2, "fsdp2_two_lines.py", "--steps", "6", "--preset", "qsdp")
-    last = [line for line in stdout.splitlines() if line.startswith("step   5")]
+TWO_LINES_TORCHRUN = _torchrun(2, "fsdp2_two_lines.py", "--steps", "6", "--preset", "qsdp")
+
+
+@pytest.mark.prestart(lambda: TWO_LINES_TORCHRUN)  # three fresh interpreters: run ahead
+def test_two_line_example_on_one_machine_sends_nothing_between_nodes(request):
+    rc, printed = PRESTARTED.result(request.node.nodeid, TWO_LINES_TORCHRUN, timeout=170)
+    assert rc == 0, printed[-2000:]
+    last = [line for line in printed.splitlines() if line.startswith("step   5")]
     assert last and "weights inter  0.00" in last[0] and "grads inter  0.00" in last[0]
 
 
