@@ -14,7 +14,8 @@ of ``--dim``), then, ``--repeats`` times in turn, on every rank:
   (each payload hashed as DCP reads it, with qsdp's plain-data planner) and
   :func:`~qsdp.train.integrity.agree_on_digests`, against the same load without digests: DCP's
   load through the reader the digesting one extends
-  (:class:`~qsdp.train.plain_data.PlainDataReader`, with the same planner). ``load_dcp``, DCP's
+  (:class:`~qsdp.train.plain_data.PlainDataReader`, with the same planner; named by
+  ``load_without_digests`` in the result). ``load_dcp``, DCP's
   own reader and planner, shows what reading the checkpoint as plain data costs apart from the
   digests (``plain_data_pct``).
 
@@ -22,22 +23,22 @@ of ``--dim``), then, ``--repeats`` times in turn, on every rank:
 file behind the writer; at load, every file hashed before DCP reads it).
 
 Each time is the slowest rank's (a barrier before and after); every other repeat runs the kinds
-with digests first (and the loads in the reverse order). The median over the repeats is reported with ``overhead_pct`` = digests /
-without - 1; ``cpu_s`` / ``cpu_overhead_pct`` do the same with the CPU seconds of every rank's
-process (all its threads) summed: on a machine shared with other work, wall times swing with
-the others' load, the CPU time the digests add much less. The files are written with fsync
-(DCP's default) and read back from the page cache, as a resume soon after a save reads them.
-``load_phases``: the load with digests in its three parts, on each rank (medians over the
-repeats of the slowest rank's wall time and of the CPU seconds of all ranks): ``verify``
-(``digests.json`` read, :func:`~qsdp.train.integrity.verify_digests`), ``read`` (DCP's load,
-the payloads hashed as they are read, the blocks no read held whole read again) and ``agree``
-(:func:`~qsdp.train.integrity.agree_on_digests`). Also reported: ``reread_pct``, the share of the payloads the load read again apart from DCP's
-reads (blocks no read held whole), and ``hash_gb_per_s``, one core's speed of each hash over
-256 MiB in memory on this machine, and ``hash_in_cache_gb_per_s``, one core's speed of
-``xxh3-128-64k`` as a load hashes (each piece of a read right after it arrives, in the cache);
-``hash_share_pct`` turns both into what one hash of every byte adds to the load's CPU time, in
-cache and from memory: where the load's ``cpu_overhead_pct`` lies between them says how much of
-the hashing runs at memory speed.
+with digests first (and the loads in the reverse order). The median over the repeats is reported
+with ``overhead_pct`` = digests / without - 1; ``cpu_s`` / ``cpu_overhead_pct`` do the same with
+the CPU seconds of every rank's process (all its threads) summed: on a machine shared with other
+work, wall times swing with the others' load, the CPU time the digests add much less. The files
+are written with fsync (DCP's default) and read back from the page cache, as a resume soon after
+a save reads them. ``load_phases``: the load with digests in its three parts, on each rank
+(medians over the repeats of the slowest rank's wall time and of the CPU seconds of all ranks):
+``verify`` (``digests.json`` read, :func:`~qsdp.train.integrity.verify_digests`), ``read``
+(DCP's load, the payloads hashed as they are read, the blocks no read held whole read again) and
+``agree`` (:func:`~qsdp.train.integrity.agree_on_digests`). Also reported: ``reread_pct``, the
+share of the payloads the load read again apart from DCP's reads (blocks no read held whole),
+and ``hash_gb_per_s``, one core's speed of each hash over 256 MiB in memory on this machine, and
+``hash_in_cache_gb_per_s``, one core's speed of ``xxh3-128-64k`` as a load hashes (each piece of
+a read right after it arrives, in the cache); ``hash_share_pct`` turns both into what one hash
+of every byte adds to the load's CPU time, in cache and from memory: where the load's
+``cpu_overhead_pct`` lies between them says how much of the hashing runs at memory speed.
 
 ``--json`` prints one JSON object; ``--save FILE`` also writes it with ``meta`` (command, torch
 version, date, device, and the machine's 1-minute load average before and after: hashing is CPU
@@ -216,7 +217,8 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
     if rank:
         return None
     return {"checkpoint_bytes": size, "layers": layers, "dim": dim, "algorithm": algorithm,
-            "load_without_digests": _WITHOUT, "reread_pct": 100 * float(reread[0] / reread[1]) if reread[1] else 0.0, "times_s": times,
+            "load_without_digests": _WITHOUT,
+            "reread_pct": 100 * float(reread[0] / reread[1]) if reread[1] else 0.0, "times_s": times,
             "cpu_s": cpu_times,
             "load_phases_s": {name: {"wall": walls[:, i].tolist(), "cpu": cpus[:, i].tolist()}
                               for i, name in enumerate(_PHASES)}}
@@ -260,8 +262,8 @@ def _text(result: dict[str, Any]) -> str:
             f"  load: {m['load']:.2f} s without digests, {m['load_digests']:.2f} s with ({o['load']:+.1f}%; "
             f"CPU time {c['load']:+.1f}%; {result['reread_pct']:.1f}% of the payloads read again)\n"
             f"  load with digests, slowest rank (CPU of all ranks): {phases}\n"
-            f"  DCP's own reader and planner: {m['load_dcp']:.2f} s (the plain-data reading costs {plain['wall']:+.1f}%; "
-            f"CPU time {plain['cpu']:+.1f}%)\n"
+            f"  DCP's own reader and planner: {m['load_dcp']:.2f} s (the plain-data reading costs "
+            f"{plain['wall']:+.1f}%; CPU time {plain['cpu']:+.1f}%)\n"
             f"  one core hashes (GB/s): {speeds}; xxh3-128-64k as a load hashes, in cache: "
             f"{result['hash_in_cache_gb_per_s']:.1f}\n"
             f"  hashing every byte once would add {share['in_cache']:.1f}% to the load's CPU time in cache, "
