@@ -12,24 +12,33 @@ of ``--dim``), then, ``--repeats`` times in turn, on every rank:
   :func:`~qsdp.train.integrity.verify_digests` (sizes, unlisted files, the digest of every file
   but the payloads), DCP's load through :class:`~qsdp.train.digest_reader.DigestingReader`
   (each payload hashed as DCP reads it, with qsdp's plain-data planner) and
-  :func:`~qsdp.train.integrity.agree_on_digests`, against DCP's own load.
+  :func:`~qsdp.train.integrity.agree_on_digests`, against the same load without digests: DCP's
+  load through the reader the digesting one extends
+  (:class:`~qsdp.train.plain_data.PlainDataReader`, with the same planner; named by
+  ``load_without_digests`` in the result). ``load_dcp``, DCP's
+  own reader and planner, shows what reading the checkpoint as plain data costs apart from the
+  digests (``plain_data_pct``).
 
 ``--algorithm sha256`` measures the digests qsdp wrote before ``xxh3-128-64k`` (SHA-256 of each
 file behind the writer; at load, every file hashed before DCP reads it).
 
 Each time is the slowest rank's (a barrier before and after); every other repeat runs the kinds
-with digests first. The median over the repeats is reported with ``overhead_pct`` = digests /
-without - 1; ``cpu_s`` / ``cpu_overhead_pct`` do the same with the CPU seconds of every rank's
-process (all its threads) summed: on a machine shared with other work, wall times swing with
-the others' load, the CPU time the digests add much less. The files are written with fsync
-(DCP's default) and read back from the page cache, as a resume soon after a save reads them.
-Also reported: ``reread_pct``, the share of the payloads the load read again apart from DCP's
-reads (blocks no read held whole), and ``hash_gb_per_s``, one core's speed of each hash over
-256 MiB in memory on this machine, and ``hash_in_cache_gb_per_s``, one core's speed of
-``xxh3-128-64k`` as a load hashes (each piece of a read right after it arrives, in the cache);
-``hash_share_pct`` turns both into what one hash of every byte adds to the load's CPU time, in
-cache and from memory: where the load's ``cpu_overhead_pct`` lies between them says how much of
-the hashing runs at memory speed.
+with digests first (and the loads in the reverse order). The median over the repeats is reported
+with ``overhead_pct`` = digests / without - 1; ``cpu_s`` / ``cpu_overhead_pct`` do the same with
+the CPU seconds of every rank's process (all its threads) summed: on a machine shared with other
+work, wall times swing with the others' load, the CPU time the digests add much less. The files
+are written with fsync (DCP's default) and read back from the page cache, as a resume soon after
+a save reads them. ``load_phases``: the load with digests in its three parts, on each rank
+(medians over the repeats of the slowest rank's wall time and of the CPU seconds of all ranks):
+``verify`` (``digests.json`` read, :func:`~qsdp.train.integrity.verify_digests`), ``read``
+(DCP's load, the payloads hashed as they are read, the blocks no read held whole read again) and
+``agree`` (:func:`~qsdp.train.integrity.agree_on_digests`). Also reported: ``reread_pct``, the
+share of the payloads the load read again apart from DCP's reads (blocks no read held whole),
+and ``hash_gb_per_s``, one core's speed of each hash over 256 MiB in memory on this machine, and
+``hash_in_cache_gb_per_s``, one core's speed of ``xxh3-128-64k`` as a load hashes (each piece of
+a read right after it arrives, in the cache); ``hash_share_pct`` turns both into what one hash
+of every byte adds to the load's CPU time, in cache and from memory: where the load's
+``cpu_overhead_pct`` lies between them says how much of the hashing runs at memory speed.
 
 ``--json`` prints one JSON object; ``--save FILE`` also writes it with ``meta`` (command, torch
 version, date, device, and the machine's 1-minute load average before and after: hashing is CPU
@@ -55,6 +64,9 @@ from benchmarks._cli import run_script
 
 PROG = "python -m benchmarks.checkpoint_io"
 __all__ = ["main"]
+_PHASES = ("verify", "read", "agree")  # the parts of a load with digests, timed on each rank
+# What the load without digests runs: the reader the digesting one extends, and the same planner.
+_WITHOUT = "PlainDataReader, PlainDataLoadPlanner"
 
 
 def _timed(fn: Any) -> tuple[float, float]:
@@ -131,7 +143,7 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
     from qsdp.train.digest_reader import DigestingReader
     from qsdp.train.digest_writer import DigestingWriter
     from qsdp.train.integrity import agree_on_digests, hashed_while_loading, read_digests, verify_digests, write_digests
-    from qsdp.train.plain_data import PlainDataLoadPlanner
+    from qsdp.train.plain_data import PlainDataLoadPlanner, PlainDataReader
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -149,9 +161,11 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     cpu = torch.device("cpu")
-    times: dict[str, list[float]] = {k: [] for k in ("save", "save_digests", "load", "load_digests")}
+    times: dict[str, list[float]] = {k: [] for k in ("save", "save_digests", "load", "load_digests", "load_dcp")}
     cpu_times: dict[str, list[float]] = {k: [] for k in times}
     reread = torch.zeros(2, dtype=torch.float64)  # payload bytes read again, payload bytes
+    # Each repeat's load with digests, on this rank: wall and CPU seconds of verify, read, agree.
+    phases = torch.zeros(repeats, 2, len(_PHASES), dtype=torch.float64)
     for r in range(repeats):
         plain, hashed = Path(root) / f"plain{r}", Path(root) / f"digests{r}"
 
@@ -160,20 +174,31 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
             dcp.save(state, storage_writer=writer)
             write_digests(hashed, True, writer.digests, algorithm)
 
-        def load_digests() -> None:
+        def load_digests(r: int = r) -> None:
+            marks = [(time.perf_counter(), time.process_time())]
             digests = read_digests(hashed)
             during = hashed_while_loading(digests)
             verify_digests(hashed, cpu, during_load=during)
+            marks.append((time.perf_counter(), time.process_time()))
             reader = DigestingReader(str(hashed), {name: digests["files"][name] for name in during})
             dcp.load(state, storage_reader=reader, planner=PlainDataLoadPlanner())
+            marks.append((time.perf_counter(), time.process_time()))
             agree_on_digests(digests, reader.bad, cpu)
+            marks.append((time.perf_counter(), time.process_time()))
+            for i in range(len(_PHASES)):
+                phases[r, 0, i] = marks[i + 1][0] - marks[i][0]
+                phases[r, 1, i] = marks[i + 1][1] - marks[i][1]
             reread[0] += reader.reread
             reread[1] += sum(digests["files"][name]["bytes"] for name in reader.owned)
 
+        def load() -> None:  # the same reader and planner, no digests
+            dcp.load(state, storage_reader=PlainDataReader(str(plain)), planner=PlainDataLoadPlanner())
+
         runs = [("save", lambda: dcp.save(state, checkpoint_id=str(plain))), ("save_digests", save_digests),
-                ("load", lambda: dcp.load(state, checkpoint_id=str(plain))), ("load_digests", load_digests)]
+                ("load", load), ("load_digests", load_digests),
+                ("load_dcp", lambda: dcp.load(state, checkpoint_id=str(plain)))]
         if r % 2:  # every other repeat with digests first: neither kind always follows the other
-            runs = [runs[1], runs[0], runs[3], runs[2]]
+            runs = [runs[1], runs[0], runs[4], runs[3], runs[2]]
         for kind, fn in runs:
             wall, cpu_s = _timed(fn)
             times[kind].append(wall)
@@ -185,12 +210,18 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
             shutil.rmtree(hashed)
         dist.barrier()
     dist.all_reduce(reread)
+    walls, cpus = phases[:, 0].clone(), phases[:, 1].clone()
+    dist.all_reduce(walls, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpus)
     dist.destroy_process_group()
     if rank:
         return None
     return {"checkpoint_bytes": size, "layers": layers, "dim": dim, "algorithm": algorithm,
+            "load_without_digests": _WITHOUT,
             "reread_pct": 100 * float(reread[0] / reread[1]) if reread[1] else 0.0, "times_s": times,
-            "cpu_s": cpu_times}
+            "cpu_s": cpu_times,
+            "load_phases_s": {name: {"wall": walls[:, i].tolist(), "cpu": cpus[:, i].tolist()}
+                              for i, name in enumerate(_PHASES)}}
 
 
 def _overhead(med: dict[str, float]) -> dict[str, float]:
@@ -202,7 +233,11 @@ def _summary(raw: dict[str, Any]) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in raw["times_s"].items()}
     cpu = {k: statistics.median(v) for k, v in raw["cpu_s"].items()}
     return {**raw, "median_s": med, "overhead_pct": _overhead(med),
-            "median_cpu_s": cpu, "cpu_overhead_pct": _overhead(cpu)}
+            "median_cpu_s": cpu, "cpu_overhead_pct": _overhead(cpu),
+            "plain_data_pct": {"wall": 100 * (med["load"] / med["load_dcp"] - 1),
+                               "cpu": 100 * (cpu["load"] / cpu["load_dcp"] - 1)},
+            "load_phases": {name: {k: statistics.median(v) for k, v in kinds.items()}
+                            for name, kinds in raw["load_phases_s"].items()}}
 
 
 def _hash_share(result: dict[str, Any]) -> dict[str, float]:
@@ -217,13 +252,18 @@ def _hash_share(result: dict[str, Any]) -> dict[str, float]:
 def _text(result: dict[str, Any]) -> str:
     m, o, c = result["median_s"], result["overhead_pct"], result["cpu_overhead_pct"]
     speeds = ", ".join(f"{k} {v:.2f}" for k, v in result["hash_gb_per_s"].items())
-    share = result["hash_share_pct"]
+    share, plain = result["hash_share_pct"], result["plain_data_pct"]
+    phases = ", ".join(f"{k} {v['wall'] * 1e3:.1f} ms (CPU {v['cpu'] * 1e3:.1f} ms)"
+                       for k, v in result["load_phases"].items())
     return (f"checkpoint of {result['checkpoint_bytes'] / 1e9:.2f} GB on {result['nproc']} ranks, "
             f"{result['algorithm']} digests, median of {len(result['times_s']['save'])}:\n"
             f"  save: {m['save']:.2f} s without digests, {m['save_digests']:.2f} s with ({o['save']:+.1f}%; "
             f"CPU time {c['save']:+.1f}%)\n"
             f"  load: {m['load']:.2f} s without digests, {m['load_digests']:.2f} s with ({o['load']:+.1f}%; "
             f"CPU time {c['load']:+.1f}%; {result['reread_pct']:.1f}% of the payloads read again)\n"
+            f"  load with digests, slowest rank (CPU of all ranks): {phases}\n"
+            f"  DCP's own reader and planner: {m['load_dcp']:.2f} s (the plain-data reading costs "
+            f"{plain['wall']:+.1f}%; CPU time {plain['cpu']:+.1f}%)\n"
             f"  one core hashes (GB/s): {speeds}; xxh3-128-64k as a load hashes, in cache: "
             f"{result['hash_in_cache_gb_per_s']:.1f}\n"
             f"  hashing every byte once would add {share['in_cache']:.1f}% to the load's CPU time in cache, "
