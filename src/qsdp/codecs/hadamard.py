@@ -15,6 +15,8 @@ device and the fused Triton kernels (:mod:`qsdp.codecs.triton_kernels`) reproduc
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 
 import torch
 
@@ -44,28 +46,78 @@ def hadamard_matrix(block: int, *, dtype=torch.float32, device="cpu") -> torch.T
 # cache through the log2(block) stages instead of each stage streaming the whole tensor from
 # memory; smaller chunks lose to torch's per-operation overhead.
 _CHUNK = 1 << 17
+# Butterfly plans a CPU thread keeps (:func:`_plan`): views only, into the thread's one pair
+# of scratch buffers, so a plan costs no memory; a model has one shard shape per FSDP group.
+_PLANS_KEPT = 256
 
 
-def _butterfly_into(rows: torch.Tensor, block: int, out: torch.Tensor, scratch: list[torch.Tensor]) -> None:
-    """``out = rows @ H`` for fp32 ``rows`` and ``out`` of ``[N, block]``, in the fixed butterfly
-    order; ``scratch``: two buffers of at least ``rows.numel()`` elements (``rows`` is not
-    modified).
+class _Butterfly:
+    """The stages of ``rows @ H`` for ``[n_rows, block]`` fp32 rows, in the fixed butterfly
+    order, run in two scratch buffers of at least ``n_rows * block`` elements.
 
     The stages run on the transpose, ``[block, N]``: the two halves of every stage are then runs
     of ``h * N`` contiguous elements instead of runs of ``h`` (strided elementwise ops are several
     times slower than contiguous ones). Each output element is still the same sums in the same
-    order."""
-    n_rows = rows.shape[0]
-    bufs = [b[: rows.numel()].view(block, n_rows) for b in scratch]
-    bufs[0].copy_(rows.t())
-    cur, h, i = bufs[0], 1, 1
-    while h < block:
-        src = cur.view(block // (2 * h), 2, h, n_rows)
-        dst = bufs[i].view(block // (2 * h), 2, h, n_rows)
-        torch.add(src[:, 0], src[:, 1], out=dst[:, 0])
-        torch.sub(src[:, 0], src[:, 1], out=dst[:, 1])
-        cur, h, i = bufs[i], 2 * h, 1 - i
-    out.copy_(cur.t())
+    order. Every view a stage reads or writes is made here, once: on a small shard each one
+    costs what a stage's arithmetic does."""
+
+    built = 0  # plans made in this process (the tests count them)
+
+    def __init__(self, n_rows: int, block: int, scratch: list[torch.Tensor]) -> None:
+        type(self).built += 1
+        bufs = [b[: n_rows * block].view(block, n_rows) for b in scratch]
+        self.first = bufs[0]
+        # (a, b, a + b, a - b) of each stage: the halves whose in-block index differs in bit k.
+        self.stages: list[tuple[torch.Tensor, ...]] = []
+        cur, h, i = 0, 1, 1
+        while h < block:
+            src = bufs[cur].view(block // (2 * h), 2, h, n_rows)
+            dst = bufs[i].view(block // (2 * h), 2, h, n_rows)
+            self.stages.append((src[:, 0], src[:, 1], dst[:, 0], dst[:, 1]))
+            cur, h, i = i, 2 * h, 1 - i
+        self.last = bufs[cur]
+
+    def __call__(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = rows @ H`` (``rows`` is not modified)."""
+        self.first.copy_(rows.t())
+        for a, b, total, difference in self.stages:
+            torch.add(a, b, out=total)
+            torch.sub(a, b, out=difference)
+        out.copy_(self.last.t())
+
+
+class _CpuPlans(threading.local):
+    """A CPU thread's scratch buffers (made at its first transform, :data:`_CHUNK` elements
+    each) and its butterfly plans over them, by ``(n_rows, block)``, the least recently used
+    dropped past :data:`_PLANS_KEPT`. Per thread: two threads transforming at once must not
+    share scratch."""
+
+    def __init__(self) -> None:
+        self.scratch: list[torch.Tensor] | None = None
+        self.plans: OrderedDict[tuple[int, int], _Butterfly] = OrderedDict()
+
+
+_CPU = _CpuPlans()
+
+
+def _plan(n_rows: int, block: int, device: torch.device) -> _Butterfly:
+    """The butterfly of ``[n_rows, block]`` rows on ``device``: on CPU (where a chunk holds at
+    most :data:`_CHUNK` elements) the thread's plan of that shape, made once; elsewhere (one
+    chunk of the whole tensor) a plan over fresh scratch."""
+    if device.type != "cpu":
+        scratch = [torch.empty(n_rows * block, dtype=torch.float32, device=device) for _ in range(2)]
+        return _Butterfly(n_rows, block, scratch)
+    key = (n_rows, block)
+    plan = _CPU.plans.get(key)
+    if plan is None:
+        if _CPU.scratch is None:
+            _CPU.scratch = [torch.empty(_CHUNK, dtype=torch.float32) for _ in range(2)]
+        plan = _CPU.plans[key] = _Butterfly(n_rows, block, _CPU.scratch)
+        if len(_CPU.plans) > _PLANS_KEPT:
+            _CPU.plans.popitem(last=False)
+    else:
+        _CPU.plans.move_to_end(key)
+    return plan
 
 
 def _apply(x: torch.Tensor, block: int, scale: float) -> torch.Tensor:
@@ -77,11 +129,10 @@ def _apply(x: torch.Tensor, block: int, scale: float) -> torch.Tensor:
     if n_rows * block < n:
         out[n_rows * block :] = flat[n_rows * block :]
     step = max(1, _CHUNK // block) if flat.device.type == "cpu" else max(n_rows, 1)
-    scratch = [flat.new_empty(min(n_rows, step) * block) for _ in range(2)]
     for r0 in range(0, n_rows, step):
         r1 = min(n_rows, r0 + step)
         dst = out[r0 * block : r1 * block].view(-1, block)
-        _butterfly_into(flat[r0 * block : r1 * block].view(-1, block), block, dst, scratch)
+        _plan(r1 - r0, block, flat.device)(flat[r0 * block : r1 * block].view(-1, block), dst)
         if scale != 1.0:
             dst.mul_(scale)
     return out.view(x.shape)
