@@ -84,6 +84,23 @@ def test_each_row_gets_the_numbers_of_its_own_seed(rows, n):
         assert torch.equal(u[r], rng.uniform(seed, n, stream=2))
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["one-key", "a-key-per-row"])
+def test_the_int32_arithmetic_of_other_devices_gives_the_cpu_paths_bits(per_row):
+    # CPU tensors hash in numpy's uint32, other devices in torch's int32: one specification.
+    keys, n, start = [rng.seed_key(s, 1) for s in (3, 2**31 + 7)], 4096, 2**32 - 1000
+    ramp = rng._golden_ramp(n, torch.device("cpu"))
+    if per_row:
+        first, key = (torch.tensor([rng._s32(v) for v in values], dtype=torch.int32).unsqueeze(1)
+                      for values in ([start * 0x9E3779B1 + k for k in keys], [k ^ (k >> 16) for k in keys]))
+        shape, expected = (2, n), [[rng.hash32(start + i, k) >> 8 for i in range(n)] for k in keys]
+    else:
+        first, key, shape = start, keys[0], (n,)
+        expected = [rng.hash32(start + i, keys[0]) >> 8 for i in range(n)]
+    for bits in (rng._uniform_bits_cpu, rng._uniform_bits_int32):
+        x = bits(first, key, ramp, torch.empty(shape, dtype=torch.int32), torch.empty(shape, dtype=torch.int32))
+        assert x.tolist() == expected, bits.__name__
+
+
 def test_add_uniform_rows_wants_a_seed_per_row():
     with pytest.raises(ValueError, match="2 seeds for 3 rows"):
         rng.add_uniform_rows_(torch.zeros(3, 4), [1, 2])
