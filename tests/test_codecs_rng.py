@@ -96,9 +96,23 @@ def test_the_int32_arithmetic_of_other_devices_gives_the_cpu_paths_bits(per_row)
     else:
         first, key, shape = start, keys[0], (n,)
         expected = [rng.hash32(start + i, keys[0]) >> 8 for i in range(n)]
-    for bits in (rng._uniform_bits_cpu, rng._uniform_bits_int32):
-        x = bits(first, key, ramp, torch.empty(shape, dtype=torch.int32), torch.empty(shape, dtype=torch.int32))
-        assert x.tolist() == expected, bits.__name__
+    on_cpu = rng._uniform_bits_cpu(first, key, shape)
+    assert on_cpu.tolist() == expected
+    buffers = (torch.empty(shape, dtype=torch.int32) for _ in range(2))
+    assert rng._uniform_bits_int32(first, key, ramp, *buffers).tolist() == expected
+
+
+def test_threads_drawing_at_once_do_not_share_a_buffer():
+    # A CPU draw fills its thread's buffer: another thread's draws must not overwrite it.
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = [rng.uniform(seed, 5000, stream=1) for seed in (1, 2)]
+
+    def many(i: int) -> bool:
+        return all(torch.equal(rng.uniform(i + 1, 5000, stream=1), expected[i]) for _ in range(300))
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(many, [0, 1]))
 
 
 def test_add_uniform_rows_wants_a_seed_per_row():

@@ -18,6 +18,9 @@ the same bits, fewer passes, and each far cheaper to start than a torch operatio
 from __future__ import annotations
 
 import functools
+import math
+import threading
+from typing import Callable
 
 import numpy as np
 import torch
@@ -117,24 +120,17 @@ def _golden_ramp(n: int, device: torch.device) -> torch.Tensor:
 _cpu_ramp = functools.lru_cache(maxsize=1)(lambda: _golden_ramp(_CHUNK, torch.device("cpu")))
 
 
-def _uniform_bits(
+def _uniform_bits_int32(
     start: int | torch.Tensor, key: int | torch.Tensor, ramp: torch.Tensor, x: torch.Tensor, tmp: torch.Tensor
 ) -> torch.Tensor:
     """The hash's top 24 bits for indices ``start + j`` (``j < x.numel()``; ``ramp`` the matching
     slice of :func:`_golden_ramp`), written into the int32 buffer ``x`` (returned) as values in
-    [0, 2**24); ``tmp`` is scratch of the same size.
+    [0, 2**24); ``tmp`` is scratch of the same size. In torch's int32, on any device (on CPU,
+    :func:`_uniform_bits_cpu` gives the same bits faster).
 
     Per-row keys (:func:`_RowKeys`): ``start`` and ``key`` are then the int32 ``[rows, 1]``
     terms ``_s32(start * _GOLDEN + key)`` and ``_s32(key ^ (key >> 16))`` of each row, and
     ``x`` is ``[rows, ramp.numel()]``: the same wrapping int32 arithmetic, broadcast."""
-    return (_uniform_bits_cpu if x.device.type == "cpu" else _uniform_bits_int32)(start, key, ramp, x, tmp)
-
-
-def _uniform_bits_int32(
-    start: int | torch.Tensor, key: int | torch.Tensor, ramp: torch.Tensor, x: torch.Tensor, tmp: torch.Tensor
-) -> torch.Tensor:
-    """:func:`_uniform_bits` in torch's int32 (any device; on CPU :func:`_uniform_bits_cpu` is
-    faster)."""
     if isinstance(key, torch.Tensor):
         torch.add(ramp, start, out=x)
         mixed_key = key
@@ -151,14 +147,30 @@ def _uniform_bits_int32(
     return x.bitwise_and_(0xFFFFFF)
 
 
-def _uniform_bits_cpu(
-    start: int | torch.Tensor, key: int | torch.Tensor, ramp: torch.Tensor, x: torch.Tensor, tmp: torch.Tensor
-) -> torch.Tensor:
-    """:func:`_uniform_bits` on CPU tensors, in numpy's uint32 over their memory: the same
-    wrapping arithmetic, where the shifts are logical (no mask after each, as int32 needs) and
-    an operation costs about a microsecond, against several for torch's on a CPU tensor. On a
-    small shard the hash's fifteen passes are most of a quantization's host time."""
-    u, t, r = (b.numpy().view(np.uint32) for b in (x, tmp, ramp))
+class _CpuScratch(threading.local):
+    """A CPU thread's buffers for the hash, made at its first draw (a draw then allocates and
+    converts nothing): an int32 buffer of :data:`_CHUNK` elements, as a tensor and as numpy's
+    uint32 view of the same memory, numpy scratch, and the ramp's numpy view."""
+
+    def __init__(self) -> None:
+        self.x = torch.empty(_CHUNK, dtype=torch.int32)
+        self.u = self.x.numpy().view(np.uint32)
+        self.t = np.empty(_CHUNK, dtype=np.uint32)
+        self.ramp = _cpu_ramp().numpy().view(np.uint32)
+
+
+_CPU = _CpuScratch()
+
+
+def _uniform_bits_cpu(start: int | torch.Tensor, key: int | torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """:func:`_uniform_bits_int32` on CPU, for ``shape`` (``[n]`` or ``[rows, n]``, at most
+    :data:`_CHUNK` elements), in numpy's uint32 over the thread's buffer, returned as an int32
+    view of it (valid until the thread's next draw): the same wrapping arithmetic, where the
+    shifts are logical (no mask after each, as int32 needs) and an operation costs about a
+    microsecond, against several for torch's on a CPU tensor. On a small shard the hash's
+    fifteen passes are most of a quantization's host time."""
+    size = math.prod(shape)
+    u, t, r = _CPU.u[:size].reshape(shape), _CPU.t[:size].reshape(shape), _CPU.ramp[: shape[-1]]
     if isinstance(key, torch.Tensor):
         first, mixed = start.numpy().view(np.uint32), key.numpy().view(np.uint32)
     else:
@@ -172,12 +184,12 @@ def _uniform_bits_cpu(
         np.multiply(u, np.uint32(factor), out=u)
         np.bitwise_xor(u, np.right_shift(u, shift, out=t), out=u)
     np.right_shift(u, 8, out=u)  # logical: below 2**24, so the int32 view reads the same value
-    return x
+    return _CPU.x[:size].view(shape)
 
 
 class _RowKeys:
     """The keys of ``seeds`` (one per row) on ``stream``, folded on the host as :func:`seed_key`
-    folds one; :meth:`terms` gives a block of rows' int32 terms for :func:`_uniform_bits`."""
+    folds one; :meth:`terms` gives a block of rows' int32 terms for :func:`_uniform_bits_int32`."""
 
     def __init__(self, seeds, stream: int, device: torch.device) -> None:
         self.keys = [seed_key(int(s), stream) for s in seeds]
@@ -210,13 +222,22 @@ def _row_tiles(rows: int, n: int, device: torch.device) -> list[tuple[int, int, 
     return [(r, r + 1, c0, min(n, c0 + _CHUNK)) for r in range(rows) for c0 in range(0, n, _CHUNK)]
 
 
-def _tile_buffers(tiles, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The ramp of the widest tile and the int32 buffer and scratch of the largest."""
+def _tile_draws(tiles, n: int, device: torch.device) -> Callable[..., torch.Tensor]:
+    """``draw(first, mixed, shape)``: :func:`_uniform_bits_int32` of a tile of ``shape`` and
+    its rows' terms, in the thread's buffer on CPU, elsewhere in buffers made here for the
+    largest tile (with the ramp of the widest)."""
+    if device.type == "cpu":
+        return _uniform_bits_cpu
     r0, r1, c0, c1 = tiles[0]
-    size = (r1 - r0) * (c1 - c0)
-    ramp = _cpu_ramp()[: c1 - c0] if device.type == "cpu" else _golden_ramp(n, device)
-    x = torch.empty(size, dtype=torch.int32, device=device)
-    return ramp, x, torch.empty_like(x)
+    ramp = _golden_ramp(n, device)
+    xb = torch.empty((r1 - r0) * (c1 - c0), dtype=torch.int32, device=device)
+    tb = torch.empty_like(xb)
+
+    def draw(first: torch.Tensor, mixed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        x, tmp = (b[: shape[0] * shape[1]].view(shape) for b in (xb, tb))
+        return _uniform_bits_int32(first, mixed, ramp[: shape[1]], x, tmp)
+
+    return draw
 
 
 def add_uniform_rows_(v: torch.Tensor, seeds, *, offset: int = 0, stream: int = 0) -> torch.Tensor:
@@ -233,13 +254,11 @@ def add_uniform_rows_(v: torch.Tensor, seeds, *, offset: int = 0, stream: int = 
         return v
     keys = _RowKeys(seeds, stream, v.device)
     tiles = _row_tiles(rows, n, v.device)
-    ramp, xb, tb = _tile_buffers(tiles, n, v.device)
+    draw = _tile_draws(tiles, n, v.device)
     for r0, r1, c0, c1 in tiles:
-        shape = (r1 - r0, c1 - c0)
-        x, tmp = (b[: shape[0] * shape[1]].view(shape) for b in (xb, tb))
         first, mixed = keys.terms(r0, r1, offset + c0)
         # As add_uniform_: the integers (below 2**24) become fp32 exactly inside the addition.
-        v[r0:r1, c0:c1].add_(_uniform_bits(first, mixed, ramp[: shape[1]], x, tmp), alpha=_INV24)
+        v[r0:r1, c0:c1].add_(draw(first, mixed, (r1 - r0, c1 - c0)), alpha=_INV24)
     return v
 
 
@@ -250,16 +269,19 @@ def uniform_rows(seeds, n: int, *, offset: int = 0, stream: int = 0,
                              offset=offset, stream=stream)
 
 
-def _chunks(n: int, device: torch.device) -> list[tuple]:
-    """(begin, end, ramp, int32 buffer, int32 scratch, fp32 buffer) over ``[0, n)``: cache-sized
-    chunks on CPU, the whole range at once elsewhere (a GPU gains nothing from chunking)."""
-    cpu = device.type == "cpu"
-    size = min(n, _CHUNK) if cpu else n
-    ramp = _cpu_ramp() if cpu else _golden_ramp(n, device)
-    x = torch.empty(size, dtype=torch.int32, device=device)
-    tmp, f = torch.empty_like(x), torch.empty(size, dtype=torch.float32, device=device)
-    bounds = [(b, min(n, b + size)) for b in range(0, n, max(size, 1))]
-    return [(b, e, ramp[: e - b], x[: e - b], tmp[: e - b], f[: e - b]) for b, e in bounds]
+def _chunks(n: int, device: torch.device) -> list[tuple[int, int, Callable[[int, int], torch.Tensor]]]:
+    """``(begin, end, draw)`` over ``[0, n)``, ``draw(start, key)`` the hash's bits of that
+    span's indices from ``start`` on: cache-sized chunks in the thread's buffer on CPU, the whole
+    range at once elsewhere, in buffers made here (a GPU gains nothing from chunking)."""
+    if device.type == "cpu":
+        spans = [(b, min(n, b + _CHUNK)) for b in range(0, n, _CHUNK)]
+        return [(b, e, functools.partial(_uniform_bits_cpu, shape=(e - b,))) for b, e in spans]
+    if n == 0:
+        return []
+    ramp = _golden_ramp(n, device)
+    x = torch.empty(n, dtype=torch.int32, device=device)
+    tmp = torch.empty_like(x)
+    return [(0, n, lambda start, key: _uniform_bits_int32(start, key, ramp, x, tmp))]
 
 
 def add_uniform_(v: torch.Tensor, seed: int, *, offset: int = 0, stream: int = 0) -> torch.Tensor:
@@ -269,11 +291,11 @@ def add_uniform_(v: torch.Tensor, seed: int, *, offset: int = 0, stream: int = 0
         raise ValueError(f"add_uniform_ needs a contiguous float32 tensor, got {v.dtype}")
     key = seed_key(seed, stream)
     flat = v.view(-1)
-    for b, e, ramp, x, tmp, _ in _chunks(flat.numel(), v.device):
+    for b, e, draw in _chunks(flat.numel(), v.device):
         # The integers (below 2**24) become fp32 exactly inside the addition, and the product
         # with 2**-24 is exact, so this is ``v + u`` rounded once, FMA or not: no fp32 copy of
         # the numbers is made (one operator fewer per chunk).
-        flat[b:e].add_(_uniform_bits(offset + b, key, ramp, x, tmp), alpha=_INV24)
+        flat[b:e].add_(draw(offset + b, key), alpha=_INV24)
     return v
 
 
@@ -284,6 +306,6 @@ def uniform(
     ``(seed, stream, offset + i)`` alone: the top 24 bits of :func:`hash32` times 2**-24."""
     key = seed_key(seed, stream)
     out = torch.empty(n, dtype=torch.float32, device=device)
-    for b, e, ramp, x, tmp, _ in _chunks(n, out.device):
-        out[b:e].copy_(_uniform_bits(offset + b, key, ramp, x, tmp)).mul_(_INV24)
+    for b, e, draw in _chunks(n, out.device):
+        out[b:e].copy_(draw(offset + b, key)).mul_(_INV24)
     return out
