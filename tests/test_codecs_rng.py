@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,13 +91,15 @@ def test_the_int32_arithmetic_of_other_devices_gives_the_cpu_paths_bits(per_row)
     keys, n, start = [rng.seed_key(s, 1) for s in (3, 2**31 + 7)], 4096, 2**32 - 1000
     ramp = rng._golden_ramp(n, torch.device("cpu"))
     if per_row:
-        first, key = (torch.tensor([rng._s32(v) for v in values], dtype=torch.int32).unsqueeze(1)
-                      for values in ([start * 0x9E3779B1 + k for k in keys], [k ^ (k >> 16) for k in keys]))
+        terms = [[start * 0x9E3779B1 + k for k in keys], [k ^ (k >> 16) for k in keys]]
+        on_cpu = rng._uniform_bits_cpu(*(np.array([v & 0xFFFFFFFF for v in t], dtype=np.uint32)[:, None]
+                                         for t in terms), (2, n))
+        first, key = (torch.tensor([rng._s32(v) for v in t], dtype=torch.int32)[:, None] for t in terms)
         shape, expected = (2, n), [[rng.hash32(start + i, k) >> 8 for i in range(n)] for k in keys]
     else:
         first, key, shape = start, keys[0], (n,)
+        on_cpu = rng._uniform_bits_cpu(first, key, shape)
         expected = [rng.hash32(start + i, keys[0]) >> 8 for i in range(n)]
-    on_cpu = rng._uniform_bits_cpu(first, key, shape)
     assert on_cpu.tolist() == expected
     buffers = (torch.empty(shape, dtype=torch.int32) for _ in range(2))
     assert rng._uniform_bits_int32(first, key, ramp, *buffers).tolist() == expected

@@ -162,17 +162,18 @@ class _CpuScratch(threading.local):
 _CPU = _CpuScratch()
 
 
-def _uniform_bits_cpu(start: int | torch.Tensor, key: int | torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def _uniform_bits_cpu(start: int | np.ndarray, key: int | np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
     """:func:`_uniform_bits_int32` on CPU, for ``shape`` (``[n]`` or ``[rows, n]``, at most
     :data:`_CHUNK` elements), in numpy's uint32 over the thread's buffer, returned as an int32
     view of it (valid until the thread's next draw): the same wrapping arithmetic, where the
     shifts are logical (no mask after each, as int32 needs) and an operation costs about a
     microsecond, against several for torch's on a CPU tensor. On a small shard the hash's
-    fifteen passes are most of a quantization's host time."""
+    fifteen passes are most of a quantization's host time. Per-row keys: ``start`` and ``key``
+    are the uint32 ``[rows, 1]`` terms of :class:`_RowKeys`."""
     size = math.prod(shape)
     u, t, r = _CPU.u[:size].reshape(shape), _CPU.t[:size].reshape(shape), _CPU.ramp[: shape[-1]]
-    if isinstance(key, torch.Tensor):
-        first, mixed = start.numpy().view(np.uint32), key.numpy().view(np.uint32)
+    if isinstance(key, np.ndarray):
+        first, mixed = start, key
     else:
         first, mixed = np.uint32((start * _GOLDEN + key) & _MASK32), np.uint32(key ^ (key >> 16))
     np.add(r, first, out=u)
@@ -189,22 +190,24 @@ def _uniform_bits_cpu(start: int | torch.Tensor, key: int | torch.Tensor, shape:
 
 class _RowKeys:
     """The keys of ``seeds`` (one per row) on ``stream``, folded on the host as :func:`seed_key`
-    folds one; :meth:`terms` gives a block of rows' int32 terms for :func:`_uniform_bits_int32`."""
+    folds one; :meth:`terms` gives a block of rows' terms for :func:`_uniform_bits_int32` (int32
+    tensors on the device) or, on CPU, :func:`_uniform_bits_cpu` (numpy uint32 arrays: a tensor
+    would have to be read as one at every draw)."""
 
     def __init__(self, seeds, stream: int, device: torch.device) -> None:
         self.keys = [seed_key(int(s), stream) for s in seeds]
         self.device = device
         # Each row's second term does not depend on the index: made once for all the rows.
-        self.mixed = self._tensor([_s32(k ^ (k >> 16)) for k in self.keys])
+        self.mixed = self._terms([k ^ (k >> 16) for k in self.keys])
 
-    def terms(self, r0: int, r1: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        first = self._tensor([_s32(start * _GOLDEN + k) for k in self.keys[r0:r1]])
-        return first.unsqueeze(1), self.mixed[r0:r1].unsqueeze(1)
+    def terms(self, r0: int, r1: int, start: int) -> tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]:
+        first = self._terms([start * _GOLDEN + k for k in self.keys[r0:r1]])
+        return first[:, None], self.mixed[r0:r1, None]
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.int32)
+    def _terms(self, values: list[int]) -> torch.Tensor | np.ndarray:
         if self.device.type == "cpu":
-            return t
+            return np.array([v & _MASK32 for v in values], dtype=np.uint32)
+        t = torch.tensor([_s32(v) for v in values], dtype=torch.int32)
         # From pinned memory, without blocking: a copy from pageable memory would wait for the
         # device's queue (a host sync).
         return t.pin_memory().to(self.device, non_blocking=True)
