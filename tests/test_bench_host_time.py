@@ -52,4 +52,9 @@ def test_the_quick_mode_writes_every_collective_beside_fsdp2s(tmp_path, capsys):
         for c in colls.values():
             assert c["qsdp_us"] > 0 and c["fsdp2_us"] > 0
             assert c["ratio"] == pytest.approx(c["qsdp_us"] / c["fsdp2_us"])
+    # the quantized all-reduce's own two collectives, its floor, beside it
+    alone = data["presets"]["sdp4bit"]["hsdp_all_reduce"]
+    assert alone["exchanges_us"] > 0
+    assert alone["exchanges_ratio"] == pytest.approx(alone["exchanges_us"] / alone["fsdp2_us"])
+    assert "exchanges_us" not in data["presets"]["sdp4bit"]["two_level_reduce_scatter"]
     assert data["worst_ratio"] == max(c["ratio"] for p in data["presets"].values() for c in p.values())

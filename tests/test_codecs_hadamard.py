@@ -171,3 +171,28 @@ def test_property_inverse_hadamard_round_trip(shape, block, seed, dtype):
     assert y.shape == x.shape and y.dtype == torch.float32
     back = inverse_hadamard(y, block=block)
     torch.testing.assert_close(back, x.float(), rtol=0, atol=fp32_tolerance(x, block))
+
+
+def test_a_shapes_butterfly_is_planned_once_and_reused_by_later_transforms():
+    from qsdp.codecs.hadamard import _Butterfly
+
+    x = torch.randn(2, 1792, generator=torch.Generator().manual_seed(3))
+    first = hadamard(x, block=32)
+    planned = _Butterfly.built
+    for _ in range(5):  # the forward and the inverse of the shape share its plan
+        assert torch.equal(hadamard(x, block=32), first)
+        assert torch.equal(inverse_hadamard(first, block=32), inverse_hadamard(first, block=32))
+    assert _Butterfly.built == planned
+
+
+def test_threads_transforming_at_once_do_not_share_scratch():
+    from concurrent.futures import ThreadPoolExecutor
+
+    inputs = [torch.randn(4, 512, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    expected = [hadamard(x, block=64) for x in inputs]
+
+    def many(i: int) -> bool:
+        return all(torch.equal(hadamard(inputs[i], block=64), expected[i]) for _ in range(200))
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(many, [0, 1]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,6 +83,39 @@ def test_each_row_gets_the_numbers_of_its_own_seed(rows, n):
     for r, seed in enumerate(seeds):
         assert torch.equal(w[r], rng.add_uniform_(v[r].clone(), seed, offset=2**32 - 40, stream=rng.STREAM_ELEMENT))
         assert torch.equal(u[r], rng.uniform(seed, n, stream=2))
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["one-key", "a-key-per-row"])
+def test_the_int32_arithmetic_of_other_devices_gives_the_cpu_paths_bits(per_row):
+    # CPU tensors hash in numpy's uint32, other devices in torch's int32: one specification.
+    keys, n, start = [rng.seed_key(s, 1) for s in (3, 2**31 + 7)], 4096, 2**32 - 1000
+    ramp = rng._golden_ramp(n, torch.device("cpu"))
+    if per_row:
+        terms = [[start * 0x9E3779B1 + k for k in keys], [k ^ (k >> 16) for k in keys]]
+        on_cpu = rng._uniform_bits_cpu(*(np.array([v & 0xFFFFFFFF for v in t], dtype=np.uint32)[:, None]
+                                         for t in terms), (2, n))
+        first, key = (torch.tensor([rng._s32(v) for v in t], dtype=torch.int32)[:, None] for t in terms)
+        shape, expected = (2, n), [[rng.hash32(start + i, k) >> 8 for i in range(n)] for k in keys]
+    else:
+        first, key, shape = start, keys[0], (n,)
+        on_cpu = rng._uniform_bits_cpu(first, key, shape)
+        expected = [rng.hash32(start + i, keys[0]) >> 8 for i in range(n)]
+    assert on_cpu.tolist() == expected
+    buffers = (torch.empty(shape, dtype=torch.int32) for _ in range(2))
+    assert rng._uniform_bits_int32(first, key, ramp, *buffers).tolist() == expected
+
+
+def test_threads_drawing_at_once_do_not_share_a_buffer():
+    # A CPU draw fills its thread's buffer: another thread's draws must not overwrite it.
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = [rng.uniform(seed, 5000, stream=1) for seed in (1, 2)]
+
+    def many(i: int) -> bool:
+        return all(torch.equal(rng.uniform(i + 1, 5000, stream=1), expected[i]) for _ in range(300))
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(many, [0, 1]))
 
 
 def test_add_uniform_rows_wants_a_seed_per_row():

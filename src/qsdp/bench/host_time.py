@@ -22,7 +22,9 @@ unquantized calls are FSDP2's own plus the metering around them):
 * ``reduce_scatter`` (``fsdp``), ``one_level_reduce_scatter`` (``qsdp``),
   ``two_level_reduce_scatter`` (``zeropp``, ``sdp4bit``), all with ``op=AVG``;
 * ``hsdp_all_reduce``: the quantized all-reduce across the replicas (``hsdp4``, ``sdp4bit``):
-  the ``--nodes`` ranks of one local index.
+  the ``--nodes`` ranks of one local index. Beside it, in the same rounds, its two collectives
+  alone (``exchanges_us``, ``exchanges_ratio`` to FSDP2's all-reduce): the all-to-all and the
+  all-gather of buffers of its encoded rows' sizes, the floor of its host time on this host.
 
 The shards have ``--numel`` elements per rank (4096: a few quantization groups), and
 ``grads.pipeline_min_slice`` is lowered to one codec unit so that a two-level reduce-scatter
@@ -94,8 +96,9 @@ def collectives_of(preset: str, nodes: int, ranks_per_node: int) -> tuple[str, .
 # --------------------------------------------------------------------------- one rank
 
 
-def _calls(name: str, cfg, topo, comm_id: int, n: int, dtype) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(the comm object's call, FSDP2's own collective of the same group and sizes)."""
+def _calls(name: str, cfg, topo, comm_id: int, n: int, dtype) -> dict[str, Callable[[], None]]:
+    """``{"qsdp": the comm object's call, "fsdp2": FSDP2's own collective of the same group and
+    sizes}``, and for a quantized HSDP all-reduce ``"exchanges"``: its two collectives alone."""
     import torch
     import torch.distributed as dist
 
@@ -123,13 +126,13 @@ def _calls(name: str, cfg, topo, comm_id: int, n: int, dtype) -> tuple[Callable[
             mine.copy_(shard)  # FSDP2 copies the shard into the gathered buffer before it calls
             comm(out, mine, group)
 
-        return call, lambda: all_gather_flat(base_out, base_in, group)
+        return {"qsdp": call, "fsdp2": lambda: all_gather_flat(base_out, base_in, group)}
     if BASELINE[name] == "reduce_scatter":
         grad = torch.randn(world * n, generator=gen)
         out, base_out = torch.empty(n), torch.empty(n)
         rs = (PlainReduceScatter if name == "reduce_scatter" else QuantizedReduceScatter)(cfg, topo, comm_id)
-        return (lambda: rs(out, grad, group, dist.ReduceOp.AVG),
-                lambda: reduce_scatter_flat(base_out, grad, dist.ReduceOp.SUM, group))
+        return {"qsdp": lambda: rs(out, grad, group, dist.ReduceOp.AVG),
+                "fsdp2": lambda: reduce_scatter_flat(base_out, grad, dist.ReduceOp.SUM, group)}
     x = torch.randn(n, generator=gen)
     ar = ReplicaAllReduce(cfg, topo.inter_group, comm_id)
     total = torch.empty(n)
@@ -138,7 +141,32 @@ def _calls(name: str, cfg, topo, comm_id: int, n: int, dtype) -> tuple[Callable[
         total.copy_(x)
         dist.all_reduce(total, group=topo.inter_group)
 
-    return lambda: ar(x), plain_all_reduce
+    calls = {"qsdp": lambda: ar(x), "fsdp2": plain_all_reduce}
+    if cfg.quantizes_shard(n):
+        calls["exchanges"] = _replica_exchanges(cfg, topo.inter_group, n)
+    return calls
+
+
+def _replica_exchanges(cfg, group, n: int) -> Callable[[], None]:
+    """The two collectives of the quantized HSDP all-reduce of ``n`` elements alone, on buffers
+    of its encoded rows' sizes: the all-to-all of every replica's chunks, the all-gather of the
+    requantized sums. The all-reduce cannot cost less than these on this host."""
+    import torch
+    import torch.distributed as dist
+
+    from qsdp.comm.collectives import all_gather_flat
+    from qsdp.comm.hsdp import chunk_len, hsdp_codec
+
+    codec, replicas = hsdp_codec(cfg.hsdp), group.size()
+    row = codec.row_nbytes(chunk_len(n, replicas, codec))
+    send, mine = torch.zeros(replicas, row, dtype=torch.uint8), torch.zeros(row, dtype=torch.uint8)
+    recv, gathered = torch.empty_like(send), torch.empty(replicas * row, dtype=torch.uint8)
+
+    def exchanges() -> None:
+        dist.all_to_all_single(recv, send, group=group)
+        all_gather_flat(gathered, mine, group)
+
+    return exchanges
 
 
 def _rank(job: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
@@ -161,8 +189,8 @@ def _rank(job: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
             cfg = _config(preset)
             for name in collectives_of(preset, topo.nodes, topo.ranks_per_node):
                 comm_id += 1
-                ours, theirs = _calls(name, cfg, topo, comm_id, job["numel"], dtype)
-                fns[preset, name, "qsdp"], fns[preset, name, "fsdp2"] = ours, theirs
+                for who, fn in _calls(name, cfg, topo, comm_id, job["numel"], dtype).items():
+                    fns[preset, name, who] = fn
         seconds = interleaved_median_seconds(fns, torch.device("cpu"), job["repeats"], barrier=True)
         out: dict[str, dict[str, dict[str, float]]] = {}
         for (preset, name, who), s in seconds.items():
@@ -199,8 +227,11 @@ def measure(presets: Sequence[str] = PRESETS, *, nodes: int = 2, ranks_per_node:
         for name in per_rank[0].get(preset, {}):
             ours = statistics.median(r[preset][name]["qsdp"] for r in per_rank) * 1e6
             theirs = statistics.median(r[preset][name]["fsdp2"] for r in per_rank) * 1e6
-            rows[preset][name] = {"qsdp_us": ours, "fsdp2_us": theirs, "baseline": BASELINE[name],
-                                  "ratio": ours / theirs}
+            row = rows[preset][name] = {"qsdp_us": ours, "fsdp2_us": theirs, "baseline": BASELINE[name],
+                                        "ratio": ours / theirs}
+            if "exchanges" in per_rank[0][preset][name]:
+                row["exchanges_us"] = statistics.median(r[preset][name]["exchanges"] for r in per_rank) * 1e6
+                row["exchanges_ratio"] = row["exchanges_us"] / theirs
     ratios = [c["ratio"] for p in rows.values() for c in p.values()]
     return {"nodes": nodes, "ranks_per_node": ranks_per_node, "numel": numel, "repeats": repeats,
             "param_dtype": param_dtype, "backend": "gloo", "threads_per_rank": 1, "goal_ratio": 2.0,
@@ -208,11 +239,13 @@ def measure(presets: Sequence[str] = PRESETS, *, nodes: int = 2, ranks_per_node:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines: list[Sequence[str]] = [("preset", "collective", "qsdp us", "FSDP2 us", "FSDP2's", "ratio")]
+    lines: list[Sequence[str]] = [("preset", "collective", "qsdp us", "FSDP2 us", "FSDP2's", "ratio",
+                                   "its collectives alone")]
     for preset, colls in result["presets"].items():
         for name, c in colls.items():
+            alone = f"{c['exchanges_us']:.0f} us, {c['exchanges_ratio']:.2f}x" if "exchanges_us" in c else "-"
             lines.append((preset, name, f"{c['qsdp_us']:.0f}", f"{c['fsdp2_us']:.0f}", c["baseline"],
-                          f"{c['ratio']:.2f}x"))
+                          f"{c['ratio']:.2f}x", alone))
     head = (f"host time per call, {result['nodes']} x {result['ranks_per_node']} gloo ranks on CPUs, "
             f"{result['numel']} {result['param_dtype']} elements per rank; medians of {result['repeats']} "
             f"interleaved rounds (median over ranks)")
