@@ -23,7 +23,7 @@ $(VENV)/.dev: $(VENV)/.base
 install: $(VENV)/.dev
 
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -m "not slow and not gpu" -p no:cacheprovider --max-test-seconds 30 --max-run-seconds 1200
+	$(PY) -m pytest -q -m "not slow and not gpu" -p no:cacheprovider --max-test-seconds 30 --max-run-seconds 900
 
 test-all: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider
