@@ -138,27 +138,52 @@ def _epoch_windows(corpus, seq_len):
     return windows, n
 
 
-@pytest.mark.timeout(300)
-def test_sdp4bit_resumed_on_4_then_3_then_4_ranks_keeps_the_state_exact_and_continues_the_curve(tmp_path, corpus):
-    # 6 steps, a checkpoint every 2: 2 on 4 ranks, 2 on 3, 2 on 4 again.
-    ref, run = tmp_path / "ref", tmp_path / "elastic"
-    steps = dict(decay_steps=6, ckpt_every=2)
-    run_pooled(_observed_run, 4, _args(ref, corpus, steps=6, local_world_size=2, **steps), local_world_size=2,
+# 6 sdp4bit steps of 8 sequences, a checkpoint every 2: 2 on 4 ranks (2 nodes x 2), 2 on 3 (3 x 1),
+# 2 on 4 again, against the same 6 steps on 4 ranks uninterrupted.
+_EVERY_2 = dict(decay_steps=6, ckpt_every=2)
+
+
+@pytest.fixture(scope="module")
+def resumed_on_3(tmp_path_factory, corpus):
+    """A run stopped after step 2 on 4 ranks and resumed on 3 up to step 4: its folder, and what
+    each of the 3 ranks observed."""
+    run = tmp_path_factory.mktemp("elastic") / "run"
+    run_pooled(_observed_run, 4, _args(run, corpus, steps=2, local_world_size=2, **_EVERY_2), local_world_size=2,
                timeout=120)
-    run_pooled(_observed_run, 4, _args(run, corpus, steps=2, local_world_size=2, **steps), local_world_size=2,
-               timeout=120)
-    three = run_pooled(_observed_run, 3, _args(run, corpus, steps=4, local_world_size=1, resume=True, **steps),
+    three = run_pooled(_observed_run, 3, _args(run, corpus, steps=4, local_world_size=1, resume=True, **_EVERY_2),
                        local_world_size=1, timeout=120)
+    return run, three
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus):
+    """The same 6 steps on 4 ranks without a stop: the run's folder."""
+    ref = tmp_path_factory.mktemp("elastic") / "ref"
+    run_pooled(_observed_run, 4, _args(ref, corpus, steps=6, local_world_size=2, **_EVERY_2), local_world_size=2,
+               timeout=120)
+    return ref
+
+
+@pytest.mark.timeout(200)
+def test_sdp4bit_resumed_on_3_of_4_ranks_loads_the_state_exactly_and_keeps_the_global_batch(resumed_on_3, tmp_path):
+    run, three = resumed_on_3
     _check_loaded(three, run / "checkpoints" / "step_00000002", tmp_path)
     # 8 a step kept: 3, 3 and 2 sequences, in 2 micro-batches of at most the 2 each rank had.
     assert [r["start"].name for r in three] == ["step_00000002"] * 3
     assert {(r["split"].counts, r["split"].accumulation, r["batch_size"]) for r in three} == {((3, 3, 2), 2, 2)}
-    four = run_pooled(_observed_run, 4, _args(run, corpus, steps=6, local_world_size=2, resume=True, **steps),
+
+
+@pytest.mark.timeout(200)
+def test_sdp4bit_resumed_on_4_then_3_then_4_ranks_keeps_the_state_exact_and_continues_the_curve(
+        resumed_on_3, uninterrupted, corpus, tmp_path):
+    # Back on 4 ranks from the 3 ranks' checkpoint of step 4, up to step 6.
+    run, _ = resumed_on_3
+    four = run_pooled(_observed_run, 4, _args(run, corpus, steps=6, local_world_size=2, resume=True, **_EVERY_2),
                       local_world_size=2, timeout=120)
     _check_loaded(four, run / "checkpoints" / "step_00000004", tmp_path)
     assert {(r["start"].name, r["split"].counts, r["split"].accumulation) for r in four} == {
         ("step_00000004", (2, 2, 2, 2), 1)}
-    a, b = _losses(ref), _losses(run)
+    a, b = _losses(uninterrupted), _losses(run)
     assert len(a) == len(b) == 6 and a[:2] == b[:2]
     assert max(abs(x - y) for x, y in zip(a, b)) < LOSS_GAP, (a, b)
     assert read_meta(latest_checkpoint(run))["samples"] == 6 * 8
