@@ -51,18 +51,17 @@ class Command:
         environment plus ``set_env``, less ``drop_env`` and what belongs to this run alone (the
         current test's name, a disabled Triton). ``QSDP_TEST_SUBPROCESS`` tells its session not
         to start the workers' fork server (tests/conftest.py): its tests fork their own ranks."""
-        dropped = {"PYTEST_CURRENT_TEST", "QSDP_DISABLE_TRITON", *drop_env}
-        env = {k: v for k, v in os.environ.items() if k not in dropped} | set_env | {"QSDP_TEST_SUBPROCESS": "1"}
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-                *args, test_file]
-        return cls.of(argv, env, os.path.dirname(test_file))
-
+        return cls.python("-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", *args,
+                          test_file, cwd=os.path.dirname(test_file), set_env={**set_env, "QSDP_TEST_SUBPROCESS": "1"},
+                          drop_env=("QSDP_DISABLE_TRITON", *drop_env))
 
     @classmethod
-    def python(cls, *args: str, cwd: str, env: dict[str, str] | None = None) -> Command:
-        """``python ARGS`` run from ``cwd`` in ``env`` (this run's environment where not given),
-        less what belongs to the current test alone (its name)."""
-        env = {k: v for k, v in (os.environ if env is None else env).items() if k != "PYTEST_CURRENT_TEST"}
+    def python(cls, *args: str, cwd: str, set_env: dict[str, str] | None = None,
+               drop_env: tuple[str, ...] = ()) -> Command:
+        """``python ARGS`` run from ``cwd``, in this run's environment plus ``set_env``, less
+        ``drop_env`` and the current test's name."""
+        dropped = {"PYTEST_CURRENT_TEST", *drop_env}
+        env = {k: v for k, v in os.environ.items() if k not in dropped} | (set_env or {})
         return cls.of([sys.executable, *args], env, cwd)
 
 

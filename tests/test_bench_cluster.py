@@ -133,21 +133,20 @@ def test_missing_root_and_netlink_package_are_named():
     assert missing_requirements(euid=0, package=None) == []
 
 
-# Both run ahead of their tests (a fresh interpreter's imports each): stdout and stderr come together.
-_WITHOUT_PYROUTE2 = ("--presets", "fsdp")
-_CUDA_HERE = ("--presets", "fsdp", "--device", "cuda")
-
-
 def _ahead(*args: str, prelude: str = "") -> Command:
     return Command.python(*_cluster_cmd(*args, prelude=prelude)[1:], cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
+# Both run ahead of their tests (a fresh interpreter's imports each): stdout and stderr come together.
+WITHOUT_PYROUTE2 = _ahead("--presets", "fsdp", prelude="sys.modules['pyroute2'] = None; ")
+CUDA_HERE = _ahead("--presets", "fsdp", "--device", "cuda")
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.prestart(lambda: _ahead(*_WITHOUT_PYROUTE2, prelude="sys.modules['pyroute2'] = None; "))
+@pytest.mark.prestart(lambda: WITHOUT_PYROUTE2)
 def test_without_pyroute2_the_error_names_the_package_and_the_extra(request):
     # pyroute2 made unimportable in the child, as on a machine where the extra is not installed.
-    rc, printed = PRESTARTED.result(request.node.nodeid, _ahead(*_WITHOUT_PYROUTE2,
-                                                               prelude="sys.modules['pyroute2'] = None; "), timeout=50)
+    rc, printed = PRESTARTED.result(request.node.nodeid, WITHOUT_PYROUTE2, timeout=50)
     assert rc == 2
     assert printed.startswith("qsdp bench cluster: cannot emulate nodes, this machine lacks:\n"), printed
     assert "package pyroute2" in printed and "qsdp[bench]" in printed and "lacks" in printed
@@ -155,9 +154,9 @@ def test_without_pyroute2_the_error_names_the_package_and_the_extra(request):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.timeout(60)
-@pytest.mark.prestart(lambda: None if torch.cuda.is_available() else _ahead(*_CUDA_HERE))
+@pytest.mark.prestart(lambda: None if torch.cuda.is_available() else CUDA_HERE)
 def test_device_cuda_without_cuda_is_refused_before_any_namespace_exists(request):
-    rc, printed = PRESTARTED.result(request.node.nodeid, _ahead(*_CUDA_HERE), timeout=50)
+    rc, printed = PRESTARTED.result(request.node.nodeid, CUDA_HERE, timeout=50)
     assert rc == 2
     assert "--device cuda" in printed and "torch.cuda.is_available() is False" in printed
     assert "stale" not in printed and "Mbit/s" not in printed  # nothing was set up

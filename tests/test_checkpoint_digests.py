@@ -170,10 +170,12 @@ _WITHOUT_XXHASH = textwrap.dedent("""
 """)
 
 
-@pytest.mark.prestart(lambda: Command.python("-c", _WITHOUT_XXHASH, cwd=os.path.dirname(os.path.abspath(__file__))))
+WITHOUT_XXHASH = Command.python("-c", _WITHOUT_XXHASH, cwd=os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.prestart(lambda: WITHOUT_XXHASH)
 def test_without_xxhash_a_save_writes_sha256_and_an_xxh3_list_names_the_package(request):
     """An install without dependencies: digests stay verifiable, the one that cannot be says why."""
-    rc, printed = PRESTARTED.result(request.node.nodeid, Command.python(
-        "-c", _WITHOUT_XXHASH, cwd=os.path.dirname(os.path.abspath(__file__))), timeout=100)
+    rc, printed = PRESTARTED.result(request.node.nodeid, WITHOUT_XXHASH, timeout=100)
     assert rc == 0 and printed.splitlines() == [
         "sha256", "digests.json lists xxh3-128-64k digests, which need the xxhash package: pip install xxhash"], printed

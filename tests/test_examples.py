@@ -18,7 +18,7 @@ def _torchrun(nproc: int, script: str, *args: str) -> Command:
     # --standalone: a free port of its own, as it runs beside other tests' ranks.
     return Command.python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                           os.path.join(ROOT, "examples", script), *args, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          set_env={"OMP_NUM_THREADS": "1"})
 
 
 def _example(script: str) -> str:

@@ -49,9 +49,9 @@ _IN_A_FOLDER = textwrap.dedent("""
 
 def _without_extras(body: str) -> Command:
     """``body`` after the blocker in a fresh interpreter, outside any torchrun; it prints one JSON line last."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")}
-    return Command.python("-c", BLOCK + _IN_A_FOLDER + textwrap.dedent(body), cwd=os.path.dirname(__file__), env=env)
+    return Command.python("-c", BLOCK + _IN_A_FOLDER + textwrap.dedent(body), cwd=os.path.dirname(__file__),
+                          drop_env=("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+                                    "MASTER_PORT"))
 
 
 def _result(request, command: Command, timeout: float = 200) -> dict:
