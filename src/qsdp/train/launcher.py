@@ -261,7 +261,6 @@ class DeathWatch(Poller):
         self._polls = 0                                                                # (poll, signal, code)
         self._watched: dict[tuple[int, int], tuple[int, int | None]] = {}  # (attempt, rank) -> (pid, pidfd)
         self._processes: dict[int, Any] = {}  # pid -> the multiprocessing process it was started as
-        self._unknown: set[tuple[int, int]] = set()  # ended, how not read yet
 
     @staticmethod
     def sees_forked_workers() -> bool:
@@ -270,13 +269,12 @@ class DeathWatch(Poller):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)  # the final look
-        for key in sorted(self._unknown):  # the agent has joined its processes: each knows its end
-            poll = self.deaths[key][0]
-            process = self._processes.get(self._watched[key][0])
-            code = process.exitcode if process is not None else None
-            if code is not None:
-                self.deaths[key] = (poll, signal_name(-code), None) if code < 0 else (poll, None, code)
-        self._unknown.clear()
+        for key, (poll, signal, code) in self.deaths.items():
+            if signal is None and code is None:  # the agent has joined its processes: each knows its end
+                process = self._processes.get(self._watched[key][0])
+                end = process.exitcode if process is not None else None
+                if end is not None:
+                    self.deaths[key] = (poll, signal_name(-end), None) if end < 0 else (poll, None, end)
         for _, pidfd in self._watched.values():
             if pidfd is not None:
                 os.close(pidfd)
@@ -294,13 +292,12 @@ class DeathWatch(Poller):
         pidfds = [pidfd for _, pidfd in live.values() if pidfd is not None]
         ended = set(select.select(pidfds, [], [], 0)[0]) if pidfds else set()
         for key, (pid, pidfd) in live.items():
-            how = self._how(pid) if pidfd is None or pidfd in ended else None
+            if pidfd is not None and pidfd not in ended:
+                continue
+            how = self._how(pid)  # (None, None): how it ended is read at the end (__exit__)
             if pidfd is None and how == (None, None):  # no pidfd here: only a child's end, from waitid
                 continue
-            if how is not None:
-                self.deaths[key] = (self._polls, *how)
-                if how == (None, None):
-                    self._unknown.add(key)
+            self.deaths[key] = (self._polls, *how)
 
     @staticmethod
     def _how(pid: int) -> tuple[str | None, int | None]:
