@@ -7,7 +7,10 @@ of ``--dim``), then, ``--repeats`` times in turn, on every rank:
 - ``save``: DCP's save of the model and optimizer state, through qsdp's
   :class:`~qsdp.train.digest_writer.DigestingWriter` (every file hashed as it is written) and
   :func:`~qsdp.train.integrity.write_digests` (gathered to rank 0, which lists the directory once
-  and writes ``digests.json``), against DCP's own ``FileSystemWriter``;
+  and writes ``digests.json``), against DCP's own ``FileSystemWriter``. The digesting writer
+  hands DCP's bytes to the OS in 1 MiB pieces, hashing each right after it is written;
+  ``save_pieces``, DCP's writer cutting its writes the same way without hashing, isolates what
+  the hash costs (``overhead_pct["save_vs_pieces"]``) from what the cut does to the writes;
 - ``load``: what :func:`~qsdp.train.checkpoint.load_checkpoint` does:
   :func:`~qsdp.train.integrity.verify_digests` (sizes, unlisted files, the digest of every file
   but the payloads), DCP's load through :class:`~qsdp.train.digest_reader.DigestingReader`
@@ -20,10 +23,12 @@ of ``--dim``), then, ``--repeats`` times in turn, on every rank:
   digests (``plain_data_pct``).
 
 ``--algorithm sha256`` measures the digests qsdp wrote before ``xxh3-128-64k`` (SHA-256 of each
-file behind the writer; at load, every file hashed before DCP reads it).
+file as it is written; at load, every file hashed before DCP reads it).
 
-Each time is the slowest rank's (a barrier before and after); every other repeat runs the kinds
-with digests first (and the loads in the reverse order). The median over the repeats is reported
+Each time is the slowest rank's (a barrier before and after). In each repeat each kind saves,
+loads and deletes its checkpoint before the next kind saves (a save that finds another
+checkpoint still in the page cache takes more CPU time); the kinds take turns going first, and
+``load`` and ``load_dcp`` change order every repeat. The median over the repeats is reported
 with ``overhead_pct`` = digests / without - 1; ``cpu_s`` / ``cpu_overhead_pct`` do the same with
 the CPU seconds of every rank's process (all its threads) summed: on a machine shared with other
 work, wall times swing with the others' load, the CPU time the digests add much less. The files
@@ -55,18 +60,52 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from benchmarks._cli import run_script
+from qsdp.train.digest_writer import PIECE, write_in_pieces
 
 PROG = "python -m benchmarks.checkpoint_io"
 __all__ = ["main"]
 _PHASES = ("verify", "read", "agree")  # the parts of a load with digests, timed on each rank
 # What the load without digests runs: the reader the digesting one extends, and the same planner.
 _WITHOUT = "PlainDataReader, PlainDataLoadPlanner"
+
+
+class _PieceStream:
+    """A stream DCP writes through, writing what it is given in the pieces the digesting writer
+    writes, hashing nothing."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def write(self, data: Any) -> int:
+        return write_in_pieces(self.raw, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
+class _PieceFileSystem(FileSystem):
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as raw:
+            yield _PieceStream(raw) if "w" in mode else raw
+
+
+def _piece_writer(path: Path) -> FileSystemWriter:
+    """DCP's writer writing in :data:`~qsdp.train.digest_writer.PIECE`-byte pieces, without
+    digests: what the digests cost at save apart from the way the writes are cut."""
+    writer = FileSystemWriter(path)
+    writer.fs = _PieceFileSystem()
+    return writer
 
 
 def _timed(fn: Any) -> tuple[float, float]:
@@ -161,13 +200,15 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     cpu = torch.device("cpu")
-    times: dict[str, list[float]] = {k: [] for k in ("save", "save_digests", "load", "load_digests", "load_dcp")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("save", "save_digests", "save_pieces", "load", "load_digests", "load_dcp")}
     cpu_times: dict[str, list[float]] = {k: [] for k in times}
     reread = torch.zeros(2, dtype=torch.float64)  # payload bytes read again, payload bytes
     # Each repeat's load with digests, on this rank: wall and CPU seconds of verify, read, agree.
     phases = torch.zeros(repeats, 2, len(_PHASES), dtype=torch.float64)
+    size = 0  # bytes of a checkpoint, measured on rank 0
     for r in range(repeats):
-        plain, hashed = Path(root) / f"plain{r}", Path(root) / f"digests{r}"
+        plain, hashed, pieces = (Path(root) / f"{kind}{r}" for kind in ("plain", "digests", "pieces"))
 
         def save_digests() -> None:
             writer = DigestingWriter(hashed, algorithm=algorithm)
@@ -194,21 +235,24 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
         def load() -> None:  # the same reader and planner, no digests
             dcp.load(state, storage_reader=PlainDataReader(str(plain)), planner=PlainDataLoadPlanner())
 
-        runs = [("save", lambda: dcp.save(state, checkpoint_id=str(plain))), ("save_digests", save_digests),
-                ("load", load), ("load_digests", load_digests),
-                ("load_dcp", lambda: dcp.load(state, checkpoint_id=str(plain)))]
-        if r % 2:  # every other repeat with digests first: neither kind always follows the other
-            runs = [runs[1], runs[0], runs[4], runs[3], runs[2]]
-        for kind, fn in runs:
-            wall, cpu_s = _timed(fn)
-            times[kind].append(wall)
-            cpu_times[kind].append(cpu_s)
-        dist.barrier()
-        if rank == 0:
-            size = sum(f.stat().st_size for f in plain.iterdir())
-            shutil.rmtree(plain)
-            shutil.rmtree(hashed)
-        dist.barrier()
+        # Each kind saves, loads and deletes its checkpoint before the next kind saves: a save
+        # that found another's gigabyte still in the page cache took up to 0.4 s more CPU time.
+        without = [("save", lambda: dcp.save(state, checkpoint_id=str(plain))), ("load", load),
+                   ("load_dcp", lambda: dcp.load(state, checkpoint_id=str(plain)))]
+        blocks = [(without if r % 2 == 0 else [without[0], without[2], without[1]], plain),
+                  ([("save_digests", save_digests), ("load_digests", load_digests)], hashed),
+                  ([("save_pieces", lambda: dcp.save(state, storage_writer=_piece_writer(pieces)))], pieces)]
+        for runs, directory in blocks[r % 3:] + blocks[:r % 3]:  # each kind first in every third repeat
+            for kind, fn in runs:
+                wall, cpu_s = _timed(fn)
+                times[kind].append(wall)
+                cpu_times[kind].append(cpu_s)
+            dist.barrier()
+            if rank == 0:
+                if directory == plain:
+                    size = sum(f.stat().st_size for f in plain.iterdir())
+                shutil.rmtree(directory)
+            dist.barrier()
     dist.all_reduce(reread)
     walls, cpus = phases[:, 0].clone(), phases[:, 1].clone()
     dist.all_reduce(walls, op=dist.ReduceOp.MAX)
@@ -226,6 +270,7 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
 
 def _overhead(med: dict[str, float]) -> dict[str, float]:
     return {"save": 100 * (med["save_digests"] / med["save"] - 1),
+            "save_vs_pieces": 100 * (med["save_digests"] / med["save_pieces"] - 1),
             "load": 100 * (med["load_digests"] / med["load"] - 1)}
 
 
@@ -259,6 +304,8 @@ def _text(result: dict[str, Any]) -> str:
             f"{result['algorithm']} digests, median of {len(result['times_s']['save'])}:\n"
             f"  save: {m['save']:.2f} s without digests, {m['save_digests']:.2f} s with ({o['save']:+.1f}%; "
             f"CPU time {c['save']:+.1f}%)\n"
+            f"  save through DCP's writer in the same {PIECE >> 20} MiB pieces, not hashed: {m['save_pieces']:.2f} s "
+            f"(the hash adds {o['save_vs_pieces']:+.1f}%; CPU time {c['save_vs_pieces']:+.1f}%)\n"
             f"  load: {m['load']:.2f} s without digests, {m['load_digests']:.2f} s with ({o['load']:+.1f}%; "
             f"CPU time {c['load']:+.1f}%; {result['reread_pct']:.1f}% of the payloads read again)\n"
             f"  load with digests, slowest rank (CPU of all ranks): {phases}\n"

@@ -5,6 +5,7 @@ package, saves write SHA-256 digests."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -179,3 +180,56 @@ def test_without_xxhash_a_save_writes_sha256_and_an_xxh3_list_names_the_package(
     rc, printed = PRESTARTED.result(request.node.nodeid, WITHOUT_XXHASH, timeout=100)
     assert rc == 0 and printed.splitlines() == [
         "sha256", "digests.json lists xxh3-128-64k digests, which need the xxhash package: pip install xxhash"], printed
+
+
+def _written(tmp_path, writes):
+    """Each item of ``writes`` (bytes-like, or ``("seek", offset)``) through a digesting writer's
+    stream into one file: what the writer lists for it, and the file's digest read back."""
+    from qsdp.train.digest_writer import DigestingWriter
+
+    writer = DigestingWriter(tmp_path)
+    with writer.fs.create_stream(tmp_path / "f", "wb") as stream:
+        for item in writes:
+            if isinstance(item, tuple):
+                stream.seek(item[1])
+            else:
+                stream.write(item)
+    digest, size = file_block_digest(tmp_path / "f")
+    return writer.digests["f"], {"xxh3-128-64k": digest, "bytes": size}
+
+
+def test_what_the_writer_lists_is_the_digest_of_the_file_it_wrote(tmp_path):
+    """Writes of any length, the large ones split into pieces as they are hashed, and views of
+    tensors of any dtype (torch.save hands the writer the storage's bytes)."""
+    rng = random.Random(3)
+    writes = [rng.randbytes(n) for n in (0, 1, 7, BLOCK - 3, 3 * BLOCK + 5)]
+    writes += [memoryview(torch.arange(3 << 18, dtype=torch.float32).numpy()), rng.randbytes((2 << 20) + 11)]
+    listed, read_back = _written(tmp_path, writes)
+    assert listed == read_back
+    assert listed["bytes"] == sum(memoryview(w).nbytes for w in writes)
+
+
+def test_a_stream_moved_while_written_is_listed_with_the_digest_of_the_file(tmp_path):
+    """A write after a seek overwrites bytes already hashed: the file is hashed again at close."""
+    listed, read_back = _written(tmp_path, [bytes(3 * BLOCK), ("seek", BLOCK + 1), b"\xff" * 10])
+    assert listed == read_back and listed["bytes"] == 3 * BLOCK
+
+
+class _TakesPart(io.BytesIO):
+    """A file object that takes at most ``most`` bytes a write, as an OS may."""
+
+    def __init__(self, most: int) -> None:
+        super().__init__()
+        self.most = most
+
+    def write(self, data) -> int:
+        return super().write(memoryview(data)[:self.most])
+
+
+def test_a_write_the_file_takes_in_part_is_written_on_and_hashed_whole():
+    from qsdp.train.digest_writer import PIECE, write_in_pieces
+
+    data = random.Random(4).randbytes(PIECE + 5000)
+    raw, pieces = _TakesPart(3000), []
+    assert write_in_pieces(raw, data, lambda piece: pieces.append(bytes(piece))) == len(data)
+    assert raw.getvalue() == data and b"".join(pieces) == data and len(pieces) == 2
