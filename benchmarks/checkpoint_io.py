@@ -33,7 +33,11 @@ with ``overhead_pct`` = digests / without - 1; ``cpu_s`` / ``cpu_overhead_pct`` 
 the CPU seconds of every rank's process (all its threads) summed: on a machine shared with other
 work, wall times swing with the others' load, the CPU time the digests add much less. The files
 are written with fsync (DCP's default) and read back from the page cache, as a resume soon after
-a save reads them. ``load_phases``: the load with digests in its three parts, on each rank
+a save reads them. ``--cold`` (root only) adds ``load_cold`` and ``load_digests_cold``: the same
+two loads once the kernel has dropped its page cache (all of it, the machine's: there is no
+other way to empty it of one file for certain), reading the checkpoint from storage as a resume
+on another machine, or long after the save, does; each kind's first load after its save.
+``load_phases``: the load with digests in its three parts, on each rank
 (medians over the repeats of the slowest rank's wall time and of the CPU seconds of all ranks):
 ``verify`` (``digests.json`` read, :func:`~qsdp.train.integrity.verify_digests`), ``read``
 (DCP's load, the payloads hashed as they are read, the blocks no read held whole read again) and
@@ -123,6 +127,22 @@ def _timed(fn: Any) -> tuple[float, float]:
     return float(wall.item()), float(used.item())
 
 
+_DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def _drop_page_cache() -> None:
+    """Collective: rank 0 has the kernel drop every clean page of its page cache (the machine's,
+    every process's: ``--cold`` only), so that the next load reads the checkpoint from storage,
+    as a resume on a machine that did not write it, or long after, does."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        os.sync()
+        with open(_DROP_CACHES, "w") as f:
+            f.write("1")
+    dist.barrier()
+
+
 def _hash_speeds(nbytes: int = 256 << 20) -> dict[str, float]:
     """GB/s of each hash over ``nbytes`` in memory, fed in 1 MiB pieces, on one core (best of 3)."""
     import hashlib
@@ -173,7 +193,7 @@ def _in_cache_speed(nbytes: int = 256 << 20) -> float:
     return nbytes / best / 1e9
 
 
-def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dict[str, Any] | None:
+def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str, cold: bool) -> dict[str, Any] | None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -200,8 +220,8 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     cpu = torch.device("cpu")
-    times: dict[str, list[float]] = {
-        k: [] for k in ("save", "save_digests", "save_pieces", "load", "load_digests", "load_dcp")}
+    kinds = ["save", "save_digests", "save_pieces", "load", "load_digests", "load_dcp"]
+    times: dict[str, list[float]] = {k: [] for k in kinds + (["load_cold", "load_digests_cold"] if cold else [])}
     cpu_times: dict[str, list[float]] = {k: [] for k in times}
     reread = torch.zeros(2, dtype=torch.float64)  # payload bytes read again, payload bytes
     # Each repeat's load with digests, on this rank: wall and CPU seconds of verify, read, agree.
@@ -215,7 +235,7 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
             dcp.save(state, storage_writer=writer)
             write_digests(hashed, True, writer.digests, algorithm)
 
-        def load_digests(r: int = r) -> None:
+        def load_digests(r: int = r, record: bool = True) -> None:
             marks = [(time.perf_counter(), time.process_time())]
             digests = read_digests(hashed)
             during = hashed_while_loading(digests)
@@ -226,6 +246,8 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
             marks.append((time.perf_counter(), time.process_time()))
             agree_on_digests(digests, reader.bad, cpu)
             marks.append((time.perf_counter(), time.process_time()))
+            if not record:
+                return
             for i in range(len(_PHASES)):
                 phases[r, 0, i] = marks[i + 1][0] - marks[i][0]
                 phases[r, 1, i] = marks[i + 1][1] - marks[i][1]
@@ -239,11 +261,17 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
         # that found another's gigabyte still in the page cache took up to 0.4 s more CPU time.
         without = [("save", lambda: dcp.save(state, checkpoint_id=str(plain))), ("load", load),
                    ("load_dcp", lambda: dcp.load(state, checkpoint_id=str(plain)))]
-        blocks = [(without if r % 2 == 0 else [without[0], without[2], without[1]], plain),
-                  ([("save_digests", save_digests), ("load_digests", load_digests)], hashed),
+        without = without if r % 2 == 0 else [without[0], without[2], without[1]]
+        with_digests = [("save_digests", save_digests), ("load_digests", load_digests)]
+        if cold:  # right after the save, at the same distance from it for both kinds; it fills the cache again
+            without.insert(1, ("load_cold", load))
+            with_digests.insert(1, ("load_digests_cold", lambda: load_digests(record=False)))
+        blocks = [(without, plain), (with_digests, hashed),
                   ([("save_pieces", lambda: dcp.save(state, storage_writer=_piece_writer(pieces)))], pieces)]
         for runs, directory in blocks[r % 3:] + blocks[:r % 3]:  # each kind first in every third repeat
             for kind, fn in runs:
+                if kind.endswith("_cold"):
+                    _drop_page_cache()
                 wall, cpu_s = _timed(fn)
                 times[kind].append(wall)
                 cpu_times[kind].append(cpu_s)
@@ -269,9 +297,10 @@ def _worker(gb: float, dim: int, repeats: int, root: str, algorithm: str) -> dic
 
 
 def _overhead(med: dict[str, float]) -> dict[str, float]:
-    return {"save": 100 * (med["save_digests"] / med["save"] - 1),
-            "save_vs_pieces": 100 * (med["save_digests"] / med["save_pieces"] - 1),
-            "load": 100 * (med["load_digests"] / med["load"] - 1)}
+    pairs = {"save": ("save_digests", "save"), "save_vs_pieces": ("save_digests", "save_pieces"),
+             "load": ("load_digests", "load"), "load_cold": ("load_digests_cold", "load_cold")}
+    return {name: 100 * (med[digests] / med[without] - 1) for name, (digests, without) in pairs.items()
+            if without in med}
 
 
 def _summary(raw: dict[str, Any]) -> dict[str, Any]:
@@ -308,7 +337,10 @@ def _text(result: dict[str, Any]) -> str:
             f"(the hash adds {o['save_vs_pieces']:+.1f}%; CPU time {c['save_vs_pieces']:+.1f}%)\n"
             f"  load: {m['load']:.2f} s without digests, {m['load_digests']:.2f} s with ({o['load']:+.1f}%; "
             f"CPU time {c['load']:+.1f}%; {result['reread_pct']:.1f}% of the payloads read again)\n"
-            f"  load with digests, slowest rank (CPU of all ranks): {phases}\n"
+            + (f"  load from storage (page cache dropped before each): {m['load_cold']:.2f} s without digests, "
+               f"{m['load_digests_cold']:.2f} s with ({o['load_cold']:+.1f}%; CPU time {c['load_cold']:+.1f}%)\n"
+               if "load_cold" in m else "")
+            + f"  load with digests, slowest rank (CPU of all ranks): {phases}\n"
             f"  DCP's own reader and planner: {m['load_dcp']:.2f} s (the plain-data reading costs "
             f"{plain['wall']:+.1f}%; CPU time {plain['cpu']:+.1f}%)\n"
             f"  one core hashes (GB/s): {speeds}; xxh3-128-64k as a load hashes, in cache: "
@@ -325,12 +357,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="saves and loads of each kind (default 3)")
     p.add_argument("--algorithm", choices=["xxh3-128-64k", "sha256"], default="xxh3-128-64k",
                    help="the digests measured (default xxh3-128-64k, what a save writes; sha256: qsdp's before it)")
+    p.add_argument("--cold", action="store_true",
+                   help="also load from storage: the machine's page cache dropped before each such load "
+                        f"(writes {_DROP_CACHES}: needs root, and slows every other process's next reads)")
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--save", default=None, metavar="FILE")
     args = p.parse_args(argv)
     if not (0 < args.gb <= 1e3) or args.dim < 1 or args.nproc < 1 or args.repeats < 1:
         p.error("--gb must be in (0, 1000], --dim, --nproc and --repeats positive")
+    if args.cold and not os.access(_DROP_CACHES, os.W_OK):
+        p.error(f"--cold drops the page cache through {_DROP_CACHES}, which this user cannot write (it needs root)")
     from qsdp.launch import launch_local
     from qsdp.results import emit, meta
 
@@ -338,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="qsdp-ckpt-io-", dir=args.dir)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        raw = launch_local(_worker, args.nproc, args.gb, args.dim, args.repeats, root, args.algorithm)[0]
+        raw = launch_local(_worker, args.nproc, args.gb, args.dim, args.repeats, root, args.algorithm, args.cold)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {**_summary(raw), "nproc": args.nproc, "hash_gb_per_s": _hash_speeds(),
