@@ -75,6 +75,28 @@ def test_four_bit_codes_share_a_byte_low_nibble_first():
     assert pack_codes(codes, 4).tolist() == [0x21, 0x0F, 0x07]
 
 
+def _low_nibble_first(codes: torch.Tensor) -> list[int]:
+    """The 4-bit packing by its definition, byte by byte."""
+    values = codes.tolist() + [0] * (codes.numel() % 2)
+    return [lo | hi << 4 for lo, hi in zip(values[0::2], values[1::2])]
+
+
+@pytest.mark.parametrize("n", [(1 << 14) - 1, 1 << 14, (1 << 14) + 1, 3 * (1 << 14) + 7])
+def test_long_runs_of_four_bit_codes_pack_by_the_same_rule(n):
+    """Long runs are packed two codes at a time as int16 pairs: the same bytes as the rule."""
+    codes = random_codes(n, 4, seed=n)
+    packed = pack_codes(codes, 4)
+    assert packed.tolist() == _low_nibble_first(codes)
+    assert torch.equal(unpack_codes(packed, 4, n), codes)
+
+
+def test_a_run_of_codes_at_an_odd_offset_packs_as_a_copy_of_it_does():
+    codes = random_codes(3 * (1 << 14) + 1, 4, seed=1)[1:]
+    assert codes.storage_offset() == 1
+    assert torch.equal(pack_codes(codes, 4), pack_codes(codes.clone(), 4))
+    assert pack_codes(codes, 4).tolist() == _low_nibble_first(codes)
+
+
 def test_two_bit_codes_share_a_byte_lowest_bits_first():
     codes = torch.tensor([1, 2, 3, 0, 3], dtype=torch.uint8)
     assert pack_codes(codes, 2).tolist() == [0b00_11_10_01, 0b11]
