@@ -680,6 +680,27 @@ def test_a_non_finite_group_sends_nan_bits_and_zero_codes_and_decodes_to_nan(sch
     assert torch.equal(q.scales[4:], finite.scales) and torch.isfinite(finite.scales).all()
 
 
+@pytest.mark.parametrize("scheme", SCHEMES, ids=scheme_id)
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_in_a_long_input_only_the_non_finite_groups_get_zero_codes(scheme, rounding):
+    """Chunks of 16K elements or more take the vectorized path (NaN through the rounding, codes
+    through int16): the non-finite groups' codes are 0 and every other group's are those it gets
+    when the non-finite groups hold zeros instead."""
+    bits, symmetric = scheme
+    groups, size = 3 * 256 + 5, 128
+    x = torch.randn(groups * size, generator=torch.Generator().manual_seed(7))
+    bad = [0, 300, 511, 512, groups - 1]
+    clean = x.clone()
+    for i, g in enumerate(bad):
+        x[g * size + (i * 37) % size] = (float("nan"), float("inf"), -float("inf"))[i % 3]
+        clean[g * size:(g + 1) * size] = 0
+    kw = dict(bits=bits, group_size=size, symmetric=symmetric, rounding=rounding, seed=11, check_finite=False)
+    codes = unpack_codes(quantize(x, **kw).codes, bits, x.numel()).view(groups, size)
+    expected = unpack_codes(quantize(clean, **kw).codes, bits, x.numel()).view(groups, size)
+    expected[bad] = 0
+    assert torch.equal(codes, expected)
+
+
 def test_a_finite_group_whose_range_overflows_keeps_its_infinite_scale():
     """Only non-finite values make a group non-finite: a finite min-max range wider than fp32
     gives an infinite scale, as the arithmetic says, not the NaN encoding."""
