@@ -83,11 +83,15 @@ def _low_nibble_first(codes: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("n", [(1 << 14) - 1, 1 << 14, (1 << 14) + 1, 3 * (1 << 14) + 7])
 def test_long_runs_of_four_bit_codes_pack_by_the_same_rule(n):
-    """Long runs are packed two codes at a time as int16 pairs: the same bytes as the rule."""
+    """Long runs are packed and unpacked two codes at a time as int16 pairs: the same bytes as
+    the rule, and back."""
     codes = random_codes(n, 4, seed=n)
     packed = pack_codes(codes, 4)
     assert packed.tolist() == _low_nibble_first(codes)
     assert torch.equal(unpack_codes(packed, 4, n), codes)
+    # Unpacked from a longer buffer (the prefix is read), as the wire's rows hold it.
+    longer = torch.cat([packed, torch.full((5,), 0xFF, dtype=torch.uint8)])
+    assert torch.equal(unpack_codes(longer, 4, n), codes)
 
 
 def test_a_run_of_codes_at_an_odd_offset_packs_as_a_copy_of_it_does():
