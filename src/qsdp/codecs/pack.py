@@ -40,13 +40,19 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-n) % per_byte
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
-    if bits == 4 and n + pad >= _PAIRS_FROM and sys.byteorder == "little":
-        return _pack_pairs(codes.to(torch.uint8))
-    c = codes.to(torch.uint8).view(-1, per_byte)
+    codes = codes.to(torch.uint8)
+    if _as_pairs(bits, n + pad):
+        return _pack_pairs(codes)
+    c = codes.view(-1, per_byte)
     out = c[:, 0] | (c[:, 1] << bits)
     for k in range(2, per_byte):
         out |= c[:, k] << (k * bits)
     return out
+
+
+def _as_pairs(bits: int, numel: int) -> bool:
+    """Whether ``numel`` codes of ``bits`` bits are packed and unpacked as int16 pairs."""
+    return bits == 4 and numel >= _PAIRS_FROM and sys.byteorder == "little"
 
 
 def _pack_pairs(codes: torch.Tensor) -> torch.Tensor:
@@ -85,7 +91,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         )
     if bits == 8:
         return packed[:numel]
-    if bits == 4 and numel >= _PAIRS_FROM and sys.byteorder == "little":
+    if _as_pairs(bits, numel):
         return _unpack_pairs(packed[:packed_nbytes(numel, bits)], numel)
     mask = (1 << bits) - 1
     codes = packed.unsqueeze(1) >> _shifts(bits, packed.device)

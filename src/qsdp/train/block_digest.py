@@ -4,8 +4,8 @@
 file's 64 KiB blocks, the last one shorter. A block is hashed wherever its bytes are in memory
 as a whole: in each piece the writer hands the OS at save (:mod:`qsdp.train.digest_writer`),
 and in the buffers DCP reads into at load, in whatever order it reads them
-(:mod:`qsdp.train.digest_reader`); only the blocks no read held whole are read again. XXH3 runs at memory speed (about 6x SHA-256 on a
-core without SHA extensions). It detects damage (any changed byte changes the digest but with
+(:mod:`qsdp.train.digest_reader`); only the blocks no read held whole are read again. XXH3 runs
+at memory speed (about 6x SHA-256 on a core without SHA extensions). It detects damage (any changed byte changes the digest but with
 odds of 2^-128 for a random change); it is not a cryptographic hash and does not detect a
 deliberate rewrite: the restricted unpickling of :mod:`qsdp.train.plain_data` is what keeps a
 checkpoint's contents from running code.

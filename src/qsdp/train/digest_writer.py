@@ -40,7 +40,7 @@ def write_in_pieces(raw: Any, data: Any, after: Callable[[memoryview], Any] | No
         piece = view[start:start + PIECE]
         done = 0
         while done < piece.nbytes:
-            n = raw.write(piece[done:] if done else piece)
+            n = raw.write(piece[done:])
             if n == 0:
                 raise OSError(f"no byte of {piece.nbytes - done} could be written")
             done = piece.nbytes if n is None else done + n
