@@ -34,6 +34,7 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import sys
 from typing import Any, Callable
 
 __all__ = ["PRELOAD", "RUNTIME_VARIABLES", "LauncherStdio", "start_method", "runtime_values", "run_entry",
@@ -41,7 +42,8 @@ __all__ = ["PRELOAD", "RUNTIME_VARIABLES", "LauncherStdio", "start_method", "run
 
 # What every worker imports anyway: torch with FSDP2's stack, and qsdp's training path.
 # torch._dynamo: FSDP2's first fully_shard imports it (about 1 s of a core, per worker otherwise).
-PRELOAD = ("torch", "torch.distributed.fsdp", "torch._dynamo", "qsdp.launch", "qsdp.train.launcher")
+# qsdp_fork_server first: the server imports on one thread, so its children can run on any number.
+PRELOAD = ("qsdp_fork_server", "torch", "torch.distributed.fsdp", "torch._dynamo", "qsdp.launch", "qsdp.train.launcher")
 # Variables written into the launching process's own environment by the tools around it, which no
 # worker reads: torch's elastic launcher's signal list, and pytest's name of the running test.
 _SET_BY_LAUNCHER = frozenset({"TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTEST_CURRENT_TEST"})
@@ -119,7 +121,13 @@ def runtime_values() -> dict[str, str | None]:
 
 def run_entry(fn: Callable[..., Any], _stdio: Any, values: dict[str, str | None], *args: Any) -> Any:
     """What a forked worker runs: ``fn(*args)`` with the launcher's ``values`` of
-    :data:`RUNTIME_VARIABLES`; ``_stdio`` did its work while unpickled."""
+    :data:`RUNTIME_VARIABLES` and the intra-op threads a spawned worker would have (the server
+    ran on one: :mod:`qsdp_fork_server`); ``_stdio`` did its work while unpickled."""
+    server = sys.modules.get("qsdp_fork_server")
+    if server is not None:
+        import torch
+
+        torch.set_num_threads(server.INTRA_OP_THREADS)
     for name, value in values.items():
         if value is None:
             os.environ.pop(name, None)

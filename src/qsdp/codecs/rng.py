@@ -117,7 +117,14 @@ def _golden_ramp(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int32, device=device).mul_(_s32(_GOLDEN))
 
 
-_cpu_ramp = functools.lru_cache(maxsize=1)(lambda: _golden_ramp(_CHUNK, torch.device("cpu")))
+@functools.lru_cache(maxsize=1)
+def _cpu_ramp() -> torch.Tensor:
+    """:func:`_golden_ramp` of :data:`_CHUNK` elements on CPU, computed in numpy: it is built at
+    import (:data:`_CPU`), and a torch operator of that size would run an OpenMP parallel region,
+    after which no child forked from the importing process (a fork server, a forked data loader)
+    can run one of its own (GNU OpenMP deadlocks there)."""
+    ramp = np.arange(_CHUNK, dtype=np.uint32) * np.uint32(_GOLDEN)  # wraps modulo 2**32
+    return torch.from_numpy(ramp.view(np.int32))
 
 
 def _uniform_bits_int32(
