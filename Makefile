@@ -22,8 +22,10 @@ $(VENV)/.dev: $(VENV)/.base
 
 install: $(VENV)/.dev
 
+# Wall time never fails a run (machines of one kind differ 2x): pytest prints the run's time and
+# its 15 slowest tests; pytest-timeout's per-test limit (pyproject.toml) only guards against hangs.
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -m "not slow and not gpu" -p no:cacheprovider --max-test-seconds 30 --max-run-seconds 900
+	$(PY) -m pytest -q -m "not slow and not gpu" -p no:cacheprovider --durations=15
 
 test-all: $(VENV)/.dev
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -25,10 +25,20 @@ def pytest_collection_modifyitems(config, items):
     items[:] = items[index::count]
 
 
+def _session_cache(config) -> str:
+    """The token cache of this test session (not the user's), under pytest's base temporary folder."""
+    # config._tmp_path_factory: the factory behind the tmp_path_factory fixture, the only way to
+    # its folder before any fixture runs (no public hook gives it before collection ends).
+    return str(config._tmp_path_factory.getbasetemp() / "qsdp-cache")  # noqa: SLF001
+
+
 def pytest_collection_finish(session):
-    """Queue the subprocesses of the selected tests marked ``prestart`` (tests/prestarted.py)."""
+    """Queue the subprocesses of the selected tests marked ``prestart`` (tests/prestarted.py), in
+    the environment the tests will run in: the session's cache is set first, so that a queued
+    command is the very command (environment included) its test builds."""
     from prestarted import PRESTARTED
 
+    os.environ["QSDP_CACHE_DIR"] = _session_cache(session.config)
     commands = {}
     for item in session.items:
         marker = item.get_closest_marker("prestart")
@@ -85,13 +95,3 @@ def outside_torchrun(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("QSDP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "qsdp-cache"))
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "QSDP_TEST_KILL_AT"):
         monkeypatch.delenv(var, raising=False)
-
-
-# The run's time budget (--max-test-seconds, --max-run-seconds: tests/time_budget.py).
-from time_budget import (  # noqa: E402,F401 - hooks, found by name in this module
-    pytest_addoption,
-    pytest_runtest_makereport,
-    pytest_sessionfinish,
-    pytest_sessionstart,
-    pytest_terminal_summary,
-)

@@ -103,12 +103,12 @@ class Queue:
 
     def result(self, key: str, command: Command, timeout: float) -> tuple[int, str]:
         """Exit status and output of ``command`` for ``key``: from the runner when it took the
-        same command (its environment is the one the run started with), else run here now. On
+        same command (argv, folder and the whole environment: a test that set a variable after
+        the queue was built runs its command here, as it asked), else run here now. On
         ``timeout`` seconds of waiting the command's process group is killed and
         ``subprocess.TimeoutExpired`` raised."""
         queued = self._index.pop(key, None)
-        if queued is None or queued[1].argv != command.argv or queued[1].cwd != command.cwd \
-                or _claim(self._folder, queued[0]):
+        if queued is None or queued[1] != command or _claim(self._folder, queued[0]):
             return _run_here(command, timeout)
         return self._await(queued[0], command, timeout)
 

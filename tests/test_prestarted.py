@@ -47,6 +47,19 @@ def test_a_command_other_than_the_queued_one_runs_in_the_test_itself():
         queue.stop()
 
 
+def test_a_command_asked_in_another_environment_runs_in_the_test_itself():
+    """Same argv and folder, one variable different (a cache the test set after the queue was
+    built): the test runs what it asked for, in its environment."""
+    queue = Queue()
+    code = "import os; print(os.environ.get('QSDP_CACHE_DIR'))"
+    queue.start({"t": Command.of([sys.executable, "-c", code], {**os.environ, "QSDP_CACHE_DIR": "queued"}, os.getcwd())})
+    try:
+        asked = Command.of([sys.executable, "-c", code], {**os.environ, "QSDP_CACHE_DIR": "asked"}, os.getcwd())
+        assert queue.result("t", asked, timeout=30) == (0, "asked\n")
+    finally:
+        queue.stop()
+
+
 def test_a_command_run_here_past_its_deadline_is_killed_with_the_processes_it_started(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     command = _python(
