@@ -1,7 +1,7 @@
 """A local worker stopped by a signal (SIGSTOP) is found by the launcher within about the
 collective timeout, named and killed; a worker that runs, however busy, is never taken for one.
 
-The watch (:mod:`qsdp.train.watchdog`) runs on real processes here: children of the test, as
+The watch (:mod:`qsdp.watchdog`) runs on real processes here: children of the test, as
 spawned workers are the launcher's, stopped or not; workers forked by the fork server, which
 are not; and a real ``qsdp train --nproc 2`` whose rank 1 gets SIGSTOP from outside, as a user
 (or a debugger) would send it. The launcher's death watch, which tells in which order workers
@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,8 @@ import pytest
 
 from qsdp.train.metrics import read_metrics, read_summary
 from qsdp.train.launcher import DeathWatch
-from qsdp.train.watchdog import STOP_SIGNAL, StoppedWorkerWatch, pid_path, stopped_by
+from qsdp.progress import process_start
+from qsdp.watchdog import STOP_SIGNAL, StoppedWorkerWatch, pid_path, stopped_by
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "waitid"), reason="needs waitid (POSIX)")
 
@@ -256,3 +258,126 @@ def test_a_worker_stopped_with_sigstop_is_restarted_under_max_restarts_as_after_
     summary = read_summary(out)
     assert (summary["restarts"], summary["start_step"], summary["steps"]) == (1, 2, 8)
     assert not Path(f"/proc/{stop['pid']}").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The watches' own failures
+
+
+@pytest.mark.skipif(not DeathWatch.sees_forked_workers(), reason="needs pidfd_open (Linux 5.3)")
+@pytest.mark.timeout(60)
+def test_the_death_watch_works_with_descriptors_numbered_past_1024(tmp_path):
+    """A launcher used as a library by a process with many files open: the worker's pidfd gets a
+    number select() refuses; the watch still sees how the worker ended (select raised ValueError,
+    and the final look replaced the run's result with it)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip("the open-file limit cannot reach 1200 here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        child = _worker(tmp_path, 0)
+        with DeathWatch(tmp_path) as watch:
+            deadline = time.monotonic() + 10
+            while not watch._watched and time.monotonic() < deadline:  # noqa: SLF001 - its pidfd opened
+                time.sleep(0.01)
+            assert max(fd for _, fd in watch._watched.values()) >= 1024  # noqa: SLF001
+            child.kill()
+            while (0, 0) not in watch.deaths and time.monotonic() < deadline:
+                time.sleep(0.01)
+            child.wait()
+        assert watch.deaths[(0, 0)][1] == "SIGKILL"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_forked_workers_are_watched_only_where_the_system_answers_pidfd_open(monkeypatch):
+    """The probe asks the system once: where a seccomp filter refuses pidfd_open (ENOSYS or
+    EPERM), the launcher spawns its workers instead of forking ones it could not watch."""
+    import errno
+
+    def refused(pid, flags=0):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    DeathWatch.sees_forked_workers.cache_clear()
+    monkeypatch.setattr(os, "pidfd_open", refused)
+    try:
+        assert DeathWatch.sees_forked_workers() is False
+    finally:
+        monkeypatch.undo()
+        DeathWatch.sees_forked_workers.cache_clear()
+    assert DeathWatch.sees_forked_workers() is True
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_process_named_by_an_earlier_attempts_pid_file_is_left_alone(tmp_path):
+    """Attempt 0's worker has ended and its pid now names an unrelated stopped process; attempt 1
+    runs. The stopped-worker watch leaves that process alone and removes attempt 0's file."""
+    unrelated = _worker(tmp_path, 1)  # attempt 0's pid file, rank 1, names it
+    current = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pid_path(tmp_path, 1, 1).write_text(f"{current.pid} {process_start(current.pid)}")
+    try:
+        _stop(unrelated)
+        with StoppedWorkerWatch(tmp_path, 0.5) as watch:
+            time.sleep(2.0)
+        assert watch.stopped == {}
+        assert stopped_by(unrelated.pid) is not None  # still there, still stopped
+        assert not pid_path(tmp_path, 1, 0).exists()
+    finally:
+        for child in (unrelated, current):
+            child.kill()
+            child.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_pid_that_names_another_process_than_the_worker_that_wrote_it_is_never_signalled(tmp_path):
+    """A pid file records the worker's start time with its pid: a stopped process that took the
+    pid since (its start time differs) is not the worker, and is not killed."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pid_path(tmp_path, 0, 0).write_text(f"{other.pid} {process_start(other.pid) - 1}")
+    try:
+        _stop(other)
+        with StoppedWorkerWatch(tmp_path, 0.5) as watch:
+            time.sleep(2.0)
+        assert watch.stopped == {} and stopped_by(other.pid) is not None
+    finally:
+        other.kill()
+        other.wait()
+
+
+_WATCH_WITHOUT_KILL = """
+import json, sys, time
+from qsdp.watchdog import StoppedWorkerWatch
+with StoppedWorkerWatch(sys.argv[1], 0.5) as watch:
+    time.sleep(2.5)
+    alive = watch._thread.is_alive()
+print(json.dumps({"alive": alive, "stopped": len(watch.stopped)}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv: the watch runs without the capability to signal other users")
+@pytest.mark.timeout(60)
+def test_a_worker_the_launcher_may_not_kill_is_reported_and_the_watch_goes_on(tmp_path):
+    """The stopped worker belongs to user nobody and the watch runs without CAP_KILL: os.kill is
+    refused. The watch thread survives (it died of the PermissionError), and the record says so."""
+    worker = subprocess.Popen(["sleep", "60"], user=65534, group=65534)
+    pid_path(tmp_path, 0, 0).write_text(f"{worker.pid} {process_start(worker.pid)}")
+    try:
+        _stop(worker)
+        result = subprocess.run(["setpriv", "--bounding-set=-kill", sys.executable, "-c", _WATCH_WITHOUT_KILL,
+                                 str(tmp_path)], capture_output=True, text=True, timeout=40)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout) == {"alive": True, "stopped": 0}
+        record = json.loads((tmp_path / "rank0.attempt0.stopped.json").read_text())
+        assert record["message"].endswith("the launcher was not allowed to kill it")
+        assert stopped_by(worker.pid) is not None
+    finally:
+        worker.kill()
+        worker.wait()

@@ -38,7 +38,7 @@ import sys
 from typing import Any, Callable
 
 __all__ = ["PRELOAD", "RUNTIME_VARIABLES", "LauncherStdio", "start_method", "runtime_values", "run_entry",
-           "started_processes"]
+           "watched_entry", "started_processes"]
 
 # What every worker imports anyway: torch with FSDP2's stack, and qsdp's training path.
 # torch._dynamo: FSDP2's first fully_shard imports it (about 1 s of a core, per worker otherwise).
@@ -53,7 +53,8 @@ _SET_BY_LAUNCHER = frozenset({"TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTEST_CURRENT_
 # inductor's cache folder, which torch itself writes into the environment of a process that
 # compiles (a launcher that ran torch.compile would otherwise never fork again).
 RUNTIME_VARIABLES = frozenset({"QSDP_NODE", "QSDP_CACHE_DIR", "QSDP_DISABLE_TRITON", "QSDP_TEST_KILL_AT",
-                               "QSDP_TEST_NAN_AT", "QSDP_TEST_STALL_AT", "TORCHINDUCTOR_CACHE_DIR"})
+                               "QSDP_TEST_NAN_AT", "QSDP_TEST_STALL_AT", "QSDP_TEST_HOLD_AT",
+                               "TORCHINDUCTOR_CACHE_DIR"})
 
 _server_env: dict[str, str] | None = None  # this process's environment when it started the server
 
@@ -134,6 +135,19 @@ def run_entry(fn: Callable[..., Any], _stdio: Any, values: dict[str, str | None]
         else:
             os.environ[name] = value
     return fn(*args)
+
+
+def watched_entry(directory: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """What every local worker runs, forked or spawned: ``fn(*args)`` once it has told the
+    launcher's watches its pid and set up its progress marks and stack dump in ``directory``
+    (:func:`qsdp.progress.start`)."""
+    from qsdp import progress
+
+    rank = int(os.environ.get("RANK", "0"))
+    progress.start(directory, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+    result = fn(*args)
+    progress.mark(progress.FINISHED)  # waiting for its peers to end is not being stuck
+    return result
 
 
 def started_processes() -> dict[int, multiprocessing.process.BaseProcess]:

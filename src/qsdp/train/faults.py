@@ -9,6 +9,8 @@ real runs).
 - ``QSDP_TEST_KILL_AT=STEP:RANK``: that rank sends itself SIGKILL after that step's backward.
 - ``QSDP_TEST_STALL_AT=STEP:RANK:SECONDS``: that rank sleeps before that step (a peer that stops
   answering).
+- ``QSDP_TEST_HOLD_AT=STEP:RANK``: that rank blocks for good before that step, on a lock that
+  nothing releases (a rank stuck outside any collective, as in a deadlock).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -46,6 +49,7 @@ class Faults:
     nan_at: tuple[int, int] | None = None
     kill_at: tuple[int, int] | None = None
     stall_at: tuple[int, int, float] | None = None
+    hold_at: tuple[int, int] | None = None
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -53,7 +57,13 @@ class Faults:
         if restart_count() > 0:
             return cls()
         return cls(_parse("QSDP_TEST_NAN_AT", 2), _parse("QSDP_TEST_KILL_AT", 2),
-                   _parse("QSDP_TEST_STALL_AT", 3))
+                   _parse("QSDP_TEST_STALL_AT", 3), _parse("QSDP_TEST_HOLD_AT", 2))
+
+    def hold(self, step: int, rank: int) -> None:
+        if self.hold_at == (step, rank):
+            held = threading.Lock()
+            held.acquire()
+            held.acquire()  # never returns: the lock's holder is this thread, waiting on it
 
     def stall(self, step: int, rank: int) -> None:
         if self.stall_at is not None and self.stall_at[:2] == (step, rank):

@@ -6,12 +6,15 @@ c10d rendezvous on a free local port; with ``max_restarts`` it restarts them aft
 a restarted group resumes from the run's last checkpoint. A failure inside the workers becomes
 one :class:`WorkerFailure` naming the root cause (the first rank that failed), not a traceback
 from every rank. A worker stopped by a signal (SIGSTOP) for longer than ``--timeout`` is killed
-and named as that root cause (:mod:`qsdp.train.watchdog`).
+and named as that root cause (:mod:`qsdp.watchdog`); a worker that makes no progress for that
+long, wherever it is stuck, ends the job named with the ranks that waited for it, and every
+rank's stack is written to ``--out`` (:mod:`qsdp.progress_guard`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -36,7 +39,9 @@ from qsdp.train.data import load_corpus
 from qsdp.train.files import atomic_write
 from qsdp.train.loop import train_worker
 from qsdp.train.preflight import Plan, preflight, prepare_dataset, require_packages
-from qsdp.train.watchdog import Poller, StoppedWorkerWatch, pid_path, signal_name, worker_pid_files
+from qsdp.progress import read_pid
+from qsdp.progress_guard import StuckRankError
+from qsdp.watchdog import Poller, StoppedWorkerWatch, signal_name, worker_pid_files
 
 __all__ = ["UsageError", "WorkerFailure", "EXIT_USAGE", "run_training", "launch", "plan_run",
            "check_writable", "quiet_elastic_logs", "root_cause", "final_error", "worker_threads"]
@@ -188,8 +193,6 @@ def _worker_entry(args: TrainArgs, plan: Plan, error_dir: str, threads: int | No
         # (--max-restarts is for crashes): end at once, and the launcher reports the error.
         return None
     rank, attempt = int(os.environ.get("RANK", "-1")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    with contextlib.suppress(OSError):  # for the launcher's watches: how this process ends, whether it is stopped
-        atomic_write(pid_path(error_dir, rank, attempt), lambda f: f.write(str(os.getpid()).encode()))
     try:
         summary = train_worker(args, plan)
         return summary if rank == 0 else None
@@ -263,9 +266,18 @@ class DeathWatch(Poller):
         self._processes: dict[int, Any] = {}  # pid -> the multiprocessing process it was started as
 
     @staticmethod
+    @functools.cache
     def sees_forked_workers() -> bool:
-        """Whether this system gives the watch a ``pidfd`` of a process that is not its child."""
-        return hasattr(os, "pidfd_open")
+        """Whether this system gives the watch a ``pidfd`` of a process that is not its child:
+        asked of the system once (a seccomp filter, as in some containers, refuses the call that
+        Python has), not read from Python's features."""
+        if not hasattr(os, "pidfd_open"):
+            return False
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+        except OSError:
+            return False
+        return True
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)  # the final look
@@ -284,13 +296,19 @@ class DeathWatch(Poller):
         self._polls += 1
         self._processes.update(started_processes())
         for rank, attempt, path in worker_pid_files(self.error_dir):
-            if (attempt, rank) not in self._watched:
-                with contextlib.suppress(OSError, ValueError):  # not written yet, or the process is gone
-                    pid = int(path.read_text())
+            written = read_pid(path)
+            if (attempt, rank) not in self._watched and written is not None:  # else: not written yet
+                with contextlib.suppress(OSError):  # the process is gone
+                    pid = written[0]
                     self._watched[(attempt, rank)] = (pid, os.pidfd_open(pid) if self.sees_forked_workers() else None)
         live = {key: ends for key, ends in self._watched.items() if key not in self.deaths}
-        pidfds = [pidfd for _, pidfd in live.values() if pidfd is not None]
-        ended = set(select.select(pidfds, [], [], 0)[0]) if pidfds else set()
+        # poll, not select: select refuses descriptors numbered 1024 or more (a launcher used as a
+        # library by a process with many files open).
+        poller = select.poll()
+        for _, pidfd in live.values():
+            if pidfd is not None:
+                poller.register(pidfd, select.POLLIN)
+        ended = {fd for fd, _ in poller.poll(0)}
         for key, (pid, pidfd) in live.items():
             if pidfd is not None and pidfd not in ended:
                 continue
@@ -358,7 +376,7 @@ def _peers(records: list[dict[str, Any]]) -> str:
 
 
 def _record_failure(first: dict[str, Any], out: str) -> WorkerFailure:
-    if first.get("stopped"):  # the launcher's StoppedWorkerWatch wrote it: one line, no traceback
+    if first.get("stopped") or first.get("stuck"):  # the launcher's watches wrote it: one line, no traceback
         return WorkerFailure(first["message"])
     if first["user"]:
         return WorkerFailure(first["message"], EXIT_USAGE)
@@ -397,11 +415,13 @@ def launch(args: TrainArgs, plan: Plan, max_restarts: int = 0) -> dict[str, Any]
     try:
         with quiet_elastic_logs(), watch, StoppedWorkerWatch(error_dir, args.timeout_s):
             results = launch_local(_worker_entry, nproc, args, plan, str(error_dir), worker_threads(nproc),
-                                   max_restarts=max_restarts, fork=DeathWatch.sees_forked_workers())
+                                   max_restarts=max_restarts, fork=DeathWatch.sees_forked_workers(),
+                                   timeout_s=args.timeout_s, watch_dir=str(error_dir), stacks_to=args.out,
+                                   timeout_name="--timeout")
         if final_error(error_dir) is not None:  # the restart ended at once: report what it would repeat
             raise root_cause(error_dir, {}, args.out)
-    except ChildFailedError as e:
-        raise root_cause(error_dir, e.failures, args.out, watch.deaths) from None
+    except (ChildFailedError, StuckRankError) as e:  # the guard's record names the stuck rank
+        raise root_cause(error_dir, getattr(e.__cause__ or e, "failures", {}), args.out, watch.deaths) from None
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
     return results[0]

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from qsdp import progress
 from qsdp.config import QuantConfig
 
 from qsdp.train.args import (
@@ -92,13 +93,16 @@ def train_worker(args: TrainArgs, plan: Plan | None = None) -> dict[str, Any]:
         rank, world = dist.get_rank(), dist.get_world_size()
         if args.hsdp:  # a layout that cannot be HSDP fails on every rank before any collective
             hsdp_layout(args, config, world, resuming=args.resume or restart_count() > 0 or rejoins_job(args.out))
+        progress.mark("data and plan")
         dataset, plan = _worker_plan(args, plan, config, rank, world)
         args = plan.run_args(args)  # a resume on another number of ranks: the global batch kept
         locked = _lock_run_directory(args.out, rank)
         dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
         if rank == 0:
             record_job(args.out)
+        progress.mark("building, sharding and loading the model")
         summary = Trainer(args, plan, dataset, run_device(args, owns_group)).fit()
+        progress.mark("summary")
         if rank == 0:
             write_summary(args.out, json.loads(json.dumps(summary, default=str)))
         return summary

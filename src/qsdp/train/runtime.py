@@ -17,6 +17,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from qsdp import progress
 from qsdp.train.args import PeerError, TrainArgs, TrainError
 
 __all__ = ["init_process_group", "run_device", "device_name", "rank0_first", "first_to_report"]
@@ -64,7 +65,9 @@ def init_process_group(args: TrainArgs) -> None:
                 f"train_worker needs an initialized process group or the torchrun environment "
                 f"({var} is not set); launch with `qsdp train --nproc N` or torchrun"
             )
-    timeout = datetime.timedelta(seconds=args.timeout_s)
+    # In a local launch the progress guard names a stuck rank at --timeout; the collectives wait
+    # a little longer, so that a rank waiting on it does not time out first and take the blame.
+    timeout = datetime.timedelta(seconds=progress.collective_timeout(args.timeout_s))
     backend = args.process_backend()
     if args.use_cuda():
         torch.cuda.set_device(_local_gpu())

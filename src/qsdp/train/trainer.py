@@ -83,6 +83,7 @@ from qsdp.train.checkpoint import (
     make_latest,
     save_checkpoint,
 )
+from qsdp import progress
 from qsdp.train.data import TokenDataset
 from qsdp.train.elastic import samples_consumed
 from qsdp.train.faults import Faults
@@ -281,11 +282,14 @@ class Trainer:
         """Forward, backward and (unless some rank's gradient is not finite) the optimizer
         step of the 1-based step ``step``."""
         args, started = self.args, time.perf_counter()
+        progress.mark(f"step {step}")
+        self.faults.hold(step, self.rank)
         self.faults.stall(step, self.rank)
         lr = lr_at(step - 1, args)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss = self.forward_backward(step)
+        progress.mark(f"step {step}: gradient check and optimizer step")
         self.state.samples += self.split.global_batch  # consumed even by a skipped step
         self.faults.kill(step, self.rank)
         logged = self.logs(step)
@@ -377,6 +381,7 @@ class Trainer:
         """
         args = self.args
         if (args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps:
+            progress.mark(f"checkpoint of step {step}")
             self.state.wire.collect(self.device)
             save_checkpoint(args.out, step, self.model, self.optimizer, self.comms, self.state_dict(),
                             keep=args.keep_checkpoints)
@@ -395,6 +400,7 @@ class Trainer:
         """Mean validation loss over ``eval_batches`` fixed batches split across the ranks (each
         rank runs the same number of forwards: FSDP2's gathers are collective)."""
         args, world = self.args, self.world
+        progress.mark("evaluation")
         per_rank = -(-args.eval_batches // world)
         losses: list[torch.Tensor] = []
         self.model.eval()

@@ -13,8 +13,10 @@ stopped (not by which signal).
 at every look for longer than the timeout gets a failure record (its rank, pid and host, and the
 signal) where the workers write theirs, and is then killed with SIGKILL, which a stopped process
 cannot ignore: the job ends, or restarts under ``--max-restarts``, as after a crash. A worker
-that is slow but running (a long first step, a checkpoint save, a compile, a wait in a collective)
-is never stopped, so never taken for one: its peers' collective timeout stays the bound for it.
+that runs but makes no progress (a deadlock, a lock, a peer it waits for) is the progress guard's
+(:mod:`qsdp.progress_guard`). Only the attempt that runs now is watched: the pid files of the
+attempts before it are removed, and a pid whose process started at another time than the worker
+that wrote it (a pid reused since) is never signalled.
 
 A heartbeat from a thread of each worker was tried first and dropped: a worker's threads can all
 be held for seconds while it runs (a live rank 0 went 5.7 s without a beat, under ``--timeout 5``
@@ -26,7 +28,6 @@ rank and no process of its own watches them.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from qsdp.train.files import atomic_write
+from qsdp.progress import pid_path, process_start, process_state, read_pid, write_record
 
 __all__ = ["STOP_SIGNAL", "Poller", "StoppedWorkerWatch", "look_interval", "pid_path", "signal_name", "stopped_by",
            "worker_pid_files"]
@@ -44,11 +45,6 @@ __all__ = ["STOP_SIGNAL", "Poller", "StoppedWorkerWatch", "look_interval", "pid_
 def look_interval(timeout_s: float) -> float:
     """Seconds between two looks of the watch: ten per timeout, at most one a second."""
     return min(1.0, timeout_s / 10)
-
-
-def pid_path(directory: str | Path, rank: int, attempt: int) -> Path:
-    """Where a launched worker writes its pid (the launcher's watches read it)."""
-    return Path(directory) / f"rank{rank}.attempt{attempt}.pid"
 
 
 def worker_pid_files(directory: Path) -> Iterator[tuple[int, int, Path]]:
@@ -113,20 +109,10 @@ def stopped_by(pid: int) -> str | None:
     try:
         status = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
-        return STOP_SIGNAL if _state(pid) == "T" else None
+        return STOP_SIGNAL if process_state(pid) == "T" else None
     if status is None or status.si_code != os.CLD_STOPPED:
         return None
     return signal_name(status.si_status)
-
-
-def _state(pid: int) -> str | None:
-    """The state letter of ``/proc/PID/stat`` (``'T'``: stopped by a signal), or ``None``."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    end = stat.rfind(")")  # the command name in parentheses may itself hold spaces and parentheses
-    return stat[end + 2:end + 3] or None
 
 
 class StoppedWorkerWatch(Poller):
@@ -144,20 +130,29 @@ class StoppedWorkerWatch(Poller):
         self.stopped: dict[tuple[int, int], dict[str, Any]] = {}
         self._since: dict[tuple[int, int], tuple[float, float]] = {}  # seen stopped since (monotonic, wall)
         self._last_look: float | None = None
+        self._refused: set[tuple[int, int]] = set()  # workers the launcher may not signal
 
     def look(self) -> None:
-        """One look at every worker."""
+        """One look at every worker of the latest attempt; the pid files of the attempts before it
+        are removed (their workers have ended: a pid they name may be another process's by now)."""
         now, wall = time.monotonic(), time.time()
         if self._last_look is not None and now - self._last_look > self.timeout_s / 2:
             self._since.clear()  # this process did not run in between: what it saw before says nothing
         self._last_look = now
-        for rank, attempt, path in worker_pid_files(self.directory):
+        files = list(worker_pid_files(self.directory))
+        latest = max((attempt for _, attempt, _ in files), default=0)
+        for rank, attempt, path in files:
             key = (attempt, rank)
-            if key in self.stopped:
+            if attempt < latest:
+                with contextlib.suppress(OSError):
+                    path.unlink()
                 continue
-            try:
-                pid = int(path.read_text())
-            except (OSError, ValueError):  # not written yet
+            written = read_pid(path)
+            if key in self.stopped or key in self._refused or written is None:  # not written yet
+                continue
+            pid, start = written
+            if start is not None and process_start(pid) != start:  # ended; the pid may be reused
+                self._since.pop(key, None)
                 continue
             how = stopped_by(pid)
             if how is None:
@@ -175,10 +170,19 @@ class StoppedWorkerWatch(Poller):
                         f"longer than the timeout ({self.timeout_s:g} s, --timeout): its peers' collectives could not "
                         "complete; the launcher killed it"),
         }
+        path = _record_path(self.directory, rank, attempt)
         # The record first: the job's end, which the kill starts, reports it.
         with contextlib.suppress(OSError):
-            atomic_write(_record_path(self.directory, rank, attempt),
-                         lambda f: f.write(json.dumps(record).encode("utf-8")))
-        self.stopped[(attempt, rank)] = record
-        with contextlib.suppress(ProcessLookupError):
+            write_record(path, record)
+        try:
             os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # another user's process: said, and the watch goes on with the others
+            record["message"] = record["message"].replace("the launcher killed it",
+                                                          "the launcher was not allowed to kill it")
+            with contextlib.suppress(OSError):
+                write_record(path, record)
+            self._refused.add((attempt, rank))
+            return
+        self.stopped[(attempt, rank)] = record
