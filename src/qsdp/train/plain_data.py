@@ -31,8 +31,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
 
-__all__ = ["UnsafeItem", "PlainDataReader", "PlainDataLoadPlanner", "METADATA_GLOBALS", "refusal_reason"]
+__all__ = [
+    "UnsafeItem", "PlainDataReader", "PlainDataLoadPlanner", "METADATA_GLOBALS", "METADATA_TORCH", "refusal_reason",
+]
 
+# The torch releases whose DCP ``.metadata`` the allowlist below was read from; a newer torch's may
+# name a class it lacks: refused naming both versions (a save reads its own back at once).
+METADATA_TORCH = "2.11-2.13"
 # What DCP's ``.metadata`` pickle names (torch 2.11-2.13): its dataclasses, the enum of memory
 # formats, the storage info of the file system writer, and the torch types inside them.
 METADATA_GLOBALS = frozenset({
@@ -85,7 +90,8 @@ class PlainDataReader(FileSystemReader):
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except pickle.UnpicklingError as e:
-            raise _refused(name, str(e)) from None
+            raise _refused(name, f"{e}, which DCP's metadata of torch {METADATA_TORCH} does not name; this is torch "
+                                 f"{torch.__version__}") from None
         except MemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - in memory: any other failure is the bytes' own
