@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
@@ -79,6 +80,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}")
 
 
+def _require_inside(name: str, metadata: Metadata) -> None:
+    """Every file the metadata names lies inside the checkpoint's directory: a ``relative_path``
+    that is absolute or climbs out (``..``) is refused before anything is read."""
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            continue
+        parts = PurePosixPath(rel).parts if isinstance(rel, str) else ("..",)
+        if not parts or PurePosixPath(rel).is_absolute() or PureWindowsPath(rel).is_absolute() or any(
+                p in ("..", ".") or "\\" in p for p in parts):
+            raise UnsafeItem(f"{name} names a file outside its checkpoint directory ({str(rel)[:80]!r}); refused "
+                             "before any read: DCP's files lie in the checkpoint itself")
+
+
 class PlainDataReader(FileSystemReader):
     """DCP's file system reader whose ``.metadata`` is read by a restricted unpickler."""
 
@@ -98,6 +113,7 @@ class PlainDataReader(FileSystemReader):
             raise UnsafeItem(f"{name} cannot be read as DCP metadata ({type(e).__name__}: {e})") from None
         if not isinstance(metadata, Metadata):
             raise UnsafeItem(f"{name} holds a {type(metadata).__name__}, not DCP metadata")
+        _require_inside(name, metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
