@@ -438,8 +438,12 @@ def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Mo
         rs = _hsdp.hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, layout.replicate_group)
     # Beside TP, the group's TP-replicated parameters are quantized apart from its TP shards;
     # the reduce-scatter's row holds only the parameters that get a gradient.
-    ag.use_row_spans(shard_row_spans(m))
-    rs.use_row_spans(shard_row_spans(m, with_gradients=True))
+    # FSDP2 reads requires_grad again at every unshard (a part unfrozen later is a working flow):
+    # the reduce-scatter reads its spans again at each reduction.
+    every = shard_row_spans(m)
+    ag.use_row_spans(every)
+    rs.use_row_spans(functools.partial(shard_row_spans, m, with_gradients=True),
+                     mixed=len({rep for n, rep in every if n}) > 1)
     # Read now and set up for below: a factor set later is refused at the next reduction.
     rs.expect_divide_factor(functools.partial(gradient_divide_factor, m), f"group {i} ({label})")
     if has_custom_divide_factor(m):
