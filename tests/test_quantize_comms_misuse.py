@@ -123,3 +123,28 @@ def test_a_device_mesh_of_two_dimensions_is_refused_by_name():
     assert run_pooled(_group_as_mesh, 4, (2, 2), timeout=100) == [(
         "ConfigError", "group= is a 2-D DeviceMesh (2, 2): pass the one dimension it means (group=mesh['tp'], or "
                        "mesh.get_group('tp')), or leave group= out and qsdp reads the mesh FSDP2 shards over")] * 4
+
+
+def _requantized_trained_model(rank, world):
+    """A model trained on qsdp's comms, closed, then given new ones: their first gathers start the
+    replicas from the trained weights (exact), so the forward equals one on unquantized comms."""
+    import torch
+
+    model = fm.build()
+    trained = qsdp.quantize_comms(model, "sdp4bit")
+    fm.train(model, 2, rank)
+    trained.close()
+    x, _ = fm.batch(5, rank)
+    exact = qsdp.quantize_comms(model, "fsdp")
+    with torch.no_grad():
+        want = model(x)
+    exact.close()
+    again = qsdp.quantize_comms(model, "sdp4bit")
+    with torch.no_grad():
+        got = model(x)
+    again.close()
+    return torch.equal(got, want)
+
+
+def test_new_comms_on_a_trained_model_start_their_replicas_from_its_current_weights():
+    assert run_pooled(_requantized_trained_model, 2, timeout=100) == [True, True]
