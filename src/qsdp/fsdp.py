@@ -299,7 +299,6 @@ def quantize_comms(
     node (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
     """
     cfg = resolve_config(config, overrides)
-    group, replicate_group = as_process_group(group, "group"), as_process_group(replicate_group, "replicate_group")
     layout = _read_layout(module, group, replicate_group)
     _agree_on_config(module, cfg, layout)
     _refuse_uneven_splits(module, cfg, layout)
@@ -348,6 +347,7 @@ def _read_layout(module: nn.Module, group: dist.ProcessGroup | None,
     without FSDP2 modules, a misuse (:func:`_refuse_misuse`) and groups that contradict FSDP2's."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("quantize_comms needs an initialized process group (torch.distributed.init_process_group)")
+    group, replicate_group = as_process_group(group, "group"), as_process_group(replicate_group, "replicate_group")
     fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not fsdp_modules:
         raise _no_fsdp2_module(module)
