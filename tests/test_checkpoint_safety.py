@@ -55,6 +55,8 @@ def _save(rank, world, out, poison=None, marker=None):
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()
+    if poison is not None:  # written as by another writer: qsdp's save would refuse it (test_checkpoint_save_items)
+        ckpt.unsavable_item = lambda state: None
     if poison == "param_group":
         opt.param_groups[0]["lr"] = Payload(marker)
     if poison == "rank_blob":

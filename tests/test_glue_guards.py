@@ -151,6 +151,39 @@ def test_frozen_parameters_beside_tp_keep_the_replicated_ones_identical_on_tp_pe
         assert compared == 10 and differing == []
 
 
+def _flipped_tp(rank, world, frozen_at_attach: bool, steps: int = 8, flip_at: int = 3):
+    """dp x tp with each block's fc1 (TP-sharded) frozen at quantize_comms and unfrozen at step
+    ``flip_at``, or the reverse; the norms and fc2's bias (TP-replicated, 32 elements: no whole
+    quantization group) share the reduce-scatter's row with the TP shards."""
+    built = layouts.build("dp_tp")
+    fc1 = [p for block in built.model.blocks for p in block.fc1.parameters()]
+    for p in fc1:
+        p.requires_grad_(not frozen_at_attach)
+    handle = qsdp.quantize_comms(built.model, "sdp4bit")
+    opt = torch.optim.Adam(built.model.parameters(), lr=1e-2)
+    for step in range(steps):
+        if step == flip_at:
+            for p in fc1:
+                p.requires_grad_(frozen_at_attach)
+        x, y = fm.batch(step, built.data_rank)
+        torch.nn.functional.mse_loss(built.model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    mine = _tp_replicated(built.model)
+    handle.close()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    theirs = dict(everyone[rank ^ 1])  # the TP peer: ranks 2k and 2k + 1
+    return len(mine), [name for name, value in mine if not torch.equal(value, theirs[name])]
+
+
+@pytest.mark.parametrize("frozen_at_attach", [True, False], ids=["unfrozen-later", "frozen-later"])
+def test_parameters_frozen_or_unfrozen_after_quantize_comms_keep_the_replicated_ones_identical_on_tp_peers(
+        frozen_at_attach):
+    for compared, differing in run_world(_flipped_tp, 4, frozen_at_attach, local_world_size=2):
+        assert compared == 10 and differing == []
+
+
 def _frozen_tp_resume(rank, world, path):
     from qsdp.train.checkpoint import load_checkpoint, save_checkpoint
 

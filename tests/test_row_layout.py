@@ -17,7 +17,7 @@ LENGTH = sum(n for n, _ in SPANS)
 
 def test_a_row_of_one_kind_keeps_fsdp2s_order_at_no_cost():
     x = torch.randn(3, LENGTH)
-    for spans in (None, [(LENGTH, True)], [(30, False), (LENGTH - 30, False)], [(5, False), (5, False)]):
+    for spans in (None, [(LENGTH, True)], [(30, False), (LENGTH - 30, False)], [(5, False), (LENGTH - 5, False)]):
         layout = RowLayout.of(spans, LENGTH, unit=16)
         assert layout.identity and layout.wire_length == LENGTH
         assert layout.expand(x) is x
@@ -26,8 +26,23 @@ def test_a_row_of_one_kind_keeps_fsdp2s_order_at_no_cost():
 
 def test_a_mixed_row_its_spans_do_not_describe_is_an_error_not_the_identity():
     # The identity would quantize TP-replicated and TP-sharded values in one group.
-    with pytest.raises(RowMismatch, match="row of 63 elements.*hold 10.*set_reduce_scatter_unused_params"):
+    with pytest.raises(RowMismatch, match="row of 63 elements.*hold 80.*set_reduce_scatter_unused_params"):
+        RowLayout.of([(40, True), (40, False)], LENGTH, unit=16)
+    with pytest.raises(RowMismatch, match="row of 63 elements.*hold 10.*does not list"):
         RowLayout.of([(5, True), (5, False)], LENGTH, unit=16)
+
+
+def test_spans_of_one_kind_that_hold_less_than_the_row_are_an_error_not_the_identity():
+    """The row holds a parameter the spans leave out (unfrozen since they were read): its kind is unknown."""
+    with pytest.raises(RowMismatch, match="FSDP2 passed a shard row of 1088 elements, but the group's parameters "
+                                          "that require a gradient hold 64"):
+        RowLayout.of([(64, True)], 64 + 1024, 128)
+
+
+def test_spans_of_one_kind_from_a_mixed_group_must_add_up_to_the_row():
+    with pytest.raises(RowMismatch, match="got none this backward"):
+        RowLayout.of([(64, True), (1024, True)], 64, 128, mixed=True)
+    assert RowLayout.of([(64, True), (1024, True)], 64, 128).identity  # no TP in the group: any order is one kind
 
 
 def test_replicated_parameters_come_first_and_each_part_is_whole_units():

@@ -26,6 +26,7 @@ from .comm.reduce_scatter import PlainReduceScatter, QuantizedReduceScatter
 from .comm.topology import Topology, build_topologies, release
 from .comm.versions import ChangeTracker, managed_parameters
 from .config import ConfigError, QuantConfig, config_diff, resolve_config
+from .group_args import as_process_group
 
 _ALL_GATHERS = {"plain": PlainAllGather, "direct": QuantizedAllGather, "difference": DifferenceAllGather}
 POST_FORWARD_GROUP = "post-forward group (reshard_after_forward=<int>)"
@@ -137,22 +138,29 @@ class QuantizedComms:
             rs.load_state_dict(state["reduce_scatter"].get(str(i), {}))
 
 
-def check_same_config(config: QuantConfig, group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None
-                      ) -> None:
+def check_same_config(config: QuantConfig, group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
+                      *, problem: str | None = None) -> None:
     """Collective over ``group`` (default: the world), or over the dimensions of a mesh given as
     its groups in order (every rank of the mesh joins each): raises ``ConfigError`` on every rank
     of it, naming the fields that differ, if any rank passed a different config. Along a mesh, each
     dimension passes on the distinct configs seen so far, so after the last one every rank has
-    seen every rank's config: ranks of other meshes (other pipeline stages) make no call."""
+    seen every rank's config: ranks of other meshes (other pipeline stages) make no call.
+    ``problem``: what this rank alone found wrong with its arguments; the lowest rank's is raised
+    on every rank, as ``rank R: ...``, instead of that rank raising while the others wait."""
     groups = list(group) if isinstance(group, (list, tuple)) else [group]
     mine = json.dumps(config.to_dict(), sort_keys=True)
     seen = {mine: dist.get_rank()}  # each distinct config, with the first global rank that holds it
+    problems = {} if problem is None else {dist.get_rank(): problem}
     for g in groups:
-        everyone: list[dict[str, int] | None] = [None] * dist.get_world_size(g)
-        dist.all_gather_object(everyone, seen, group=g)
-        for theirs in everyone:
+        everyone: list[Any] = [None] * dist.get_world_size(g)
+        dist.all_gather_object(everyone, (seen, problems), group=g)
+        for theirs, found in everyone:
             for text, rank in theirs.items():
                 seen[text] = min(rank, seen.get(text, rank))
+            problems.update(found)
+    if problems:
+        rank = min(problems)
+        raise ConfigError(f"rank {rank}: {problems[rank]}")
     if len(seen) == 1:
         return
     base = config.to_dict()
@@ -323,6 +331,7 @@ class _Layout:
     group: dist.ProcessGroup
     native: dist.ProcessGroup | None
     replicate_group: dist.ProcessGroup | None
+    problem: str | None = None  # what this rank alone found wrong, raised on every rank at the agreement
 
     @property
     def replicas(self) -> dist.ProcessGroup | None:
@@ -338,6 +347,7 @@ def _read_layout(module: nn.Module, group: dist.ProcessGroup | None,
     without FSDP2 modules, a misuse (:func:`_refuse_misuse`) and groups that contradict FSDP2's."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("quantize_comms needs an initialized process group (torch.distributed.init_process_group)")
+    group, replicate_group = as_process_group(group, "group"), as_process_group(replicate_group, "replicate_group")
     fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not fsdp_modules:
         raise _no_fsdp2_module(module)
@@ -348,18 +358,21 @@ def _read_layout(module: nn.Module, group: dist.ProcessGroup | None,
     if group is None and replicate_group is not None and all(m is None for m in meshes):
         raise ConfigError("replicate_group needs group= the shard group (the ranks FSDP2 shards over): no parameter "
                           f"of {type(module).__name__} was sharded by fully_shard; " + _hsdp.RECIPE)
-    return _Layout(fsdp_modules, members_of, meshes, _fsdp_group(meshes, group), native, replicate_group)
+    shard_group, problem = _fsdp_group(meshes, group)
+    return _Layout(fsdp_modules, members_of, meshes, shard_group, native, replicate_group, problem)
 
 
 def _agree_on_config(module: nn.Module, cfg: QuantConfig, layout: _Layout) -> None:
     """Collective over the model part's mesh (or, for qsdp's HSDP recipe, its two groups): every
     rank uses the same config and layout, or every rank raises naming the difference."""
     if layout.replicate_group is not None:
+        if layout.problem is not None:
+            raise ConfigError(layout.problem)
         _hsdp.prepare(module, cfg, layout.group, layout.replicate_group)
         return
     if layout.native is None:
         _hsdp.require_replicate_group(cfg)
-    check_same_config(cfg, _mesh_groups(module, layout.group))
+    check_same_config(cfg, _mesh_groups(module, layout.group), problem=layout.problem)
 
 
 def _node_topologies(cfg: QuantConfig, layout: _Layout) -> tuple[Topology, dict[int, Topology]]:
@@ -425,8 +438,12 @@ def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Mo
         rs = _hsdp.hsdp_reduce_scatter(m, rs_cls, cfg, topology, i, layout.replicate_group)
     # Beside TP, the group's TP-replicated parameters are quantized apart from its TP shards;
     # the reduce-scatter's row holds only the parameters that get a gradient.
-    ag.use_row_spans(shard_row_spans(m))
-    rs.use_row_spans(shard_row_spans(m, with_gradients=True))
+    # FSDP2 reads requires_grad again at every unshard (a part unfrozen later is a working flow):
+    # the reduce-scatter reads its spans again at each reduction.
+    every = shard_row_spans(m)
+    ag.use_row_spans(every)
+    rs.use_row_spans(functools.partial(shard_row_spans, m, with_gradients=True),
+                     mixed=len({rep for n, rep in every if n}) > 1)
     # Read now and set up for below: a factor set later is refused at the next reduction.
     rs.expect_divide_factor(functools.partial(gradient_divide_factor, m), f"group {i} ({label})")
     if has_custom_divide_factor(m):
@@ -455,21 +472,24 @@ def _ranks(group: dist.ProcessGroup) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
-def _fsdp_group(meshes: list[tuple[Any, Any] | None], given: dist.ProcessGroup | None) -> dist.ProcessGroup:
+def _fsdp_group(meshes: list[tuple[Any, Any] | None], given: dist.ProcessGroup | None
+                ) -> tuple[dist.ProcessGroup, str | None]:
     """The one process group FSDP2 shards every group of the model over (read from its state:
-    a 1-D mesh, or the shard dimension of a 2-D/3-D one), checked against ``group=`` when one
-    was given; local, no collective. Raises :class:`ConfigError` naming the groups."""
+    a 1-D mesh, or the shard dimension of a 2-D/3-D one), and what is wrong with ``group=`` when
+    it names other ranks (a mistake one rank may make alone: the config agreement raises it on
+    every rank); local, no collective. Raises :class:`ConfigError` naming the groups where the
+    model itself shards over several."""
     found = {tuple(_ranks(m[0])): m[0] for m in meshes if m is not None}
     if len(found) > 1:
         raise ConfigError(f"the FSDP modules shard over different process groups {sorted(found)}; qsdp quantizes "
                           "one shard group per model: pass one mesh (or one mesh dimension) to every fully_shard call")
     if not found:
-        return given or dist.group.WORLD
+        return given or dist.group.WORLD, None
     ranks, mesh_group = next(iter(found.items()))
     if given is not None and tuple(_ranks(given)) != ranks:
-        raise ConfigError(f"group= holds ranks {_ranks(given)} but FSDP2 shards this rank's parameters over ranks "
-                          f"{list(ranks)}; leave group= out (qsdp reads the mesh FSDP2 shards over) or pass that group")
-    return mesh_group
+        return mesh_group, (f"group= holds ranks {_ranks(given)} but FSDP2 shards this rank's parameters over ranks "
+                            f"{list(ranks)}; leave group= out (qsdp reads the mesh FSDP2 shards over) or pass that group")
+    return mesh_group, None
 
 
 def _post_forward_gather(cfg: QuantConfig, topology: Topology, comm_id: int, name: str) -> WeightAllGather:

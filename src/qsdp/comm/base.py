@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..config import QuantConfig
 from .collectives import all_gather_flat, reduce_scatter_flat
 from .meter import METER, ByteMeter
-from .row_layout import RowLayouts, Spans
+from .row_layout import RowLayouts, Spans, SpansOf
 from .topology import Topology
 from .versions import ChangeTracker
 
@@ -67,10 +67,12 @@ class CommBase:
         self.post_forward_of: str | None = None
         self.layouts = RowLayouts()
 
-    def use_row_spans(self, spans: Spans) -> None:
+    def use_row_spans(self, spans: Spans | SpansOf, mixed: bool = False) -> None:
         """Lay out the group's shard rows by its parameters' ``(elements, TP-replicated)``
-        (:mod:`qsdp.comm.row_layout`)."""
-        self.layouts.spans = list(spans)
+        (:mod:`qsdp.comm.row_layout`), or by what ``spans()`` gives at each call (the parameters
+        requiring a gradient then); ``mixed``: the group's parameters, all of them, mix the kinds."""
+        self.layouts.mixed = mixed
+        self.layouts.use(spans)
 
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         """Count this comm's bytes in ``byte_meter`` from now on."""
@@ -205,10 +207,10 @@ class WeightAllGather(CommBase, AllGather):
         if self.post_forward is not None:
             self.post_forward.bind_meter(byte_meter)
 
-    def use_row_spans(self, spans: Spans) -> None:
-        super().use_row_spans(spans)
+    def use_row_spans(self, spans: Spans | SpansOf, mixed: bool = False) -> None:
+        super().use_row_spans(spans, mixed)
         if self.post_forward is not None:
-            self.post_forward.use_row_spans(spans)
+            self.post_forward.use_row_spans(spans, mixed)
 
     def handled_elsewhere(self, output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                           async_op: bool = False) -> bool:

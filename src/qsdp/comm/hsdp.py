@@ -36,7 +36,7 @@ from .base import GradReduceScatter
 from .meter import METER, ByteMeter
 from .reduce_scatter import _divisor
 from .rank_alone import RankAloneGroup
-from .row_layout import RowLayouts, Spans
+from .row_layout import RowLayouts, Spans, SpansOf
 from .wire import RowCodec
 
 
@@ -143,10 +143,11 @@ class _AcrossReplicas(GradReduceScatter):
         self.inner.bind_meter(byte_meter)
         self.all_reduce.byte_meter = byte_meter
 
-    def use_row_spans(self, spans: Spans) -> None:
-        super().use_row_spans(spans)
-        self.inner.use_row_spans(spans)
-        self.all_reduce.layouts.spans = list(spans)
+    def use_row_spans(self, spans: Spans | SpansOf, mixed: bool = False) -> None:
+        super().use_row_spans(spans, mixed)
+        self.inner.use_row_spans(spans, mixed)
+        self.all_reduce.layouts.mixed = mixed
+        self.all_reduce.layouts.use(spans)
 
     def take_nonfinite_flag(self) -> torch.Tensor | None:
         """The all-reduce carries a non-finite value of any replica into every replica's

@@ -16,18 +16,23 @@ replicated values identically. A row without such a mix (no TP, or only one kind
 keeps FSDP2's order: its layout is the identity and costs nothing.
 
 The all-gather's row holds every parameter of the group, the reduce-scatter's only those with a
-gradient (frozen parameters are left out), so the two comms get their own spans. A mixed row
-the spans do not describe is an error, never the identity.
+gradient (frozen parameters are left out), so the two comms get their own spans. FSDP2 reads
+``requires_grad`` again at every unshard (a part frozen at first and unfrozen later is a working
+FSDP2 flow), so the reduce-scatter's spans are read again at each reduction, on the host, and a
+layout is built once for each set of parameters requiring a gradient. A row the spans do not
+describe is an error, never the identity: spans that hold fewer elements than the row, or, in a
+group that mixes the kinds, any other number.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 Spans = Sequence[tuple[int, bool]]
+SpansOf = Callable[[], Spans]  # the spans as they are now (the parameters requiring a gradient)
 
 
 class RowMismatch(RuntimeError):
@@ -52,6 +57,16 @@ def _unused_gradient_fix() -> str:
             f"set_reduce_scatter_unused_params, torch 2.13's has), or {frozen}")
 
 
+def _mismatch(length: int, total: int) -> str:
+    what = (f"qsdp: FSDP2 passed a shard row of {length} elements, but the group's parameters that require a "
+            f"gradient hold {total}; quantized without their layout, TP-replicated and TP-sharded values could share "
+            "a quantization group, and the TP-replicated ones would be rounded differently on each TP rank and "
+            "drift apart.")
+    if total > length:
+        return f"{what} A parameter that requires a gradient got none this backward: {_unused_gradient_fix()}"
+    return f"{what} The row holds elements of parameters the group does not list: please report this as a bug"
+
+
 @dataclass(frozen=True)
 class RowLayout:
     """The map between a shard row of ``length`` elements (FSDP2's order) and the codec's row of
@@ -70,24 +85,25 @@ class RowLayout:
         return self.source is None
 
     @classmethod
-    def of(cls, spans: Spans | None, length: int, unit: int, device: torch.device | str = "cpu") -> "RowLayout":
+    def of(cls, spans: Spans | None, length: int, unit: int, device: torch.device | str = "cpu",
+           mixed: bool = False) -> "RowLayout":
         """The layout of a row of ``length`` elements whose parameters are ``spans`` (``(elements,
         replicated)`` in row order, :func:`qsdp._fsdp2.shard_row_spans`), parts padded to
         multiples of ``unit``; the identity when the row does not mix the two kinds.
+        ``mixed``: the group's parameters, those left out of ``spans`` included, mix the kinds.
 
-        Spans that mix the kinds but do not add up to ``length`` raise :class:`RowMismatch`:
-        the identity would put replicated and TP-sharded values in one quantization group, so
-        the TP ranks would round the replicated ones differently and train apart."""
+        Spans that do not add up to ``length`` raise :class:`RowMismatch` where the identity
+        could put replicated and TP-sharded values in one quantization group (so the TP ranks
+        would round the replicated ones differently and train apart): spans that mix the kinds
+        or come from a group that does, and spans holding fewer elements than the row (it holds
+        values they do not describe)."""
         spans = list(spans or ())
         kinds = {rep for n, rep in spans if n}
+        total = sum(n for n, _ in spans)
+        if spans and total != length and (len(kinds) > 1 or mixed or total < length):
+            raise RowMismatch(_mismatch(length, total))
         if len(kinds) < 2:
             return cls(length, length, ((0, length, length),))
-        if (total := sum(n for n, _ in spans)) != length:
-            raise RowMismatch(
-                f"qsdp: FSDP2 passed a shard row of {length} elements, but the group's parameters, which mix "
-                f"TP-replicated and TP-sharded ones, hold {total}; quantized as one row, the TP-replicated values "
-                "would be rounded differently on each TP rank and drift apart. A parameter that requires a gradient "
-                f"got none this backward: {_unused_gradient_fix()}")
         starts, at = [], 0
         for n, _ in spans:
             starts.append(at)
@@ -127,15 +143,24 @@ class RowLayout:
 
 @dataclass
 class RowLayouts:
-    """One comm's layouts: the spans of its FSDP group's row (set once when it is attached: all
-    parameters for an all-gather, those requiring a gradient for a reduce-scatter) and the
-    layout of each (length, unit, device) it has met, built once."""
+    """One comm's layouts: the spans of its FSDP group's row (all parameters for an all-gather,
+    fixed when it is attached; for a reduce-scatter a function giving those that require a
+    gradient now) and the layout of each (length, unit, device, spans) it has met, built once.
+    ``mixed``: the group's parameters, frozen ones included, mix TP-replicated and TP-sharded."""
 
-    spans: Spans | None = None
-    _built: dict[tuple[int, int, str], RowLayout] = field(default_factory=dict)
+    spans: Spans | SpansOf | None = None
+    mixed: bool = False
+    _built: dict[tuple[int, int, str, tuple[tuple[int, bool], ...]], RowLayout] = field(default_factory=dict)
+
+    def use(self, spans: Spans | SpansOf) -> None:
+        """Lay rows out by ``spans`` (or by what ``spans()`` gives at each row)."""
+        self.spans = spans if callable(spans) else list(spans)
+        now = spans() if callable(spans) else spans
+        self.mixed = self.mixed or len({rep for n, rep in now if n}) > 1
 
     def get(self, length: int, unit: int, device: torch.device) -> RowLayout:
-        key = (length, unit, str(device))
+        spans = tuple(self.spans() if callable(self.spans) else self.spans or ())
+        key = (length, unit, str(device), spans)
         if key not in self._built:
-            self._built[key] = RowLayout.of(self.spans, length, unit, device)
+            self._built[key] = RowLayout.of(spans, length, unit, device, mixed=self.mixed)
         return self._built[key]

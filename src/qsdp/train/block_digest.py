@@ -40,6 +40,18 @@ def _combine(block_digests: Any) -> str:
     return xxhash.xxh3_128_hexdigest(block_digests)
 
 
+def _pread_fully(fd: int, view: memoryview, offset: int) -> int:
+    """Read ``view`` from ``offset`` on, reading on after a short read (network and FUSE file
+    systems return less than asked before the end); fewer bytes only where the file ends."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if not n:
+            break
+        done += n
+    return done
+
+
 class BlockDigest:
     """The digest of a file of ``size`` bytes, from bytes fed at their offsets in any order.
     Each block is hashed once, the first time a fed buffer holds it whole."""
@@ -91,7 +103,7 @@ class BlockDigest:
             j = done.find(1, i, min(i + per_read, self.count))
             j = min(i + per_read, self.count) if j < 0 else j
             start, stop = i * BLOCK, min(j * BLOCK, self.size)
-            n = os.preadv(fd, [buf[:stop - start]], start)
+            n = _pread_fully(fd, buf[:stop - start], start)
             if n != stop - start:
                 return False
             self.feed(start, buf[:n])

@@ -94,6 +94,7 @@ from .integrity import (
 )
 from .parts import ModelParts, merged
 from .plain_data import PlainDataLoadPlanner, PlainDataReader, UnsafeItem, refusal_reason
+from .save_items import plain_items, unsavable_item
 
 __all__ = [
     "CheckpointError", "PeerLoadError", "CHECKPOINT_DIR", "LATEST_FILE", "META_FILE", "COMMS_FILE",
@@ -470,23 +471,27 @@ def save_checkpoint(
     root = checkpoint_root(out)
     name = step_dirname(step)
     final, tmp = root / name, root / (name + ".tmp")
+    finite = nonfinite_state(parts, job.optimizers, device) is None
+    comms = {"format": FORMAT, "layout": _layout(handles), "continued": _counters_everywhere(handles, device),
+             "configs": _configs(handles)}
+    model_sds, optim_sds = job.state_dicts()
+    state = plain_items({"model": merged(model_sds), "optim": merged(optim_sds),
+                         "qsdp_replicas": _replica_state(parts, handles), "rank_state": {str(rank): _rank_blob(handles)}})
+    # Before anything is written, on every rank: what this save would write, a load can read.
+    problem = _json_problem(meta) or unsavable_item(state)
+    _agree(None if problem is None else f"cannot save checkpoint {name}: {problem}", device)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob("*.tmp"):  # an earlier save that never finished
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
-    finite = nonfinite_state(parts, job.optimizers, device) is None
-    comms = {"format": FORMAT, "layout": _layout(handles), "continued": _counters_everywhere(handles, device),
-             "configs": _configs(handles)}
-    model_sds, optim_sds = job.state_dicts()
-    state = {"model": merged(model_sds), "optim": merged(optim_sds), "qsdp_replicas": _replica_state(parts, handles),
-             "rank_state": {str(rank): _rank_blob(handles)}}
     writer = DigestingWriter(tmp)  # hashes each file as it writes it
     dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
     if rank == 0:
         _write_json(tmp / META_FILE, {**meta, "step": step})
         _write_json(tmp / COMMS_FILE, comms)
+    _agree_metadata_readable(tmp, rank, device)
     # Collective: every rank's files are on disk and hashed before the checkpoint gets its name,
     # and rank 0 sees them all (else every rank raises: a checkpoint rank 0 would name but not hold).
     try:
@@ -499,6 +504,36 @@ def save_checkpoint(
         _publish(tmp, final, step, keep)
     dist.barrier()
     return final
+
+
+def _json_problem(meta: Any) -> str | None:
+    """Why ``meta`` cannot be ``trainer.json`` (naming the first key that is not JSON), or ``None``."""
+    if not isinstance(meta, dict):
+        return f"meta must be a dict of JSON values, got a {type(meta).__name__}"
+    try:
+        json.dumps(meta, sort_keys=True, allow_nan=False)
+        return None
+    except (TypeError, ValueError) as e:
+        for key, value in meta.items():
+            try:
+                json.dumps(value, sort_keys=True, allow_nan=False)
+            except (TypeError, ValueError) as inner:
+                return f"meta[{key!r}] is not JSON ({type(value).__module__}.{type(value).__qualname__}: {inner})"
+        return f"meta is not JSON ({e})"
+
+
+def _agree_metadata_readable(tmp: Path, rank: int, device: torch.device) -> None:
+    """Collective: rank 0 reads the ``.metadata`` just written back with the restricted reader a
+    load uses; one it refuses (a torch whose DCP names classes this qsdp does not know) fails
+    the save on every rank, and nothing is left, rather than every later load of the run."""
+    problem = None
+    if rank == 0:
+        try:
+            PlainDataReader(str(tmp)).read_metadata()
+        except UnsafeItem as e:
+            problem = f"cannot save checkpoint {tmp.name[:-len('.tmp')]}: a load could not read it back: {e}"
+            shutil.rmtree(tmp, ignore_errors=True)
+    _agree(problem, device)
 
 
 def _publish(tmp: Path, final: Path, step: int, keep: int) -> None:

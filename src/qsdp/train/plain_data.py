@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
@@ -31,8 +32,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
 
-__all__ = ["UnsafeItem", "PlainDataReader", "PlainDataLoadPlanner", "METADATA_GLOBALS", "refusal_reason"]
+__all__ = [
+    "UnsafeItem", "PlainDataReader", "PlainDataLoadPlanner", "METADATA_GLOBALS", "METADATA_TORCH", "refusal_reason",
+]
 
+# The torch releases whose DCP ``.metadata`` the allowlist below was read from; a newer torch's may
+# name a class it lacks: refused naming both versions (a save reads its own back at once).
+METADATA_TORCH = "2.11-2.13"
 # What DCP's ``.metadata`` pickle names (torch 2.11-2.13): its dataclasses, the enum of memory
 # formats, the storage info of the file system writer, and the torch types inside them.
 METADATA_GLOBALS = frozenset({
@@ -74,6 +80,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}")
 
 
+def _require_inside(name: str, metadata: Metadata) -> None:
+    """Every file the metadata names lies inside the checkpoint's directory: a ``relative_path``
+    that is absolute or climbs out (``..``) is refused before anything is read."""
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            continue
+        parts = PurePosixPath(rel).parts if isinstance(rel, str) else ("..",)
+        if not parts or PurePosixPath(rel).is_absolute() or PureWindowsPath(rel).is_absolute() or any(
+                p in ("..", ".") or "\\" in p for p in parts):
+            raise UnsafeItem(f"{name} names a file outside its checkpoint directory ({str(rel)[:80]!r}); refused "
+                             "before any read: DCP's files lie in the checkpoint itself")
+
+
 class PlainDataReader(FileSystemReader):
     """DCP's file system reader whose ``.metadata`` is read by a restricted unpickler."""
 
@@ -85,13 +105,15 @@ class PlainDataReader(FileSystemReader):
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except pickle.UnpicklingError as e:
-            raise _refused(name, str(e)) from None
+            raise _refused(name, f"{e}, which DCP's metadata of torch {METADATA_TORCH} does not name; this is torch "
+                                 f"{torch.__version__}") from None
         except MemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - in memory: any other failure is the bytes' own
             raise UnsafeItem(f"{name} cannot be read as DCP metadata ({type(e).__name__}: {e})") from None
         if not isinstance(metadata, Metadata):
             raise UnsafeItem(f"{name} holds a {type(metadata).__name__}, not DCP metadata")
+        _require_inside(name, metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
