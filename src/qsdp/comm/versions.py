@@ -24,10 +24,13 @@ corrected by the differences that follow).
 
 Ranks must take the same path in a weight-difference gather, and one rank may be edited alone, so
 the flags of all groups are OR-ed across ranks in one all-reduce, lazily at the first gather of
-every forward of the model (:meth:`ChangeTracker.at_forward`, which ``quantize_comms`` calls from
-a forward pre-hook of the root: every rank runs the root's forward), after an optimizer step and
-after a load: one tiny collective and one host read per forward, whoever changed the weights in
-between (an optimizer, a hand-written update, an EMA swap, a load, an edit). Its numbers go
+a forward of the model (:meth:`ChangeTracker.at_forward`, which ``quantize_comms`` calls from a
+forward pre-hook of the root: every rank runs the root's forward) that follows a gradient
+reduction, an optimizer step, a load or an evaluation, or is one: one tiny collective and one
+host read per step (per evaluation forward), whoever changed the weights in between (an
+optimizer, a hand-written update, an EMA swap, a load, an edit). A change made between two
+training forwards with none of these between (the micro-batches of one step) is seen at the next
+forward that follows one. Its numbers go
 through pinned memory on a side stream (:mod:`qsdp.comm.host_values`): the host waits for that
 exchange alone, not for the optimizer step still running on the device.
 
@@ -155,6 +158,7 @@ class ChangeTracker:
         self._check = False  # the due agreement also takes the shards' fingerprints
         self._reduced = False  # gradients were reduced and no optimizer has stepped since
         self._forwards = 0  # forwards begun (at_forward)
+        self._evaluated_before = False  # the last forward ran without gradients
         self._flags: list[tuple[bool, bool]] = []
 
     def add(self, params: list[torch.Tensor] | None = None) -> int:
@@ -192,11 +196,19 @@ class ChangeTracker:
         changed since the last agreement, whoever changed it, unless the optimizer step just
         taken was agreed on ahead of it (:meth:`agreed_ahead`). A forward without gradients (an
         evaluation) also checks the shards' fingerprints for changes the counters cannot see."""
+        evaluating = not torch.is_grad_enabled()
         if self._settled:
             self._settled = False
+            self._evaluated_before = evaluating
             return
-        # The first forward's gathers send exact values anyway (no replica yet): nothing to agree on.
-        self._due = self._due or self._forwards > 0
+        # What every rank knows alike says whether the weights may have changed since the last
+        # agreement: a gradient reduction (an update may follow it), an evaluation (weights are
+        # swapped in and out around one), or an optimizer step or a load (already due). The
+        # micro-batches of one step, with no reduction between them, agree once. The first
+        # forward's gathers send exact values anyway (no replica yet).
+        may_have_changed = self._reduced or evaluating or self._evaluated_before
+        self._evaluated_before = evaluating
+        self._due = self._due or (self._forwards > 0 and may_have_changed)
         self._forwards += 1
         # Where the counters may miss a change: an evaluation (an EMA's foreach update), or a
         # training step whose update no optimizer hook saw (a hand-written or functional one,
@@ -239,6 +251,7 @@ class ChangeTracker:
         byte_meter.record_peers("control", 4 * len(local), 0, *peers)
         self._take_agreed(agreed)
         self._ahead = False  # agreed now: the next optimizer step is not settled ahead
+        self._reduced = False
 
     def _take_agreed(self, agreed: Sequence[float]) -> None:
         for i, w in enumerate(self.watches):
