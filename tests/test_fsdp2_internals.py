@@ -138,3 +138,43 @@ def test_a_renamed_private_field_raises_naming_it_instead_of_reading_as_a_defaul
     # Read with a default, a renamed divide factor would read as unset and a renamed replicate
     # group would be assigned as a new attribute FSDP2 never reads.
     assert run_pooled(_renamed, 4, local_world_size=2) == [True] * 4
+
+
+class _RecordInput:
+    """An all-gather comm recording the row FSDP2 hands it (elements, dtype), then gathering."""
+
+    def __init__(self):
+        from qsdp.comm.collectives import all_gather_flat
+
+        self.gather, self.seen = all_gather_flat, []
+
+    def allocate(self, size, *, dtype, device):
+        import torch
+
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.seen.append((input_tensor.numel(), input_tensor.dtype))
+        self.gather(output_tensor, input_tensor, group)
+
+
+def _row_before_the_first_forward(rank, world, param_dtype):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = nn.Sequential(nn.Linear(8, 5), nn.LayerNorm(5))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype)
+    fully_shard(model, mp_policy=mp)
+    before = _fsdp2.all_gather_row(model)
+    comm = _RecordInput()
+    model.set_custom_all_gather(comm)
+    model(torch.randn(2, 8))
+    return before, comm.seen[0]
+
+
+def test_the_all_gather_row_is_known_before_the_first_forward():
+    import torch
+
+    for param_dtype in (None, torch.bfloat16):
+        for before, seen in run_pooled(_row_before_the_first_forward, 2, param_dtype):
+            assert before == seen, (param_dtype, before, seen)

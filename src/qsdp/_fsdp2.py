@@ -116,6 +116,23 @@ def shard_row_spans(module: nn.Module, with_gradients: bool = False) -> list[tup
     return spans
 
 
+def all_gather_row(module: nn.Module) -> tuple[int, torch.dtype | None]:
+    """``(elements, dtype)`` of the flat row FSDP2 all-gathers from on each rank for ``module``'s
+    ``fully_shard`` call, known before its first forward: the parameters' padded shards, in the
+    dtype FSDP2 casts them to (the mixed-precision policy's ``param_dtype`` for a floating-point
+    parameter of another dtype, as ``FSDPParam.init_dtype_attrs`` decides at the lazy init, else
+    the parameter's own). ``dtype`` is ``None`` where the parameters' dtypes differ (FSDP2 then
+    gathers bytes). ``(0, None)`` for a module owning no parameter."""
+    numel, dtypes = 0, set()
+    for group in param_groups(module):
+        wanted = field(field(group, "mp_policy"), "param_dtype")
+        for fsdp_param in field(group, "fsdp_params"):
+            numel += field(fsdp_param, "padded_sharded_param_size").numel()
+            own = field(fsdp_param, "sharded_param").dtype
+            dtypes.add(wanted if wanted is not None and own.is_floating_point else own)
+    return numel, (dtypes.pop() if len(dtypes) == 1 else None)
+
+
 def _dtensor_spec(fsdp_param: Any) -> Any:
     """The ``DTensorSpec`` a TP/EP parameter had before ``fully_shard``, ``None`` for a plain one.
     torch 2.13 keeps it in ``_unsharded_dtensor_spec`` (``None`` for a plain parameter); older releases

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import sys
 import warnings
@@ -11,13 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.distributed.fsdp import FSDPModule
 
 from . import hsdp as _hsdp
-from ._fsdp2 import all_gather_comms, fsdp_state, gradient_divide_factor, has_custom_divide_factor, has_run, \
+from ._fsdp2 import all_gather_comms, all_gather_row, fsdp_state, gradient_divide_factor, has_custom_divide_factor, has_run, \
     shard_groups, shard_row_spans, unevenly_split_params
 from .comm.all_gather import DifferenceAllGather, PlainAllGather, QuantizedAllGather
 from .comm.base import GradReduceScatter, WeightAllGather
@@ -90,10 +92,13 @@ class QuantizedComms:
             comm.bind_meter(self.meter)
 
     def close(self) -> None:
-        """Remove the optimizer hooks this handle registered, release the node subgroups it
-        holds (pooled for the next handle on the same ranks, destroyed with the world by
-        ``destroy_process_group()``) and let :func:`quantize_comms` be called on the model
-        again (its comms stay attached until that call replaces them). Local, no collective."""
+        """Remove the hooks this handle registered, release the node subgroups it holds (pooled
+        for the next handle on the same ranks, destroyed with the world by
+        ``destroy_process_group()``) and let :func:`quantize_comms` be called on the model again.
+        Until that call replaces them, the comms stay attached, but the weight all-gathers send
+        the exact shards, as FSDP2's own all-gather does (without the hooks nothing would tell a
+        replica that the weights changed), while the gradient reductions keep their config.
+        Local, no collective."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -105,25 +110,41 @@ class QuantizedComms:
 
     def reset_replicas(self) -> None:
         """Collective by convention (every rank calls it): make the next gather of every
-        weight-difference comm send exact values, e.g. right after the parameters were changed
-        outside the optimizer (such a change is otherwise picked up after the next step)."""
+        weight-difference comm send exact values. Not needed after a change of the parameters,
+        which the next forward sees (docs/checkpoints.md, "What a gather sees"); it forgets the
+        replicas, e.g. before handing the comms weights they must not be compared with."""
         for ag in self.all_gathers:
             ag.reset()
         for w in self.tracker.watches:
             w.rebase()
 
-    def state_dict(self) -> dict[str, Any]:
-        """The comms' counters (small, per rank) for a checkpoint; the weight-difference
-        replicas are saved through DCP by :mod:`qsdp.train.checkpoint`
-        (``DifferenceAllGather.replica_rows``)."""
+    def state_dict(self, replicas: bool = True) -> dict[str, Any]:
+        """What a resume needs to continue bit for bit: the comms' counters (small, per rank) and,
+        with ``replicas``, the weight-difference replica rows this rank holds, as tensors keyed
+        ``all_gather.{i}.replica.rows.g{group}_row{r}`` (``group``: a digest of the shard group's
+        ranks): every rank holding a row holds the same values, so DCP saves each row once and
+        loads it on every rank that holds it. Before the first gather the rows are zeros of
+        their shape with ``held`` false, so that a fresh handle's state dict can be loaded into
+        in place (DCP's ``load``). ``qsdp.train.checkpoint`` saves the rows itself
+        (``replicas=False``)."""
+        all_gathers = {}
+        group = _group_digest(self.topology.group)
+        for i, ag in enumerate(self.all_gathers):
+            entry = ag.state_dict()
+            rows, held = ag.replica_state() if replicas and ag.holds_replicas() else ({}, False)
+            if rows:
+                entry["replica"] = {"held": held, "rows": {f"g{group}_row{r}": t for r, t in rows.items()}}
+            all_gathers[str(i)] = entry
         return {
-            "all_gather": {str(i): ag.state_dict() for i, ag in enumerate(self.all_gathers)},
+            "all_gather": all_gathers,
             "reduce_scatter": {str(i): rs.state_dict() for i, rs in enumerate(self.reduce_scatters)},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Call after the parameters were loaded: their counters become the reference.
-        ``state`` is what :meth:`state_dict` returned; other keys are a ``ValueError``."""
+        ``state`` is what :meth:`state_dict` returned; other keys are a ``ValueError``. Replica
+        rows in it (held when saved, every row this rank holds) are restored; missing or not
+        held, the replicas are re-established with exact values at the next gather."""
         expected = {"all_gather", "reduce_scatter"}
         keys = set(state) if isinstance(state, Mapping) else None
         if keys != expected:
@@ -132,10 +153,24 @@ class QuantizedComms:
                 for what, ks in (("unexpected", keys - expected), ("missing", expected - keys)) if ks)
             raise ValueError(f"QuantizedComms.load_state_dict: expected QuantizedComms.state_dict()'s "
                              f"'all_gather' and 'reduce_scatter', got {got}")
+        group = _group_digest(self.topology.group)
         for i, ag in enumerate(self.all_gathers):
-            ag.load_state_dict(state["all_gather"].get(str(i), {}))
+            entry = state["all_gather"].get(str(i), {})
+            ag.load_state_dict(entry)
+            if "replica" in entry:
+                saved = entry["replica"]
+                rows = {r: saved["rows"].get(f"g{group}_row{r}") for r in ag.rows}
+                whole = bool(saved.get("held")) and all(v is not None for v in rows.values())
+                ag.load_replica_rows(rows if whole else None)
         for i, rs in enumerate(self.reduce_scatters):
             rs.load_state_dict(state["reduce_scatter"].get(str(i), {}))
+
+
+def _group_digest(group: dist.ProcessGroup) -> str:
+    """A short digest of the world size and the global ranks of ``group``: the replica rows of
+    two shard groups (the dp groups of a dp x tp mesh, two pipeline stages) never share a key."""
+    ranks = dist.get_process_group_ranks(group)
+    return hashlib.sha256(f"{dist.get_world_size()}:{ranks}".encode()).hexdigest()[:12]
 
 
 def check_same_config(config: QuantConfig, group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
@@ -315,7 +350,7 @@ def quantize_comms(
         _attach(handle, layout, i, members, ", ".join(names[id(x)] for x in members), post_topology)
     handle._bind_meter()
     if cfg.weights.mode != "plain":
-        _watch_parameter_changes(handle)
+        _watch_parameter_changes(handle, module)
     return handle
 
 
@@ -426,6 +461,8 @@ def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Mo
     ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i, handle.tracker)
     params = [p for x in members for p in managed_parameters(x, layout.fsdp_modules)]
     ag.track(params, f"group {i} ({label})")
+    if isinstance(ag, DifferenceAllGather):
+        ag.expect_row(*all_gather_row(m), params[0].device if params else torch.device("cpu"))
     mesh = layout.meshes[i]
     if mesh is not None and mesh[1] is not None:
         ag.post_forward = _post_forward_gather(cfg, post_topology[id(mesh[1])], i, f"{ag.name} after forward")
@@ -450,6 +487,7 @@ def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Mo
         # FSDP2 would pass PREMUL_SUM(1/factor), whose factor a custom comm cannot read;
         # with SUM it applies the factor itself, before and after the reduce-scatter.
         m.set_force_sum_reduction_for_comms(True)
+    rs.tracker = handle.tracker
     m.set_custom_all_gather(ag)
     m.set_custom_reduce_scatter(rs)
     handle.modules.append(m)
@@ -528,13 +566,15 @@ def _unused_on_one_node(cfg: QuantConfig, topology: Topology) -> str | None:
             "To emulate D nodes of M ranks on one machine, pass overrides={'local_world_size': M}")
 
 
-def _watch_parameter_changes(handle: QuantizedComms) -> None:
-    """Tell the handle's tracker about optimizer steps and loads.
+def _watch_parameter_changes(handle: QuantizedComms, root: nn.Module) -> None:
+    """Tell the handle's tracker about forwards, optimizer steps and loads.
 
-    Parameter changes made by an optimizer's step are the expected ones; any other in-place
-    change (load_state_dict, a user's edit) makes the replicas stale. The optimizer hooks are
-    process-wide, so they hold the tracker weakly and go away with it (with the model, whose
-    comms hold it): a model dropped without ``close()`` is not kept alive by them.
+    Every forward of ``root`` agrees at its first gather on which shards changed since the last
+    agreement (their version counters), whoever changed them; the optimizer-step hooks tell an
+    optimizer's step (a quantized difference, also where a fused or foreach step bumps no
+    counter) from any other change (exact values). The optimizer hooks are process-wide, so they
+    hold the tracker weakly and go away with it (with the model, whose comms hold it): a model
+    dropped without ``close()`` is not kept alive by them.
     """
     ref = weakref.ref(handle.tracker)
 
@@ -550,9 +590,11 @@ def _watch_parameter_changes(handle: QuantizedComms) -> None:
 
     hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
     weakref.finalize(handle.tracker, _remove_all, list(hooks))
-    # A load (every rank calls load_state_dict; DCP's set_model_state_dict does) is agreed on
-    # at the next gather, so the first forward after it already sees the loaded weights.
     tracker = handle.tracker
+    # Before FSDP2's own pre-forward hook, which gathers the root's group.
+    hooks.append(root.register_forward_pre_hook(lambda *_: tracker.at_forward(), prepend=True))
+    # A load (every rank calls load_state_dict; DCP's set_model_state_dict does) is agreed on
+    # at the next gather, so that even a gather outside a forward (an explicit unshard) sees it.
     hooks += [m.register_load_state_dict_post_hook(lambda *_: tracker.request()) for m in handle.modules]
     handle._hooks = hooks
 

@@ -8,7 +8,7 @@ rank's shard into its slice (``input_tensor`` is that view of ``output_tensor``)
 
 Whether a shard changed is known on the host (:mod:`qsdp.comm.versions`): no gather compares
 tensors or waits for the device, except the weight-difference gathers' one agreement per
-optimizer step.
+forward (and the fingerprint of :mod:`qsdp.comm.fingerprint` where the counters may miss a change).
 """
 
 from __future__ import annotations

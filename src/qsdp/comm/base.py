@@ -218,6 +218,7 @@ class WeightAllGather(CommBase, AllGather):
 
         * the backward gather over FSDP2's post-forward group (``reshard_after_forward=<int>``)
           goes to :attr:`post_forward`, the comm of the link that group crosses;
+        * after the handle's ``close()``, every shard travels exactly (FSDP2's all-gather);
         * a shard that is not fp32/bf16/fp16 (FSDP2 gathers raw bytes, e.g. a tensor subclass's
           float8 ``fsdp_pre_all_gather``) travels as FSDP2 sends it: quantizing bytes as numbers
           would corrupt the weights. One warning per comm names the group.
@@ -228,6 +229,11 @@ class WeightAllGather(CommBase, AllGather):
             post(output, shard, group, async_op)
             return True
         self.check_group(group)
+        if self.closed:
+            # The handle was closed: its tracking is gone, so the shard travels exactly, as
+            # FSDP2's own all-gather sends it (never from a replica nothing updates any more).
+            self.plain(output, shard, group)
+            return True
         if shard.dtype in NUMBER_DTYPES:
             return False
         if not self._warned_bytes and self.config.weights.mode != "plain":
@@ -282,6 +288,8 @@ class GradReduceScatter(CommBase, ReduceScatter):
         # How to read the group's gradient divide factor, the value read at attach time, and
         # the group's name (expect_divide_factor).
         self._divide_factor: tuple[Callable[[], float | None], float | None, str] | None = None
+        # The weight all-gathers' change tracker, told of every reduction (quantize_comms sets it).
+        self.tracker: ChangeTracker | None = None
 
     def expect_divide_factor(self, read: Callable[[], float | None], what: str) -> None:
         """Refuse, at every later reduction, a gradient divide factor other than the one
@@ -306,6 +314,8 @@ class GradReduceScatter(CommBase, ReduceScatter):
     def check_group(self, group: dist.ProcessGroup) -> None:
         self.check_settings()
         super().check_group(group)
+        if self.tracker is not None:
+            self.tracker.gradients_reduced()
 
     @abstractmethod
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,

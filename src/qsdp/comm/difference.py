@@ -15,9 +15,11 @@ difference is taken against the replica, which already contains it).
   (and the losses) are bit-identical to it for the same seed.
 * ``exact`` (``node`` on one node): the node gathers the group in the parameter dtype.
 
-The first gather (and one after :meth:`reset` or a change outside the optimizer) sends exact
-values; a gather with no change since the last one (the backward gather of a step) sends no
-difference (the node replica still fills the output inside the node).
+The first gather (and one after :meth:`reset` or any change other than an optimizer's step: a
+hand-written or functional update, an EMA swap, a load, an edit, whose size nothing bounds) sends
+exact values; an optimizer's step travels as a quantized difference; a gather with no change
+since the last one (the backward gather of a step) sends no difference (the node replica still
+fills the output inside the node).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.distributed as dist
 
 from ..codecs.rng import derive_seed
 from ..config import QuantConfig
-from .base import WeightAllGather
+from .base import NUMBER_DTYPES, WeightAllGather
 from .collectives import all_gather_flat
 from .topology import Topology
 from .versions import ChangeTracker
@@ -58,6 +60,9 @@ class DifferenceAllGather(WeightAllGather):
         self.gathers = 0
         self.exact_resends = 0
         self.replica: torch.Tensor | None = None  # [len(rows), n], the parameter dtype
+        # FSDP2's all-gather row (elements, dtype, device), known before the first gather, so that a
+        # checkpoint can be loaded into replica rows of the right shape (:meth:`replica_state`).
+        self.row: tuple[int, torch.dtype | None, torch.device] | None = None
 
     @property
     def rows(self) -> list[int]:
@@ -189,6 +194,23 @@ class DifferenceAllGather(WeightAllGather):
         if self.replica is None:
             return {}
         return {row: self.replica[k] for k, row in enumerate(self.rows)}
+
+    def expect_row(self, elements: int, dtype: torch.dtype | None, device: torch.device) -> None:
+        """FSDP2's all-gather row of this group: ``elements`` of ``dtype`` on ``device``."""
+        self.row = (elements, dtype, device)
+
+    def replica_state(self) -> tuple[dict[int, torch.Tensor], bool]:
+        """``({row: values}, held)``: the replica rows this rank holds (``held``), or, before the
+        first gather, zero rows of the shape a gather will make (``held`` false), which a
+        checkpoint loads into; ``({}, False)`` where the group keeps no replica."""
+        if self.replica is not None:
+            return self.replica_rows(), True
+        if self.row is None:
+            return {}, False
+        n, dtype, device = self.row
+        if dtype not in NUMBER_DTYPES or self.layout == "exact" or not self.config.quantizes_shard(n):
+            return {}, False
+        return {row: torch.zeros(n, dtype=dtype, device=device) for row in self.rows}, False
 
     def load_replica_rows(self, rows: dict[int, torch.Tensor] | None) -> None:
         """Restore the replica from ``{row: values}`` holding every row of :attr:`rows`;

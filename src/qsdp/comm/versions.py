@@ -7,18 +7,32 @@ model; the optimizer-step hooks registered by :func:`qsdp.quantize_comms` tell i
 starts and ends. From the counters it knows, per FSDP group and without a device sync:
 
 * whether the group's shard changed since the ranks last agreed (an optimizer step updated it),
-* whether it changed *outside* the optimizer (a load or an edit), so that the weight-difference
-  replicas must be re-established with exact values instead of a 4-bit difference of a jump.
+* whether it changed *outside* the optimizer's step (a hand-written or functional update, an EMA
+  swap, a load, an edit), so that the weight-difference replicas must be re-established with
+  exact values instead of a 4-bit difference of what may be a jump as large as the weights.
+
+What the counters cannot see: a write through ``.data`` or ``set_``, through another view, from
+outside Python, and torch's ``_foreach_*`` in-place ops on DTensors (which bump no counter of the
+DTensor nor of its local tensor; an optimizer's own step is known from its hook instead). Those
+are caught by a fingerprint of the shards (:mod:`qsdp.comm.fingerprint`), taken at the agreement
+of every forward run without gradients (an evaluation: an EMA model, an EMA swapped in) and of
+every forward that follows a gradient reduction no optimizer step followed (a hand-written or
+functional update), where a shard whose fingerprint moved while no counter or optimizer step
+explains it is re-gathered exactly. A training forward after an optimizer's step reads no
+fingerprint; there such a change travels inside that step's difference (quantized with it, and
+corrected by the differences that follow).
 
 Ranks must take the same path in a weight-difference gather, and one rank may be edited alone, so
-the flags of all groups are OR-ed across ranks in one all-reduce, lazily at the first gather after
-an optimizer step (or a load): at most one tiny collective and one host read per optimizer step.
-Its numbers go through pinned memory on a side stream (:mod:`qsdp.comm.host_values`): the host
-waits for that exchange alone, not for the optimizer step still running on the device.
-A change made outside the optimizer with no step after it is picked up at the first gather after
-the next step (until then every rank gathers the previous weights); ``load_state_dict`` (which
-every rank calls) makes it immediate through :meth:`ChangeTracker.request`, and
-``QuantizedComms.reset_replicas`` sends exact weights at the next gather.
+the flags of all groups are OR-ed across ranks in one all-reduce, lazily at the first gather of
+a forward of the model (:meth:`ChangeTracker.at_forward`, which ``quantize_comms`` calls from a
+forward pre-hook of the root: every rank runs the root's forward) that follows a gradient
+reduction, an optimizer step, a load or an evaluation, or is one: one tiny collective and one
+host read per step (per evaluation forward), whoever changed the weights in between (an
+optimizer, a hand-written update, an EMA swap, a load, an edit). A change made between two
+training forwards with none of these between (the micro-batches of one step) is seen at the next
+forward that follows one. Its numbers go
+through pinned memory on a side stream (:mod:`qsdp.comm.host_values`): the host waits for that
+exchange alone, not for the optimizer step still running on the device.
 
 Agreeing ahead (:meth:`ChangeTracker.ahead_flags`, :meth:`ChangeTracker.agreed_ahead`): a loop
 that already runs one collective after backward (the gradient check of
@@ -38,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .fingerprint import fingerprints
 from .host_values import all_reduce_values
 from .meter import METER, ByteMeter
 
@@ -65,6 +80,9 @@ class GroupWatch:
 
     def __init__(self, params: list[torch.Tensor] | None = None) -> None:
         self.params: list[torch.Tensor] = list(params or [])
+        # The shards' fingerprint at the last check, and the counters then (None: no reference).
+        self.fingerprint: tuple[int, ...] | None = None
+        self.fingerprint_versions: tuple[int, ...] = ()
         self.rebase()
 
     def rebase(self, changed: bool = False) -> None:
@@ -91,7 +109,25 @@ class GroupWatch:
         self.stepped_at = versions(self.params)
         concerned = optimized is None or not self.params or any(id(p) in optimized for p in self.params)
         self.optimized |= concerned
+        if concerned:
+            self.fingerprint = None  # the step explains any move of the fingerprint
         return concerned
+
+    def check(self, fingerprint: tuple[int, ...], suspect: bool) -> None:
+        """Take the shards' ``fingerprint`` (:mod:`qsdp.comm.fingerprint`), read now: one that
+        moved since the last check while neither the counters nor an optimizer step changed
+        was changed where the counters cannot see; it then counts as changed outside the
+        optimizer (re-gathered exactly). Without an earlier fingerprint to compare with, a
+        ``suspect`` group (gradients were reduced and no optimizer stepped since: something
+        else may have updated it) is taken as changed."""
+        now = versions(self.params)
+        if self.fingerprint is None:
+            moved = suspect
+        else:
+            moved = fingerprint != self.fingerprint and now == self.fingerprint_versions
+        if moved:
+            self.outside = self.forced = True
+        self.fingerprint, self.fingerprint_versions = fingerprint, now
 
     def pending(self, stepped: bool) -> tuple[bool, bool]:
         """(changed, changed outside the optimizer) since the last agreement, this rank only."""
@@ -118,6 +154,11 @@ class ChangeTracker:
         self._due = False
         self._stepped = False
         self._ahead = False  # the next optimizer step was agreed on ahead of it
+        self._settled = False  # that step was taken: the forward after it needs no agreement
+        self._check = False  # the due agreement also takes the shards' fingerprints
+        self._reduced = False  # gradients were reduced and no optimizer has stepped since
+        self._forwards = 0  # forwards begun (at_forward)
+        self._evaluated_before = False  # the last forward ran without gradients
         self._flags: list[tuple[bool, bool]] = []
 
     def add(self, params: list[torch.Tensor] | None = None) -> int:
@@ -140,6 +181,7 @@ class ChangeTracker:
         concerned = [w.after_step(optimized) for w in self.watches]
         if any(concerned) or not self.watches:
             self.steps += 1
+            self._reduced = False
             if self._ahead:
                 self._settle_ahead(concerned)
             else:
@@ -148,6 +190,35 @@ class ChangeTracker:
     def request(self) -> None:
         """Agree again at the next gather (every rank calls it at the same point)."""
         self._due = True
+
+    def at_forward(self) -> None:
+        """A forward of the model begins (every rank runs it): agree at its first gather on what
+        changed since the last agreement, whoever changed it, unless the optimizer step just
+        taken was agreed on ahead of it (:meth:`agreed_ahead`). A forward without gradients (an
+        evaluation) also checks the shards' fingerprints for changes the counters cannot see."""
+        evaluating = not torch.is_grad_enabled()
+        if self._settled:
+            self._settled = False
+            self._evaluated_before = evaluating
+            return
+        # What every rank knows alike says whether the weights may have changed since the last
+        # agreement: a gradient reduction (an update may follow it), an evaluation (weights are
+        # swapped in and out around one), or an optimizer step or a load (already due). The
+        # micro-batches of one step, with no reduction between them, agree once. The first
+        # forward's gathers send exact values anyway (no replica yet).
+        may_have_changed = self._reduced or evaluating or self._evaluated_before
+        self._evaluated_before = evaluating
+        self._due = self._due or (self._forwards > 0 and may_have_changed)
+        self._forwards += 1
+        # Where the counters may miss a change: an evaluation (an EMA's foreach update), or a
+        # training step whose update no optimizer hook saw (a hand-written or functional one,
+        # whose foreach ops bump no DTensor counter).
+        if (not torch.is_grad_enabled() or self._reduced) and any(w.params for w in self.watches):
+            self._check = True
+
+    def gradients_reduced(self) -> None:
+        """A gradient reduction ran (every rank of the group runs it): an update may follow."""
+        self._reduced = True
 
     def take(
         self, index: int, group: dist.ProcessGroup, device: torch.device, peers: tuple[int, int],
@@ -159,17 +230,28 @@ class ChangeTracker:
         ``byte_meter``."""
         if self.assume_changed:
             return True, False
+        if self._check:  # local: what it finds joins this rank's flags of the next agreement
+            self._take_fingerprints()
         if self._due:
             self._agree(group, device, peers, byte_meter)
         flags, self._flags[index] = self._flags[index], (False, False)
         return flags
 
+    def _take_fingerprints(self) -> None:
+        # Local: what it finds joins this rank's flags, which the agreement ORs across ranks.
+        for w, fp in zip(self.watches, fingerprints([w.params for w in self.watches])):
+            if w.params:
+                w.check(fp, self._reduced)
+        self._check = self._reduced = False
+
     def _agree(self, group: dist.ProcessGroup, device: torch.device, peers: tuple[int, int],
                byte_meter: ByteMeter) -> None:
         local = self.ahead_flags()
-        agreed = all_reduce_values(local, dist.ReduceOp.MAX, group, device)  # the one host read per step
+        agreed = all_reduce_values(local, dist.ReduceOp.MAX, group, device)  # the one host read per forward
         byte_meter.record_peers("control", 4 * len(local), 0, *peers)
         self._take_agreed(agreed)
+        self._ahead = False  # agreed now: the next optimizer step is not settled ahead
+        self._reduced = False
 
     def _take_agreed(self, agreed: Sequence[float]) -> None:
         for i, w in enumerate(self.watches):
@@ -202,6 +284,7 @@ class ChangeTracker:
                 w.optimized = False
                 w.at_agreement = w.stepped_at
         self._ahead = False
+        self._settled = True
 
     def pending_change(self, index: int) -> bool:
         """Whether group ``index`` has a change its next gather has not sent yet (for a

@@ -285,7 +285,7 @@ def _rank_blob(handles: list[Any]) -> bytes:
     """This rank's comm counters (one state a model part) and RNG state, serialized (a few KB
     of plain tensors and numbers: :func:`torch.load` reads it with ``weights_only=True``)."""
     buf = io.BytesIO()
-    torch.save({"comms": [h.state_dict() for h in handles], "rng": _rng_state()}, buf)
+    torch.save({"comms": [h.state_dict(replicas=False) for h in handles], "rng": _rng_state()}, buf)
     return buf.getvalue()
 
 
@@ -327,7 +327,7 @@ def _counters_everywhere(handles: list[Any], device: torch.device) -> Any:
     part's (:func:`_continued_counters`), from one all-reduce of the counters where every rank's
     state has the same fields (one small check of fixed length first), else from an all-gather
     of the states (stages with different numbers of groups)."""
-    state = _continued_counters([h.state_dict() for h in handles])
+    state = _continued_counters([h.state_dict(replicas=False) for h in handles])
     ints = [(p, v) for p, v in _leaves(state) if isinstance(v, int) and not isinstance(v, bool)]
     fields = int.from_bytes(hashlib.sha256(repr([p for p, _ in ints]).encode()).digest()[:7], "big")
     check = torch.tensor([len(ints), -len(ints), fields, -fields], dtype=torch.int64, device=device)
