@@ -210,7 +210,8 @@ def _add_process_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> 
     group.add_argument("--param-dtype", default=None,
                        help=f"{' or '.join(PARAM_DTYPES)} (default: bf16 on CUDA, fp32 on CPU)")
     group.add_argument("--timeout", dest="timeout_s", type=float, default=None,
-                       help=f"seconds a collective may wait before the job fails (default {defaults.timeout_s:g})")
+                       help=f"seconds a collective may wait, and a local worker may go without progress, before the "
+                            f"job fails naming the stuck rank (default {defaults.timeout_s:g})")
     group.add_argument("--max-restarts", type=int, default=0, metavar="N",
                        help="restart the local workers up to N times after a failure; a restart resumes "
                             "from the last checkpoint in --out (default 0; under torchrun use its own "
