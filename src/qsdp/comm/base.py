@@ -209,7 +209,10 @@ class WeightAllGather(CommBase, AllGather):
 
     def use_row_spans(self, spans: Spans | SpansOf, mixed: bool = False) -> None:
         super().use_row_spans(spans, mixed)
-        if self.post_forward is not None:
+        # The post-forward group's row holds each parameter over fewer ranks: longer than these
+        # spans. Of one kind it needs no layout (the identity); mixed, these spans do not describe
+        # it, and the mismatch is refused at its first gather, as before.
+        if self.post_forward is not None and self.layouts.mixed:
             self.post_forward.use_row_spans(spans, mixed)
 
     def handled_elsewhere(self, output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
