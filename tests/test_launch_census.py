@@ -216,3 +216,23 @@ def test_fresh_seeds_compile_no_new_kernel_variant():
     without_key = {(name, tuple(a for a in sig if a[0] != "key")) for name, sig in variants}
     assert len(without_key) == len(variants)
     assert len({a for _, sig in variants for a in sig if a[0] == "key"}) == 1
+
+
+@interpret_only
+def test_the_host_floor_of_a_call_stands_beside_fsdp2s_own_collective():
+    row, _ = run_case(Case("qsdp", "gather_direct", nodes=2, ranks_per_node=4, shard=512, calls=1, host=True))
+    assert row["host_us"] > 0 and row["fsdp2_us"] > 0
+    assert row["host_ratio"] == pytest.approx(row["host_us"] / row["fsdp2_us"], rel=0.05)
+    assert 0 < row["qsdp_calls"] < row["py_calls"]
+
+
+@interpret_only
+def test_a_launch_that_does_nothing_is_what_the_host_floor_measures():
+    from qsdp.bench.host_floor import launches_do_nothing
+    from qsdp.codecs import triton_kernels as tk
+
+    kernel = tk._quantize_kernel
+    with launches_do_nothing() as names:
+        assert {"_quantize_kernel", "_dequantize_kernel"} <= set(names)
+        assert tk._quantize_kernel is not kernel and tk._quantize_kernel[(1,)](1, 2, X=3) is None
+    assert tk._quantize_kernel is kernel
