@@ -236,3 +236,27 @@ def test_a_launch_that_does_nothing_is_what_the_host_floor_measures():
         assert {"_quantize_kernel", "_dequantize_kernel"} <= set(names)
         assert tk._quantize_kernel is not kernel and tk._quantize_kernel[(1,)](1, 2, X=3) is None
     assert tk._quantize_kernel is kernel
+
+
+@interpret_only
+@pytest.mark.parametrize("preset", ["qsdp", "sdp4bit"])
+def test_the_reduce_scatters_last_kernel_divides_casts_and_watches_for_nan(preset):
+    import torch.distributed as dist
+
+    from qsdp.bench.census import emulated_world
+    from qsdp.comm.reduce_scatter import QuantizedReduceScatter
+
+    cfg = Case(preset, "reduce_scatter").config()
+    with emulated_world(2, 2) as topo:
+        rs = QuantizedReduceScatter(cfg, topo, 0)
+        grads, out = torch.randn(4 * 512).bfloat16(), torch.empty(512, dtype=torch.bfloat16)
+        rs(out, grads, topo.group, dist.ReduceOp.AVG)
+        assert next(iter(rs._plans.values())).direct
+        assert not rs.take_nonfinite_flag().item()
+        assert rs.take_nonfinite_flag() is None  # nothing reduced since
+        grads[3] = float("nan")
+        rs(out, grads, topo.group, dist.ReduceOp.AVG)
+        rs(out, torch.randn(4 * 512).bfloat16(), topo.group, dist.ReduceOp.AVG)
+        assert rs.take_nonfinite_flag().item()  # the NaN of an earlier call is kept until taken
+        rs(out, torch.randn(4 * 512).bfloat16(), topo.group, dist.ReduceOp.AVG)
+        assert not rs.take_nonfinite_flag().item()

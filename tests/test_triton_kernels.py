@@ -728,7 +728,8 @@ def test_kernels_compile_for_sm90_without_fma_approximate_division_or_ftz():
                 "q_codes_ptr": "*u8", "q_scales_ptr": "*fp32", "q_zeros_ptr": "*fp32",
                 **{k: "i32" for k in ("ROW_O", "ROW_J", "G", "NCB", "code_rs", "code_off", "scale_rs", "scale_off",
                                       "zero_off", "L_OUT", "out_rs", "q_NCB", "q_code_rs", "q_code_off", "q_scale_rs",
-                                      "q_scale_off", "q_zero_off", "key", "row0", "SG", "SW", "Q_SW", "slice0")}}
+                                      "q_scale_off", "q_zero_off", "key", "row0", "SG", "SW", "Q_SW", "slice0")},
+                "flag_ptr": "*i32"}
     variants = [
         (tk._quantize_kernel, common_q, dict(GS=128, BG=128, GPP=32, NCH=1, BITS=4, SYMMETRIC=True, ROUNDING=1,
                                              HB=32, HB_LOG=5, X_KIND=0, Y_KIND=-1)),
@@ -753,6 +754,10 @@ def test_kernels_compile_for_sm90_without_fma_approximate_division_or_ftz():
         (tk._dequantize_kernel, common_d,
          dict(K=2, GS=128, BG=128, GPP=32, NCH=1, BITS=4, SYMMETRIC=True, HB=32, HB_LOG=5, MODE=0, OUT_KIND=0,
               ADD=False, Q_BITS=8, Q_SYMMETRIC=True, Q_ROUNDING=0, SLICED=True, KEY_TERM=0)),
+        # ... its last step dividing into FSDP2's bf16 output and watching for NaN/Inf
+        (tk._dequantize_kernel, {**common_d, "out_ptr": "*i16"},
+         dict(K=2, GS=128, BG=128, GPP=32, NCH=1, BITS=4, SYMMETRIC=True, HB=32, HB_LOG=5, MODE=0, OUT_KIND=1,
+              ADD=False, Q_BITS=8, Q_SYMMETRIC=True, Q_ROUNDING=0, SLICED=True, KEY_TERM=0, DIV=4, WATCH=True)),
     ]
     for fn, sig, consts in variants:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
