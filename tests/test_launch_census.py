@@ -260,3 +260,15 @@ def test_the_reduce_scatters_last_kernel_divides_casts_and_watches_for_nan(prese
         assert rs.take_nonfinite_flag().item()  # the NaN of an earlier call is kept until taken
         rs(out, torch.randn(4 * 512).bfloat16(), topo.group, dist.ReduceOp.AVG)
         assert not rs.take_nonfinite_flag().item()
+
+
+@interpret_only
+@pytest.mark.parametrize("preset,collective,most", [
+    ("qsdp", "reduce_scatter", 94), ("sdp4bit", "reduce_scatter", 176), ("zeropp", "reduce_scatter", 174),
+    ("qsdp", "gather_direct", 101), ("sdp4bit", "hsdp_all_reduce", 177),
+])
+def test_a_steady_calls_python_stays_within_its_budget(preset, collective, most):
+    # qsdp's own function calls a steady call makes (benchmarks/results/census-host.json): a
+    # count, not a time, so it holds on any machine; the reduce-scatters' plans are built once
+    row, _ = run_case(Case(preset, collective, nodes=2, ranks_per_node=4, shard=6922, calls=1, host=True))
+    assert row["qsdp_calls"] <= most, row
