@@ -433,6 +433,23 @@ def _quantize_kernel(
         tl.store(zeros_ptr + zero_off + row * scale_rs + g, zero, mask=gmask)
 
 
+@triton.jit
+def _store_out(acc, ptr, m, flag_ptr, OUT_KIND: tl.constexpr, ADD: tl.constexpr, DIV: tl.constexpr,
+               WATCH: tl.constexpr):
+    """_dequantize_kernel's MODE 0 store (see there)."""
+    if ADD:
+        acc = _widen(tl.load(ptr, mask=m, other=0), OUT_KIND) + acc
+    if DIV:
+        acc = tl.div_rn(acc, tl.full(acc.shape, DIV, tl.float32))
+    stored = _to_kind(acc, OUT_KIND)
+    tl.store(ptr, stored, mask=m)
+    if WATCH:
+        # The stored value, widened back: a finite fp32 that overflows the dtype counts too.
+        v = _widen(stored, OUT_KIND)
+        bad = m & ((v != v) | (tl.abs(v) == float("inf")))
+        tl.atomic_max(flag_ptr, tl.max(bad.to(tl.int32)))
+
+
 @triton.jit(do_not_specialize=["key", "slice0"])
 def _dequantize_kernel(
     codes_ptr, scales_ptr, zeros_ptr, out_ptr, q_codes_ptr, q_scales_ptr, q_zeros_ptr,
@@ -485,18 +502,7 @@ def _dequantize_kernel(
         if HB > 0:
             acc = _hadamard(acc, GPP, BG, HB, HB_LOG) * (1.0 / HB)
         m = gmask[:, None] & (cols < GS)[None, :] & (e < L_OUT)
-        ptr = out_ptr + o * out_rs + e
-        if ADD:
-            acc = _widen(tl.load(ptr, mask=m, other=0), OUT_KIND) + acc
-        if DIV:
-            acc = tl.div_rn(acc, tl.full(acc.shape, DIV, tl.float32))
-        stored = _to_kind(acc, OUT_KIND)
-        tl.store(ptr, stored, mask=m)
-        if WATCH:
-            # The stored value, widened back: a finite fp32 that overflows the dtype counts too.
-            v = _widen(stored, OUT_KIND)
-            bad = m & ((v != v) | (tl.abs(v) == float("inf")))
-            tl.atomic_max(flag_ptr, tl.max(bad.to(tl.int32)))
+        _store_out(acc, out_ptr + o * out_rs + e, m, flag_ptr, OUT_KIND, ADD, DIV, WATCH)
     else:
         _requantize_store(acc, cols, e, g, gmask, o * G, key32, q_codes_ptr + q_code_off + o * q_code_rs,
                           q_scales_ptr + q_scale_off + o * q_scale_rs, q_zeros_ptr + q_zero_off + o * q_scale_rs,
@@ -732,9 +738,7 @@ def dequantize_into(
     symmetric, rounding, seed)``, quantized again with the same groups into ``dst``.
     ``slices``: the rows are rounding slices side by side (:meth:`Packed.sliced`, also ``dst``),
     each decoded (and requantized, with its own seed) as rows of their own in the same launch;
-    ``out``'s columns hold the slices one after another. Stored into ``out``: ``divisor`` > 1
-    divides the value in fp32 before the cast (``torch.div(value, divisor, out=out)``); ``flag``
-    (int32 ``[1]`` on the device) is set to 1 where a stored value is NaN or infinite."""
+    ``out``'s columns hold the slices one after another. ``divisor``, ``flag``: :func:`_watch_args`."""
     if outputs == 0 or groups == 0:
         return
     record_run("triton")
@@ -755,8 +759,6 @@ def dequantize_into(
         q_ncb, mode = q.ncb, 1
         out_arg, out_rs, kind = src.scales, 0, 0
     sliced, count, sg, sw, q_sw, first, key = _dequantize_slices(slices, groups, requantize, key)
-    # Only where asked: the kernel's plain variants stay the ones compiled before.
-    watch = {**({"DIV": divisor} if divisor != 1 else {}), **({"WATCH": True} if flag is not None else {})}
     for row0 in range(0, outputs, _MAX_GRID_ROWS):
         grid = (triton.cdiv(sg, gpp) * nch, min(_MAX_GRID_ROWS, outputs - row0), count)
         _launch(
@@ -766,9 +768,17 @@ def dequantize_into(
             src.zero_off, length, out_rs, q_ncb, q.code_rs, q.code_off, q.scale_rs, q.scale_off, q.zero_off,
             key, row0, sg, sw, q_sw, first, src.codes if flag is None else flag,
             K=sources, GS=group_size, BG=bg, GPP=gpp, NCH=nch, BITS=bits, SYMMETRIC=symmetric, HB=hb,
-            HB_LOG=hb.bit_length() - 1 if hb else 0, MODE=mode, OUT_KIND=kind, ADD=add, **qkw, **watch,
+            HB_LOG=hb.bit_length() - 1 if hb else 0, MODE=mode, OUT_KIND=kind, ADD=add, **qkw, **_watch_args(divisor, flag),
             num_warps=_warps(gpp * bg), **sliced, **_LAUNCH,
         )
+
+
+def _watch_args(divisor: int, flag: torch.Tensor | None) -> dict:
+    """``_dequantize_kernel``'s DIV and WATCH, only where asked (its plain variants stay the ones
+    compiled before): stored into ``out``, ``divisor`` > 1 divides the value in fp32 before the
+    cast (``torch.div(value, divisor, out=out)``); ``flag`` (int32 ``[1]`` on the device) is set
+    to 1 where a stored value is NaN or infinite."""
+    return {**({"DIV": divisor} if divisor != 1 else {}), **({"WATCH": True} if flag is not None else {})}
 
 
 def _dequantize_slices(slices: Slices | None, groups: int, requantize: tuple | None, key: int):
