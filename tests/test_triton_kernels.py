@@ -508,6 +508,46 @@ def test_non_finite_shard_gives_the_same_difference_bytes_and_nan_replica(launch
     check_nonfinite_difference("cpu", dtype, scheme, launches)
 
 
+def check_slice_run(device, run_first, count, hop1, hop2, per, end, launches=None):
+    """A run of ``count`` rounding slices starting at slice ``run_first`` (the grouping of a large
+    shard's exchanges, e.g. slices 2 and 3 of 4) through the three codec steps of the two-level
+    reduce-scatter: the same bytes as the reference, each slice with its own seed."""
+    from qsdp.comm.wire import RowCodec, SliceRun
+
+    c1, c2 = RowCodec(**hop1), RowCodec(**hop2)
+    run = SliceRun(first=run_first, count=count, per=per, end=end)
+    world, nodes = 4, 2
+
+    def build(dev):
+        x = data(world * end).view(world, end).to(dev)
+        order = torch.tensor([2, 0, 3, 1], device=dev)
+        send = torch.empty(world, run.nbytes(c1), dtype=torch.uint8, device=dev)
+        c1.encode_slices(x, run, prefix=9, out=send, order=order)
+        mid = torch.empty(nodes, run.nbytes(c2), dtype=torch.uint8, device=dev)
+        c1.decode_sum_encode_slices(send, run, sources=world // nodes, codec=c2, prefix=10, out=mid)
+        total = torch.full((end,), 7.0, device=dev)
+        c2.decode_sum_slices(mid, run, total)
+        return send, mid, total
+
+    before = launches.n if launches is not None else 0
+    compare(build, device, launches)
+    if launches is not None:  # one launch a step for all the run's slices: the fused run itself
+        assert launches.n - before == 3
+
+
+SLICE_RUNS = [  # (first slice, slices, per, end): runs that start after slice 0
+    (2, 2, 256, 4 * 256),        # slices 2-3 of 4: a large shard's second exchange on 2 x 2
+    (1, 3, 128, 4 * 128 - 64),   # slices 1-3, the last one shorter
+]
+
+
+@interpret_only
+@pytest.mark.parametrize("first,count,per,end", SLICE_RUNS, ids=str)
+def test_a_run_of_several_slices_after_the_first_matches_the_reference(launches, first, count, per, end):
+    check_slice_run("cpu", first, count, dict(bits=8, group_size=64, hadamard_block=32),
+                    dict(bits=4, group_size=64, hadamard_block=32), per, end, launches)
+
+
 @interpret_only
 def test_a_kernel_run_is_recorded_as_triton(launches):
     from qsdp.codecs.usage import implementations_run
@@ -688,7 +728,8 @@ def test_kernels_compile_for_sm90_without_fma_approximate_division_or_ftz():
                 "q_codes_ptr": "*u8", "q_scales_ptr": "*fp32", "q_zeros_ptr": "*fp32",
                 **{k: "i32" for k in ("ROW_O", "ROW_J", "G", "NCB", "code_rs", "code_off", "scale_rs", "scale_off",
                                       "zero_off", "L_OUT", "out_rs", "q_NCB", "q_code_rs", "q_code_off", "q_scale_rs",
-                                      "q_scale_off", "q_zero_off", "key", "row0", "SG", "SW", "Q_SW", "slice0")}}
+                                      "q_scale_off", "q_zero_off", "key", "row0", "SG", "SW", "Q_SW", "slice0")},
+                "flag_ptr": "*i32"}
     variants = [
         (tk._quantize_kernel, common_q, dict(GS=128, BG=128, GPP=32, NCH=1, BITS=4, SYMMETRIC=True, ROUNDING=1,
                                              HB=32, HB_LOG=5, X_KIND=0, Y_KIND=-1)),
@@ -713,6 +754,10 @@ def test_kernels_compile_for_sm90_without_fma_approximate_division_or_ftz():
         (tk._dequantize_kernel, common_d,
          dict(K=2, GS=128, BG=128, GPP=32, NCH=1, BITS=4, SYMMETRIC=True, HB=32, HB_LOG=5, MODE=0, OUT_KIND=0,
               ADD=False, Q_BITS=8, Q_SYMMETRIC=True, Q_ROUNDING=0, SLICED=True, KEY_TERM=0)),
+        # ... its last step dividing into FSDP2's bf16 output and watching for NaN/Inf
+        (tk._dequantize_kernel, {**common_d, "out_ptr": "*i16"},
+         dict(K=2, GS=128, BG=128, GPP=32, NCH=1, BITS=4, SYMMETRIC=True, HB=32, HB_LOG=5, MODE=0, OUT_KIND=1,
+              ADD=False, Q_BITS=8, Q_SYMMETRIC=True, Q_ROUNDING=0, SLICED=True, KEY_TERM=0, DIV=4, WATCH=True)),
     ]
     for fn, sig, consts in variants:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
@@ -829,6 +874,14 @@ def test_the_interpreter_returns_the_gpus_canonical_nan(gpu_nan_results):
 def test_non_finite_rows_give_the_reference_bytes_through_hadamard_and_the_middle_step(launches, gpu_nan_results,
                                                                                        scheme):
     compare(lambda dev: nonfinite_rows(dev, scheme), "cpu", launches)
+
+
+@gpu_test
+def test_gpu_a_run_of_several_slices_after_the_first_gives_the_cpu_bytes(launches):
+    # sdp4bit's codecs, 4M elements a rank on 2 x 2: runs of 2 slices of 512K, the second from slice 2
+    per = 1 << 19
+    check_slice_run("cuda", 2, 2, dict(bits=8, group_size=128, hadamard_block=32),
+                    dict(bits=4, group_size=128, hadamard_block=32), per, 4 * per, launches)
 
 
 @pytest.mark.parametrize("scheme", NONFINITE_ROW_SCHEMES, ids=sid)

@@ -391,6 +391,7 @@ class Case:
     calls: int = 2
     rank: int = 0
     dtype: torch.dtype = torch.bfloat16
+    host: bool = False  # also the host's floor of a call (qsdp.bench.host_floor; the fused path only)
 
     def config(self) -> QuantConfig:
         cfg = PRESETS[self.preset] if isinstance(self.preset, str) else self.preset
@@ -431,7 +432,69 @@ def run_case(case: Case) -> tuple[dict[str, Any], list[Tally]]:
     for t in tallies:
         wire.update(t.wire.digest())
     row["wire_sha256"] = wire.hexdigest()
+    if case.host and row["fused"]:
+        with emulated_world(case.nodes, case.ranks_per_node, case.rank) as topo:
+            row.update(host_floor(cfg, case.collective, topo, case.shard, case.dtype))
     return row, tallies
+
+
+def _steady_calls(cfg: QuantConfig, collective: str, topo: Topology, shard: int,
+                  dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+    """``{"qsdp": a steady call of collective's comm object, "fsdp2": FSDP2's own collective of the
+    same group, size and dtype}``, each called again and again on the same inputs."""
+    from ..comm.collectives import all_gather_flat, reduce_scatter_flat
+
+    world = topo.world_size
+    if collective == "reduce_scatter":
+        comm = QuantizedReduceScatter(cfg, topo, 1)
+        grads, out, base_out = _inputs(shard, world, 1, dtype), torch.empty(shard, dtype=dtype), torch.empty(shard, dtype=dtype)
+        return {"qsdp": lambda: comm(out, grads, topo.group, dist.ReduceOp.AVG),
+                "fsdp2": lambda: reduce_scatter_flat(base_out, grads, dist.ReduceOp.SUM, topo.group)}
+    if collective == "hsdp_all_reduce":
+        ar = ReplicaAllReduce(cfg, topo.group, 1)
+        x, total = _inputs(shard, 1, 1, torch.float32), torch.empty(shard)
+
+        def all_reduce() -> None:
+            total.copy_(x)
+            dist.all_reduce(total, group=topo.group)
+
+        return {"qsdp": lambda: ar(x), "fsdp2": all_reduce}
+    if collective == "gather_difference_step":
+        # a training step's gathers: an optimizer step between every two
+        tracker = ChangeTracker()
+        comm = DifferenceAllGather(cfg, topo, 1, tracker)
+    else:
+        comm = (QuantizedAllGather if collective == "gather_direct" else DifferenceAllGather)(cfg, topo, 1)
+    values = _inputs(shard, 1, 1, dtype)
+    out, base_out = torch.empty(world * shard, dtype=dtype), torch.empty(world * shard, dtype=dtype)
+    mine = out.view(world, shard)[topo.rank]
+    if collective == "gather_difference_step":
+        comm.track([values], "group 1")
+
+    def gather() -> None:
+        if collective == "gather_difference_step":
+            tracker.before_optimizer_step()
+            values.add_(0)
+            tracker.after_optimizer_step()
+        mine.copy_(values)  # FSDP2 copies the shard into the gathered buffer before it calls
+        comm(out, mine, topo.group)
+
+    return {"qsdp": gather, "fsdp2": lambda: all_gather_flat(base_out, values, topo.group)}
+
+
+def host_floor(cfg: QuantConfig, collective: str, topo: Topology, shard: int, dtype: torch.dtype,
+               repeats: int = 5) -> dict[str, Any]:
+    """The host's floor of a steady call of ``collective`` (:mod:`qsdp.bench.host_floor`):
+    ``host_us`` and ``fsdp2_us`` (minimum of ``repeats`` runs of 25 calls), their ``host_ratio``,
+    ``py_calls`` and ``qsdp_calls``."""
+    from . import host_floor as hf
+
+    with hf.quiet_cpu(), hf.launches_do_nothing():
+        fns = _steady_calls(cfg, collective, topo, shard, dtype)
+        us = hf.min_us(fns, repeats=repeats)
+        calls, ours = hf.python_calls(fns["qsdp"])
+    return {"host_us": round(us["qsdp"], 1), "fsdp2_us": round(us["fsdp2"], 1),
+            "host_ratio": round(us["qsdp"] / us["fsdp2"], 2), "py_calls": calls, "qsdp_calls": ours}
 
 
 def _rounding_slices(cfg: QuantConfig, kind: str | None, shard: int, dtype: torch.dtype) -> int | None:
@@ -468,7 +531,8 @@ def census(cases: list[Case] | None = None, progress: Callable[[str], None] | No
 
 # ----------------------------------------------------------------------------- command line
 
-_COLUMNS = ("preset", "collective", "kind", "world", "slices", "launches", "torch", "triton", "collectives", "syncs")
+_COLUMNS = ("preset", "collective", "kind", "world", "slices", "launches", "torch", "triton", "collectives", "syncs",
+            "host_us", "fsdp2_us", "host_ratio", "py_calls", "qsdp_calls")
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -480,7 +544,10 @@ def format_table(result: dict[str, Any]) -> str:
     path = "the fused path (Triton kernels, interpreted)" if result["fused"] else "the torch reference"
     title = (f"per call of each collective, rank {result['rank']}, {result['shard']} elements per rank, "
              f"{path}; launches = torch + triton, collectives apart")
-    return "\n".join([title, *aligned(lines, rule=True)])
+    notes = ["host_us: microseconds a call with every kernel launch a no-op, minimum of 5 runs of 25 calls; "
+             "fsdp2_us: FSDP2's own collective of the same size, same run; py_calls (qsdp_calls): Python "
+             "function calls a call makes (qsdp's own)"] if any("host_us" in r for r in result["rows"]) else []
+    return "\n".join([title, *aligned(lines, rule=True), *notes])
 
 
 def _world(text: str) -> tuple[int, int]:
@@ -514,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=1, help="FSDP groups, each called in turn")
     parser.add_argument("--reference", action="store_true",
                         help="count the torch reference (what a CPU runs) instead of the fused Triton path")
+    parser.add_argument("--no-host-time", action="store_true",
+                        help="leave out the host's floor of a call (host_us, fsdp2_us, py_calls; the fused path only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--save", metavar="FILE", type=save_path, help="also write the JSON result to FILE")
     args = parser.parse_args(argv)
@@ -538,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.call([sys.executable, "-m", "qsdp.bench.census", *(argv if argv is not None else sys.argv[1:])],
                                env=env)
     cases = [Case(p, c, nodes=nodes, ranks_per_node=m, shard=args.shard, slices=args.slices, groups=args.groups,
-                  rank=args.rank)
+                  rank=args.rank, host=not args.no_host_time)
              for p in args.presets for c in args.collectives
              if collective_kind(PRESETS[p], c, nodes, m) is not None]
     rows = census(cases, progress=lambda what: print(f"census: {what}", file=sys.stderr))

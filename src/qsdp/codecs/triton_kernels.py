@@ -433,21 +433,40 @@ def _quantize_kernel(
         tl.store(zeros_ptr + zero_off + row * scale_rs + g, zero, mask=gmask)
 
 
+@triton.jit
+def _store_out(acc, ptr, m, flag_ptr, OUT_KIND: tl.constexpr, ADD: tl.constexpr, DIV: tl.constexpr,
+               WATCH: tl.constexpr):
+    """_dequantize_kernel's MODE 0 store (see there)."""
+    if ADD:
+        acc = _widen(tl.load(ptr, mask=m, other=0), OUT_KIND) + acc
+    if DIV:
+        acc = tl.div_rn(acc, tl.full(acc.shape, DIV, tl.float32))
+    stored = _to_kind(acc, OUT_KIND)
+    tl.store(ptr, stored, mask=m)
+    if WATCH:
+        # The stored value, widened back: a finite fp32 that overflows the dtype counts too.
+        v = _widen(stored, OUT_KIND)
+        bad = m & ((v != v) | (tl.abs(v) == float("inf")))
+        tl.atomic_max(flag_ptr, tl.max(bad.to(tl.int32)))
+
+
 @triton.jit(do_not_specialize=["key", "slice0"])
 def _dequantize_kernel(
     codes_ptr, scales_ptr, zeros_ptr, out_ptr, q_codes_ptr, q_scales_ptr, q_zeros_ptr,
     ROW_O, ROW_J, G, NCB, code_rs, code_off, scale_rs, scale_off, zero_off,
     L_OUT, out_rs, q_NCB, q_code_rs, q_code_off, q_scale_rs, q_scale_off, q_zero_off, key, row0,
-    SG, SW, Q_SW, slice0,
+    SG, SW, Q_SW, slice0, flag_ptr,
     K: tl.constexpr, GS: tl.constexpr, BG: tl.constexpr, GPP: tl.constexpr, NCH: tl.constexpr,
     BITS: tl.constexpr, SYMMETRIC: tl.constexpr, HB: tl.constexpr, HB_LOG: tl.constexpr,
     MODE: tl.constexpr, OUT_KIND: tl.constexpr, ADD: tl.constexpr,
     Q_BITS: tl.constexpr, Q_SYMMETRIC: tl.constexpr, Q_ROUNDING: tl.constexpr,
-    SLICED: tl.constexpr = False, KEY_TERM: tl.constexpr = 0,
+    SLICED: tl.constexpr = False, KEY_TERM: tl.constexpr = 0, DIV: tl.constexpr = 0, WATCH: tl.constexpr = False,
 ):
     """Output row o sums (left to right) the dequantized packed rows o * ROW_O + j * ROW_J,
     j < K, each of G groups of GS. MODE 0: optional inverse Hadamard (HB > 0), then stored to
-    out_ptr + o * out_rs, first L_OUT columns, as OUT_KIND (added to what is there if ADD).
+    out_ptr + o * out_rs, first L_OUT columns, as OUT_KIND (added to what is there if ADD),
+    divided by DIV first (in fp32, as ``torch.div``) where DIV is given (0: none); WATCH: a stored value that
+    is NaN or infinite sets the int32 at flag_ptr to 1 (it is never cleared here).
     MODE 1: requantized (Q_BITS, Q_SYMMETRIC, Q_ROUNDING, same groups) into the q_* layout.
     Output rows start at row0. SLICED: as _quantize_kernel's, the packed rows' slices at byte
     k * SW (the requantized ones' at k * Q_SW), the output's at element k * SG * GS."""
@@ -483,10 +502,7 @@ def _dequantize_kernel(
         if HB > 0:
             acc = _hadamard(acc, GPP, BG, HB, HB_LOG) * (1.0 / HB)
         m = gmask[:, None] & (cols < GS)[None, :] & (e < L_OUT)
-        ptr = out_ptr + o * out_rs + e
-        if ADD:
-            acc = _widen(tl.load(ptr, mask=m, other=0), OUT_KIND) + acc
-        tl.store(ptr, _to_kind(acc, OUT_KIND), mask=m)
+        _store_out(acc, out_ptr + o * out_rs + e, m, flag_ptr, OUT_KIND, ADD, DIV, WATCH)
     else:
         _requantize_store(acc, cols, e, g, gmask, o * G, key32, q_codes_ptr + q_code_off + o * q_code_rs,
                           q_scales_ptr + q_scale_off + o * q_scale_rs, q_zeros_ptr + q_zero_off + o * q_scale_rs,
@@ -712,6 +728,8 @@ def dequantize_into(
     inverse_block: int = 0,
     requantize: tuple[Packed, int, bool, str, int | None] | None = None,
     slices: Slices | None = None,
+    divisor: int = 1,
+    flag: torch.Tensor | None = None,
 ) -> None:
     """Output row ``o < outputs`` = sum over ``j < sources`` (left to right) of the dequantized
     packed rows ``o * row_o + j * row_j`` of ``src``. Either stored into ``out`` (``[outputs,
@@ -720,7 +738,7 @@ def dequantize_into(
     symmetric, rounding, seed)``, quantized again with the same groups into ``dst``.
     ``slices``: the rows are rounding slices side by side (:meth:`Packed.sliced`, also ``dst``),
     each decoded (and requantized, with its own seed) as rows of their own in the same launch;
-    ``out``'s columns hold the slices one after another."""
+    ``out``'s columns hold the slices one after another. ``divisor``, ``flag``: :func:`_watch_args`."""
     if outputs == 0 or groups == 0:
         return
     record_run("triton")
@@ -748,11 +766,19 @@ def dequantize_into(
             src.codes, src.scales, src.zeros, out_arg, q.codes, q.scales, q.zeros,
             row_o, row_j, groups, src.ncb, src.code_rs, src.code_off, src.scale_rs, src.scale_off,
             src.zero_off, length, out_rs, q_ncb, q.code_rs, q.code_off, q.scale_rs, q.scale_off, q.zero_off,
-            key, row0, sg, sw, q_sw, first,
+            key, row0, sg, sw, q_sw, first, src.codes if flag is None else flag,
             K=sources, GS=group_size, BG=bg, GPP=gpp, NCH=nch, BITS=bits, SYMMETRIC=symmetric, HB=hb,
-            HB_LOG=hb.bit_length() - 1 if hb else 0, MODE=mode, OUT_KIND=kind, ADD=add, **qkw,
+            HB_LOG=hb.bit_length() - 1 if hb else 0, MODE=mode, OUT_KIND=kind, ADD=add, **qkw, **_watch_args(divisor, flag),
             num_warps=_warps(gpp * bg), **sliced, **_LAUNCH,
         )
+
+
+def _watch_args(divisor: int, flag: torch.Tensor | None) -> dict:
+    """``_dequantize_kernel``'s DIV and WATCH, only where asked (its plain variants stay the ones
+    compiled before): stored into ``out``, ``divisor`` > 1 divides the value in fp32 before the
+    cast (``torch.div(value, divisor, out=out)``); ``flag`` (int32 ``[1]`` on the device) is set
+    to 1 where a stored value is NaN or infinite."""
+    return {**({"DIV": divisor} if divisor != 1 else {}), **({"WATCH": True} if flag is not None else {})}
 
 
 def _dequantize_slices(slices: Slices | None, groups: int, requantize: tuple | None, key: int):

@@ -288,6 +288,10 @@ class GradReduceScatter(CommBase, ReduceScatter):
         super().__init__(config, topology, comm_id)
         self.calls = 0
         self._nonfinite: torch.Tensor | None = None
+        # The int32 flag a fused kernel sets on a non-finite result (kernel_flag), and whether a
+        # kernel was given it since the last take_nonfinite_flag.
+        self._flag: torch.Tensor | None = None
+        self._flag_given = False
         # How to read the group's gradient divide factor, the value read at attach time, and
         # the group's name (expect_divide_factor).
         self._divide_factor: tuple[Callable[[], float | None], float | None, str] | None = None
@@ -339,11 +343,25 @@ class GradReduceScatter(CommBase, ReduceScatter):
         self.watch(output)
         self.meter("grads", output.numel() * input_tensor.element_size(), output.numel())
 
+    def kernel_flag(self, device: torch.device) -> torch.Tensor:
+        """The int32 ``[1]`` a fused kernel sets to 1 when it stores a non-finite value into this
+        rank's reduced shard (:meth:`watch`'s check inside the kernel): made once, cleared by
+        :meth:`take_nonfinite_flag`, so a steady call launches nothing for it."""
+        if self._flag is None or self._flag.device != device:
+            self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self._flag_given = True
+        return self._flag
+
     def take_nonfinite_flag(self) -> torch.Tensor | None:
         """Whether a non-finite value was reduced since the last call (local to this rank),
         without a host sync: a bool tensor on the device, or ``None`` when nothing was reduced
         since the last call."""
         flag, self._nonfinite = self._nonfinite, None
+        if self._flag_given:
+            self._flag_given = False
+            seen = self._flag != 0
+            self._flag.zero_()  # after the read above, in stream order
+            flag = seen if flag is None else flag | seen
         return flag
 
     def state_dict(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ The quantized versions move packed bytes with all-to-all and reduce in fp32 on t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -79,27 +80,32 @@ class QuantizedReduceScatter(GradReduceScatter):
 
     def __init__(self, config: QuantConfig, topology: Topology, comm_id: int) -> None:
         super().__init__(config, topology, comm_id)
-        self._plans: dict[tuple, TwoHopPlan] = {}
+        self._plans: dict[tuple, OneHopPlan | TwoHopPlan] = {}
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
         self.check_group(group)
-        topo, g = self.topology, self.config.grads
-        world, s = topo.world_size, output_tensor.numel()
+        world, s = self.topology.world_size, output_tensor.numel()
         divisor = _divisor(op, world)
         if not self.config.quantizes_shard(s):
             self.plain(output_tensor, input_tensor, group, op)
             return None
         self.calls += 1
         x = input_tensor.view(world, s)
-        m, d = topo.ranks_per_node, topo.nodes
-        if g.mode == "one_level":
-            total = self._one_hop(x, group, grad_codec(g, g.bits, x.dtype), inter_only=False)
-        elif d == 1 or m == 1:
-            bits = g.bits_intra if d == 1 else g.bits_inter
-            total = self._one_hop(x, group, grad_codec(g, bits, x.dtype), inter_only=d > 1)
+        # Everything fixed by the shapes, dtypes, groups and config is planned at the first call.
+        key = (s, x.dtype, output_tensor.dtype, x.device)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(x, output_tensor)
+        # The last kernel divides, casts into FSDP2's output and watches for NaN/Inf itself
+        # (plan.direct); otherwise the fp32 sum is divided and watched by torch.
+        flag = self.kernel_flag(x.device) if plan.direct else None
+        if isinstance(plan, OneHopPlan):
+            total = self._one_hop(x, group, plan, output_tensor, divisor, flag)
         else:
-            total = self._two_hops(x)
+            total = self._two_hops(x, plan, output_tensor, divisor, flag)
+        if plan.direct:
+            return None
         if divisor != 1:
             # the fp32 quotient cast into FSDP2's output as copy_ would, in one kernel
             torch.div(total, divisor, out=output_tensor)
@@ -108,32 +114,45 @@ class QuantizedReduceScatter(GradReduceScatter):
         self.watch(output_tensor)
         return None
 
+    def _plan(self, x: torch.Tensor, output: torch.Tensor) -> "OneHopPlan | TwoHopPlan":
+        topo, g = self.topology, self.config.grads
+        m, d = topo.ranks_per_node, topo.nodes
+        if g.mode == "one_level":
+            return OneHopPlan.build(self, x, output, grad_codec(g, g.bits, x.dtype), inter_only=False)
+        if d == 1 or m == 1:
+            bits = g.bits_intra if d == 1 else g.bits_inter
+            return OneHopPlan.build(self, x, output, grad_codec(g, bits, x.dtype), inter_only=d > 1)
+        return TwoHopPlan.build(self, x, output)
+
     def _seed(self, *parts: int) -> int:
         return derive_seed(self.config.seed, self.comm_id, self.calls, self.topology.rank, *parts)
 
-    def _one_hop(self, x: torch.Tensor, group, codec: RowCodec, inter_only: bool) -> torch.Tensor:
-        world, s = x.shape
-        layout = self.layouts.get(s, codec.unit, x.device)
+    def _one_hop(self, x: torch.Tensor, group, plan: "OneHopPlan", output: torch.Tensor, divisor: int,
+                 flag: torch.Tensor | None) -> torch.Tensor | None:
+        codec, layout = plan.codec, plan.layout
         # A group mixing TP-replicated and TP-sharded parameters is encoded from a copy of its
         # gradient in the codec's order (row_layout); any other group from the gradient itself.
-        send = codec.encode(layout.expand(x), seed=self._seed(3))
+        send = codec.encode(x if layout.identity else layout.expand(x), seed=self._seed(3))
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
-        intra, inter = self.topology.peers()
-        self.meter("grads", send.shape[1], s, (0 if inter_only else intra, inter))
+        self.byte_meter.record_peers("grads", *plan.meter)
+        if plan.direct:
+            codec.decode_sum_finished_into(recv, layout.wire_length, output, divisor=divisor, flag=flag)
+            return None
         return layout.contract(codec.decode_sum(recv, layout.wire_length, finish=True))
 
-    def _two_hops(self, x: torch.Tensor) -> torch.Tensor:
+    def _two_hops(self, x: torch.Tensor, plan: "TwoHopPlan", output: torch.Tensor, divisor: int,
+                  flag: torch.Tensor | None) -> torch.Tensor | None:
         topo = self.topology
-        plan = self._plan(x)
-        layout, hop1, hop2 = plan.layout, plan.hop1, plan.hop2
+        layout, hop2 = plan.layout, plan.hop2
         order = topo.exchange_index(x.device)
         # The rounding slices (their bounds and seeds fix the result) travel in runs, one
         # exchange per hop each: one per slice when pipelined, else all of them in one. Each
         # codec step of a run is one launch on the fused path (the slices a grid axis, each with
         # its own seed); the Hadamard transform (blockwise, and every slice is whole blocks) is
-        # fused into hop 1's quantization, its inverse into hop 2's decoding.
-        out = torch.empty(plan.lp, dtype=torch.float32, device=x.device)
+        # fused into hop 1's quantization, its inverse into hop 2's decoding, and with
+        # plan.direct the division, the cast into FSDP2's output and the watch too.
+        out = output if plan.direct else torch.empty(plan.lp, dtype=torch.float32, device=x.device)
         prefix1, prefix2 = self._seed(4), self._seed(5)
         runs = plan.runs
         n = len(runs)
@@ -154,16 +173,11 @@ class QuantizedReduceScatter(GradReduceScatter):
                 recv2, work2 = stage2[i]
                 work2.wait()
                 stage2[i] = None
-                hop2.decode_sum_slices(recv2, runs[i], out)
-        return layout.contract(out)
-
-    def _plan(self, x: torch.Tensor) -> "TwoHopPlan":
-        """The two-level plan of a gradient shaped as ``x`` (built once per shape and device:
-        the same every call)."""
-        key = (tuple(x.shape), x.dtype, str(x.device))
-        if key not in self._plans:
-            self._plans[key] = TwoHopPlan.build(self, x)
-        return self._plans[key]
+                if plan.direct:
+                    hop2.decode_sum_slices(recv2, runs[i], out, divisor=divisor, flag=flag)
+                else:
+                    hop2.decode_sum_slices(recv2, runs[i], out)
+        return None if plan.direct else layout.contract(out)
 
     def _intra_exchange(self, x: torch.Tensor, plan: "TwoHopPlan", run: SliceRun, order: torch.Tensor,
                         prefix: int) -> tuple[torch.Tensor, Any]:
@@ -172,12 +186,12 @@ class QuantizedReduceScatter(GradReduceScatter):
         asynchronous all-to-all inside the node."""
         topo = self.topology
         m, d = topo.ranks_per_node, topo.nodes
-        send = torch.empty(x.shape[0], run.nbytes(plan.hop1), dtype=torch.uint8, device=x.device)
+        send = torch.empty(x.shape[0], plan.nbytes1[run], dtype=torch.uint8, device=x.device)
         plan.hop1.encode_slices(x, run, prefix=prefix, out=send, order=order,
                                 layout=None if plan.layout.identity else plan.layout)
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
-        self.meter("grads", d * send.shape[1], d * plan.real[run], (m - 1, 0))
+        self.byte_meter.record_peers("grads", *plan.meter1[run])
         return recv, work
 
     def _inter_exchange(self, recv: torch.Tensor, plan: "TwoHopPlan", run: SliceRun,
@@ -187,12 +201,43 @@ class QuantizedReduceScatter(GradReduceScatter):
         asynchronous all-to-all across nodes."""
         topo = self.topology
         m, d = topo.ranks_per_node, topo.nodes
-        send = torch.empty(d, run.nbytes(plan.hop2), dtype=torch.uint8, device=recv.device)
+        send = torch.empty(d, plan.nbytes2[run], dtype=torch.uint8, device=recv.device)
         plan.hop1.decode_sum_encode_slices(recv, run, sources=m, codec=plan.hop2, prefix=prefix, out=send)
         recv2 = torch.empty_like(send)
         work = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
-        self.meter("grads", send.shape[1], plan.real[run], (0, d - 1))
+        self.byte_meter.record_peers("grads", *plan.meter2[run])
         return recv2, work
+
+
+@dataclass(frozen=True)
+class OneHopPlan:
+    """What a one-hop quantized reduce-scatter of one gradient shape does, fixed by its config,
+    sizes and group: the codec, the row layout, the meter's entry (bytes, elements, intra and
+    inter peers) and whether the decoding kernel writes FSDP2's output itself (``direct``)."""
+
+    codec: RowCodec
+    layout: RowLayout
+    meter: tuple[int, int, int, int]
+    direct: bool
+
+    @classmethod
+    def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor, output: torch.Tensor, codec: RowCodec,
+              inter_only: bool) -> "OneHopPlan":
+        world, s = x.shape
+        layout = comm.layouts.get(s, codec.unit, x.device)
+        intra, inter = comm.topology.peers()
+        nbytes = codec.row_nbytes(layout.wire_length)
+        probe = torch.empty(0, dtype=torch.uint8, device=x.device)
+        direct = (layout.identity and codec._fused(probe) and output.is_contiguous()
+                  and output.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                  and (not codec.hadamard_block or _fuses_hadamard(codec)))
+        return cls(codec, layout, (nbytes, s, 0 if inter_only else intra, inter), direct)
+
+
+def _fuses_hadamard(codec: RowCodec) -> bool:
+    from ..codecs.triton_kernels import fuses_hadamard
+
+    return fuses_hadamard(codec.group_size, codec.hadamard_block)
 
 
 @dataclass(frozen=True)
@@ -207,13 +252,30 @@ class TwoHopPlan:
     lp: int
     runs: tuple[SliceRun, ...]
     real: dict
+    # Per run: the send buffers' widths and the meter's entries of both hops; whether hop 2's
+    # decoding writes FSDP2's output itself (divided, cast, watched: every run fused).
+    nbytes1: dict = dataclasses.field(default_factory=dict)
+    nbytes2: dict = dataclasses.field(default_factory=dict)
+    meter1: dict = dataclasses.field(default_factory=dict)
+    meter2: dict = dataclasses.field(default_factory=dict)
+    direct: bool = False
 
     @classmethod
-    def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor) -> "TwoHopPlan":
+    def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor, output: torch.Tensor) -> "TwoHopPlan":
         topo = comm.topology
         host_moves_bytes = not all(pipelines_exchanges(x.device.type, dist.get_backend(grp))
                                    for grp in (topo.intra_group, topo.inter_group))
-        return cls.of(comm.config.grads, x, topo.nodes, comm.layouts.get, host_moves_bytes)
+        plan = cls.of(comm.config.grads, x, topo.nodes, comm.layouts.get, host_moves_bytes)
+        m, d = topo.ranks_per_node, topo.nodes
+        for run in plan.runs:
+            plan.nbytes1[run], plan.nbytes2[run] = run.nbytes(plan.hop1), run.nbytes(plan.hop2)
+            plan.meter1[run] = (d * plan.nbytes1[run], d * plan.real[run], m - 1, 0)
+            plan.meter2[run] = (plan.nbytes2[run], plan.real[run], 0, d - 1)
+        probe = torch.empty(0, dtype=torch.uint8, device=x.device)
+        direct = (plan.layout.identity and output.is_contiguous()
+                  and output.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                  and all(plan.hop2.fuses_slices(run, probe) for run in plan.runs))
+        return dataclasses.replace(plan, direct=direct)
 
     @classmethod
     def of(cls, g: GradComm, x: torch.Tensor, nodes: int, layout_of: Callable[..., RowLayout],

@@ -18,6 +18,7 @@ unlike ``torch.sum``'s, which depends on the device, the sizes and the CPU's vec
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -119,17 +120,15 @@ class RowCodec:
     hadamard_block: int = 0
     raw_dtype: torch.dtype = torch.float32
 
-    @property
-    def exact(self) -> bool:
-        return self.bits is None
-
-    @property
-    def unit(self) -> int:
-        """Elements of the smallest row span no group or Hadamard block crosses: rows are padded
-        to whole units."""
-        if self.exact:
-            return 1
-        return math.lcm(self.group_size, self.hadamard_block) if self.hadamard_block else self.group_size
+    def __post_init__(self) -> None:
+        # Read on every step of every call: plain attributes, computed once (not fields).
+        exact = self.bits is None
+        #: Whether rows travel as raw bytes.
+        object.__setattr__(self, "exact", exact)
+        #: Elements of the smallest row span no group or Hadamard block crosses: rows are padded
+        #: to whole units.
+        object.__setattr__(self, "unit", 1 if exact else (
+            math.lcm(self.group_size, self.hadamard_block) if self.hadamard_block else self.group_size))
 
     def padded_len(self, length: int) -> int:
         if self.exact or length == 0:
@@ -260,6 +259,24 @@ class RowCodec:
         total = total[0]
         return self.finish(total, length) if finish and not finished else total
 
+    def decode_sum_finished_into(self, buf: torch.Tensor, length: int, out: torch.Tensor, *, divisor: int = 1,
+                                 flag: torch.Tensor | None = None) -> bool:
+        """Where one kernel can: ``torch.div(decode_sum(buf, length, finish=True), divisor,
+        out=out)`` (``out``: ``[length]``, contiguous, fp32/bf16/fp16), ``flag`` (int32 ``[1]``)
+        set to 1 if a stored value is not finite; whether it did (``False``: nothing was done)."""
+        if not (self._fused(buf) and out.dtype in _OUT_DTYPES and out.is_contiguous()):
+            return False
+        hb = self.hadamard_block
+        if hb and not _tk().fuses_hadamard(self.group_size, hb):
+            return False
+        lp = self.padded_len(length)
+        _tk().dequantize_into(
+            self._packed(buf, lp), groups=lp // self.group_size, bits=self.bits, group_size=self.group_size,
+            symmetric=self.symmetric, sources=buf.shape[0], outputs=1, row_o=1, row_j=1, out=out.view(1, -1),
+            length=length, inverse_block=hb, divisor=divisor, flag=flag,
+        )
+        return True
+
     def decode_sum_encode(
         self, buf: torch.Tensor, length: int, *, sources: int, codec: "RowCodec", seed: int,
         out: torch.Tensor | None = None,
@@ -292,15 +309,24 @@ class RowCodec:
     # with its own seed and the bytes of one call per slice; the torch reference takes the equal
     # slices of a run as the rows of one call per step (_batches), with the same bytes.
 
+    def fuses_slices(self, run: SliceRun, t: torch.Tensor, codec: "RowCodec | None" = None) -> bool:
+        """Whether the slices of ``run`` of tensors like ``t`` take one launch a step."""
+        return not self.exact and self._slices_fuse(run, t, codec)
+
     def _slices_fuse(self, run: SliceRun, t: torch.Tensor, codec: "RowCodec | None" = None) -> bool:
-        """Whether the kernels can take ``run`` in one launch: every slice whole groups (and
-        Hadamard blocks) with no 4-byte padding to zero, for this codec and ``codec``."""
-        if not self._fused(t) or self.group_size > _tk().MAX_TILE:
+        # keyed by the tile limit too: tests lower it
+        return self._fused(t) and _slices_fuse_of(self, run, codec, _tk().MAX_TILE)
+
+    def _slices_fuse_uncached(self, run: SliceRun, codec: "RowCodec | None" = None) -> bool:
+        """Whether the kernels can take ``run`` in one launch on a device that takes them: every
+        slice whole groups (and Hadamard blocks) with no 4-byte padding to zero, for this codec
+        and ``codec``."""
+        if self.exact or not _supported(self.bits, self.group_size) or self.group_size > _tk().MAX_TILE:
             return False
         if self.hadamard_block and not _tk().fuses_hadamard(self.group_size, self.hadamard_block):
             return False
         for c in (self, codec or self):
-            if c.group_size != self.group_size or not c._fused(t):
+            if c.group_size != self.group_size or c.exact or not _supported(c.bits, c.group_size):
                 return False
             for a, b in run.bounds()[-2:]:
                 lp = b - a
@@ -376,9 +402,13 @@ class RowCodec:
                                 transformed=True)
         return out
 
-    def decode_sum_slices(self, buf: torch.Tensor, run: SliceRun, out: torch.Tensor) -> torch.Tensor:
+    def decode_sum_slices(self, buf: torch.Tensor, run: SliceRun, out: torch.Tensor, *, divisor: int = 1,
+                          flag: torch.Tensor | None = None) -> torch.Tensor:
         """``out[a:b] = decode_sum(slice's columns of buf, b - a, finish=True)`` for each slice
-        ``[a, b)`` of ``run``; ``out``: float32 ``[run.end]`` (or longer), returned."""
+        ``[a, b)`` of ``run``; ``out``: float32 ``[run.end]`` (or longer), returned. Fused only
+        (:meth:`fuses_slices`): ``out`` may be shorter than ``run.end`` (the padding is not
+        stored) and of any of fp32/bf16/fp16, ``divisor`` and ``flag`` as in
+        :meth:`decode_sum_finished_into`."""
         if not self.exact and self._slices_fuse(run, buf):
             tk = _tk()
             hb = self.hadamard_block
@@ -386,10 +416,12 @@ class RowCodec:
             tk.dequantize_into(
                 tk.Packed.sliced(buf), groups=(run.stop - run.start) // self.group_size, bits=self.bits,
                 group_size=self.group_size, symmetric=self.symmetric, sources=buf.shape[0], outputs=1, row_o=1,
-                row_j=1, out=span.view(1, -1), length=run.stop - run.start, inverse_block=hb,
-                slices=self._slices(run, 0),
+                row_j=1, out=span.view(1, -1), length=span.numel(), inverse_block=hb,
+                slices=self._slices(run, 0), divisor=divisor, flag=flag,
             )
             return out
+        if divisor != 1 or flag is not None or out.dtype != torch.float32:
+            raise ValueError("decode_sum_slices divides, casts and watches on the fused path only")
         bounds, cols = run.bounds(), run.columns(self)
         for i0, i1 in self._batches(run, buf.shape[0], buf):
             (a, _), (_, b), (c0, _), (_, c1) = bounds[i0], bounds[i1 - 1], cols[i0], cols[i1 - 1]
@@ -503,7 +535,7 @@ class RowCodec:
         return total
 
     def _fused(self, t: torch.Tensor) -> bool:
-        return not self.exact and use_triton(t) and _tk().supports(bits=self.bits, group_size=self.group_size)
+        return not self.exact and use_triton(t) and _supported(self.bits, self.group_size)
 
     def _alloc(self, rows: int, lp: int, device, out: torch.Tensor | None = None) -> torch.Tensor:
         """Packed rows for ``lp`` elements (``out``, checked, where given), the 4-byte padding
@@ -576,3 +608,14 @@ def _tk():
     from ..codecs import triton_kernels
 
     return triton_kernels
+
+
+# Fixed by the codecs and the run alone: computed once for each (a steady call asks again and again).
+@functools.lru_cache(maxsize=None)
+def _supported(bits: int, group_size: int) -> bool:
+    return _tk().supports(bits=bits, group_size=group_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _slices_fuse_of(codec: RowCodec, run: SliceRun, other: RowCodec | None, max_tile: int) -> bool:
+    return codec._slices_fuse_uncached(run, other)
