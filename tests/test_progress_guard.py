@@ -102,6 +102,40 @@ def test_a_bare_local_launch_is_guarded_too_and_prints_the_stacks(capfd):
     assert "qsdp: stack of rank 1:" in err and "_hold_on_rank_1" in err
 
 
+def _wait_for_each_other(flag: str) -> int:
+    """Both ranks wait in a receive from the other, which never sends (a collective that cannot
+    complete): the process group's own timeout, 15 s, ends it."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
+    rank = dist.get_rank()
+    dist.recv(torch.zeros(1), src=1 - rank)
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_all_wait_in_a_collective_are_left_to_its_timeout():
+    """Every rank waits in a collective (a slow link looks the same): the guard, at 3 s, ends
+    nothing; the collective's own timeout does, as a failure of the ranks, not a stuck one."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    started = time.monotonic()
+    with pytest.raises(ChildFailedError) as failed:
+        launch_local(_wait_for_each_other, 2, "x", timeout_s=3)
+    assert not isinstance(failed.value, StuckRankError)
+    assert time.monotonic() - started > 14
+
+
+def test_a_line_waiting_on_a_collectives_handle_is_waiting_in_a_collective(tmp_path):
+    source = tmp_path / "pipelined.py"
+    source.write_text("def exchange(work):\n    work.wait()\n    return 1\n")
+    assert waiting_in_collective([(str(source), 2, "exchange")])
+    assert not waiting_in_collective([(str(source), 3, "exchange")])
+
+
 def _busy(seconds: float) -> int:
     """A worker that computes for ``seconds`` without a mark (a long compile, a slow first step)."""
     end = time.monotonic() + seconds

@@ -9,17 +9,19 @@ Each worker marks its progress (:func:`qsdp.progress.mark`: at each stretch of a
 checkpoint, at an evaluation). A rank makes progress when it writes a new mark, or while it keeps
 a core at least half busy (a long compile, a slow first step: working, not stuck). A live rank
 that does neither for longer than the timeout, and is not stopped by a signal (the stopped-worker
-watch, :mod:`qsdp.watchdog`, names that), ends the job: the guard asks every rank for its
-Python stack (:data:`qsdp.progress.STACK_SIGNAL`), names the stuck rank (a rank whose main thread
-is not waiting in a collective; the one furthest behind where all are) and the ranks that waited,
-with what each was doing, writes a failure record where the workers write theirs, and kills the
-attempt's workers. The job then ends, or restarts under ``--max-restarts``, as after a crash,
+watch, :mod:`qsdp.watchdog`, names that), sets the guard off: it asks every rank for its Python
+stack (:data:`qsdp.progress.STACK_SIGNAL`). The stuck ranks are those whose main thread is not
+waiting in a collective; the guard names them and the ranks that waited, with what each was
+doing, writes a failure record where the workers write theirs, and kills the attempt's workers.
+Where every rank waits in a collective (a slow link, a peer lost inside one) it ends nothing:
+each collective's own timeout bounds that wait. The job then ends, or restarts under ``--max-restarts``, as after a crash,
 within the timeout plus :data:`qsdp.progress.GRACE_S`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import re
 import signal
@@ -38,10 +40,11 @@ __all__ = ["ProgressGuard", "StuckRankError", "waiting_in_collective", "main_thr
 _BUSY_SHARE = 0.5  # CPU seconds per second of wall time that count as working
 _STACK_WAIT_S = 3.0  # how long the guard waits for the stacks once asked
 
-# The innermost Python frames of a rank blocked in a collective: torch's c10d calls (their wait is
-# in C, below them), FSDP2's wait for its all-gather, and qsdp's comm objects.
+# The innermost Python frame of a rank blocked in a collective: one of torch's c10d calls (their
+# wait is in C, below them), FSDP2's wait for its all-gather, or any line waiting on a collective's
+# handle (``work.wait()``: qsdp's pipelined reduce-scatter, a user's async collective).
 _COLLECTIVE_FILES = re.compile(r"torch/distributed/(distributed_c10d|c10d_logger)\.py$|"
-                               r"torch/distributed/fsdp/_fully_shard/_fsdp_collectives\.py$|/qsdp/comm/[^/]+\.py$")
+                               r"torch/distributed/fsdp/_fully_shard/_fsdp_collectives\.py$")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 
 
@@ -73,8 +76,12 @@ def main_thread_frames(dump: str) -> list[tuple[str, int, str]]:
 
 
 def waiting_in_collective(frames: list[tuple[str, int, str]]) -> bool:
-    """Whether the innermost frames are a collective's call or wait."""
-    return any(_COLLECTIVE_FILES.search(file.replace(os.sep, "/")) for file, _, _ in frames[:3])
+    """Whether the innermost frame is a collective's call or a wait on a collective's handle (its
+    source line read from the file: the launcher runs on the workers' machine)."""
+    if not frames:
+        return False
+    file, line, _ = frames[0]
+    return bool(_COLLECTIVE_FILES.search(file.replace(os.sep, "/"))) or ".wait(" in linecache.getline(file, line)
 
 
 def _where(frames: list[tuple[str, int, str]]) -> str:
@@ -156,14 +163,20 @@ class ProgressGuard(Poller):
         return latest
 
     def _fire(self, attempt: int, live: dict[int, _Rank], late: set[int], now: float) -> None:
-        frames = self._stacks(attempt, live)
+        dumps = self._stacks(attempt, live)
+        frames = {rank: main_thread_frames(dump) for rank, dump in dumps.items()}
         # Whoever is not waiting in a collective holds the others, late or not (a rank that marked
         # its step later than its peers, then stalled, is not late yet when they are).
         working = {rank: r for rank, r in live.items() if r.what != progress.FINISHED}
         stuck = sorted(rank for rank in working if not waiting_in_collective(frames.get(rank, [])))
-        if not stuck:  # every rank waits in a collective: the ones furthest behind hold the others
-            least = min(r.count for r in working.values())
-            stuck = sorted(rank for rank, r in working.items() if r.count == least)
+        if not stuck:
+            # Every rank waits in a collective: a slow link, or a peer lost inside one. Each
+            # collective's own timeout (--timeout plus the grace) bounds that wait and names it;
+            # the guard is for ranks stuck outside them, and looks again a timeout later.
+            for r in working.values():
+                r.since, r.since_wall = now, time.time()
+            return
+        self._keep_stacks(dumps)
         waiting = sorted(set(live) - set(stuck))
         first = min((live[rank] for rank in stuck), key=lambda r: r.since)
         idle = max(now - live[rank].since for rank in late)
@@ -186,8 +199,8 @@ class ProgressGuard(Poller):
         for rank in [*stuck, *waiting]:
             _signal(live[rank], signal.SIGKILL)
 
-    def _stacks(self, attempt: int, live: dict[int, _Rank]) -> dict[int, list[tuple[str, int, str]]]:
-        """Every live rank's stack, asked for and read back (and copied to :attr:`stacks_to`)."""
+    def _stacks(self, attempt: int, live: dict[int, _Rank]) -> dict[int, str]:
+        """Every live rank's stack file, asked for and read back."""
         paths = {rank: progress.stack_path(self.directory, rank, attempt) for rank in live}
         sizes = {rank: _size(path) for rank, path in paths.items()}
         for rank, r in live.items():
@@ -203,8 +216,7 @@ class ProgressGuard(Poller):
         for rank, path in paths.items():
             with contextlib.suppress(OSError):
                 dumps[rank] = path.read_text(encoding="utf-8", errors="replace")
-        self._keep_stacks(dumps)
-        return {rank: main_thread_frames(dump) for rank, dump in dumps.items()}
+        return dumps
 
     def _keep_stacks(self, dumps: dict[int, str]) -> None:
         if self.stacks_to is None:
