@@ -7,7 +7,7 @@ which named the rank that waited instead of the one it waited for.
 
 Each worker marks its progress (:func:`qsdp.progress.mark`: at each stretch of a step, at a
 checkpoint, at an evaluation). A rank makes progress when it writes a new mark, or while it keeps
-a core at least half busy (a long compile, a slow first step: working, not stuck). A live rank
+a core busy, a tenth of it at least (a long compile, a slow first step: working, not stuck). A live rank
 that does neither for longer than the timeout, and is not stopped by a signal (the stopped-worker
 watch, :mod:`qsdp.watchdog`, names that), sets the guard off: it asks every rank for its Python
 stack (:data:`qsdp.progress.STACK_SIGNAL`). The stuck ranks are those whose main thread is not
@@ -37,7 +37,10 @@ from qsdp.watchdog import Poller, look_interval, stopped_by
 
 __all__ = ["ProgressGuard", "StuckRankError", "waiting_in_collective", "main_thread_frames"]
 
-_BUSY_SHARE = 0.5  # CPU seconds per second of wall time that count as working
+# CPU seconds per second of wall time that count as working: a rank blocked on a lock, a barrier
+# or a collective uses next to none (a worker deadlocked in OpenMP: 1 s in 3 minutes), a working
+# one most of a core, or a tenth of one on a machine shared with other jobs.
+_BUSY_SHARE = 0.1
 _STACK_WAIT_S = 3.0  # how long the guard waits for the stacks once asked
 
 # The innermost Python frame of a rank blocked in a collective: one of torch's c10d calls (their
