@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -585,8 +584,7 @@ def _rows_places(width: int, padded: int, bits: int, group_size: int, symmetric:
     return 4 * groups * (1 if symmetric else 2), width, 0, groups, width // 4, padded * bits // 8
 
 
-@dataclass(frozen=True)
-class Slices:
+class Slices(NamedTuple):
     """Rounding slices launched together, one grid axis: ``count`` slices of ``groups`` groups
     (the last may have fewer), each quantized as a row of its own with the seed
     ``rng.derive_seed(*parts, first + k)`` for slice ``k``, where ``prefix`` is
