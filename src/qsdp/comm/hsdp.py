@@ -96,9 +96,10 @@ class ReplicaAllReduce:
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         # Everything fixed by the size, the device and the config is planned at the first call.
-        plan = self._plans.get((x.numel(), x.device))
+        key = (x.numel(), x.device, self.layouts.plan_key() if self.layouts.mixed else ())
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[(x.numel(), x.device)] = AllReducePlan.build(self, x)
+            plan = self._plans[key] = AllReducePlan.build(self, x)
         d, codec, length = self.replicas, plan.codec, plan.length
         if not plan.layout.identity:
             x = plan.layout.expand(x.view(1, -1)).view(-1)

@@ -86,8 +86,10 @@ class QuantizedReduceScatter(GradReduceScatter):
             return None
         self.calls += 1
         x = input_tensor.view(world, s)
-        # Everything fixed by the shapes, dtypes, groups and config is planned at the first call.
-        key = (s, x.dtype, output_tensor.dtype, x.device)
+        # Everything fixed by the shapes, dtypes, groups and config (and, in a row mixing TP's
+        # kinds, by the spans as they are now) is planned at the first call.
+        layouts = self.layouts
+        key = (s, x.dtype, output_tensor.dtype, x.device, layouts.plan_key() if layouts.mixed else ())
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(x, output_tensor)
