@@ -79,13 +79,16 @@ class SliceRun:
     per: int
     end: int
 
-    @property
-    def start(self) -> int:
-        return self.first * self.per
+    def __post_init__(self) -> None:
+        # Read on every step of every call, and a dict key of its plan: plain attributes and a
+        # hash, computed once.
+        #: The run's first element and its end.
+        object.__setattr__(self, "start", self.first * self.per)
+        object.__setattr__(self, "stop", min((self.first + self.count) * self.per, self.end))
+        object.__setattr__(self, "_hash", hash((self.first, self.count, self.per, self.end)))
 
-    @property
-    def stop(self) -> int:
-        return min((self.first + self.count) * self.per, self.end)
+    def __hash__(self) -> int:
+        return self._hash
 
     def bounds(self) -> list[tuple[int, int]]:
         return [(k * self.per, min((k + 1) * self.per, self.end)) for k in range(self.first, self.first + self.count)]
@@ -129,6 +132,12 @@ class RowCodec:
         #: to whole units.
         object.__setattr__(self, "unit", 1 if exact else (
             math.lcm(self.group_size, self.hadamard_block) if self.hadamard_block else self.group_size))
+        # A key of the caches a call consults (_slices_fuse_of): hashed once.
+        object.__setattr__(self, "_hash", hash((self.bits, self.group_size, self.symmetric, self.rounding,
+                                                self.hadamard_block, self.raw_dtype)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def padded_len(self, length: int) -> int:
         if self.exact or length == 0:
