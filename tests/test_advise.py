@@ -239,18 +239,26 @@ def test_measure_on_one_node_says_it_needs_two():
     assert all("at least 2 nodes" in m for m in run_pooled(_measure_one_node, 2, local_world_size=2))
 
 
-# ----------------------------------------------------------------------------- the host's launches
+# ----------------------------------------------------------------------------- the host's time
 
 
 def _rows(r: dict) -> dict:
     return {(row["layout"], row["preset"]): row for row in r["rows"]}
 
 
-def test_at_400_gbit_with_the_h200_hosts_launch_cost_sdp4bit_costs_more_than_it_saves():
+def test_at_400_gbit_on_the_h200s_host_sdp4bit_pays_for_its_host_time():
     r = adv.advise(int(7e9), 4, gpu="h200", link_gbit_per_gpu=400)
     rows = _rows(r)
     sdp, fsdp = rows["fsdp", "sdp4bit"], rows["fsdp", "fsdp"]
-    assert r["launch_us"] == pm.HARDWARE["h200"].launch_us > 0
+    assert r["host_factor"] == pm.HARDWARE["h200"].host_factor > 0
+    assert sdp["host_ms"] > 0 and fsdp["host_ms"] == 0
+    assert sdp["step_ms"] < fsdp["step_ms"] and "costs more than it saves" not in sdp["why"]
+
+
+def test_on_a_host_slow_enough_quantization_costs_more_than_it_saves():
+    r = adv.advise(int(7e9), 4, gpu="h200", link_gbit_per_gpu=400, host_factor=30)
+    rows = _rows(r)
+    sdp, fsdp = rows["fsdp", "sdp4bit"], rows["fsdp", "fsdp"]
     assert sdp["step_ms"] > fsdp["step_ms"] and sdp["limit"] == "host"
     assert "quantization costs more than it saves" in sdp["why"]
     assert (r["recommendation"]["layout"], r["recommendation"]["preset"]) != ("fsdp", "sdp4bit")
@@ -265,7 +273,7 @@ def test_at_10_gbit_quantizing_still_pays_with_the_host_priced():
 
 
 def test_with_no_host_cost_the_old_answers_hold():
-    r = adv.advise(int(7e9), 4, gpu="h200", link_gbit_per_gpu=400, launch_us=0)
+    r = adv.advise(int(7e9), 4, gpu="h200", link_gbit_per_gpu=400, host_factor=0)
     assert all(row["host_ms"] == 0 for row in r["rows"])
     assert all(row["step_ms"] == pytest.approx(row["compute_ms"] + row["comm_ms"]) for row in r["rows"])
     rows = _rows(r)
@@ -274,11 +282,11 @@ def test_with_no_host_cost_the_old_answers_hold():
     assert r["recommendation"]["preset"] != "fsdp"
 
 
-def test_the_command_takes_the_host_cost_per_launch(capsys):
+def test_the_command_takes_the_host_factor(capsys):
     assert cli_main(["advise", "--params", "1.3B", "--nodes", "4", "--gpu", "h200", "--link", "400gbit",
-                     "--launch-us", "0", "--json"]) == 0
+                     "--host-factor", "0", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["launch_us"] == 0 and r["launch_source"] == "given"
+    assert r["host_factor"] == 0 and r["host_source"] == "given"
     assert all(row["host_ms"] == 0 for row in r["rows"])
     assert cli_main(["advise", "--params", "1.3B", "--nodes", "4", "--gpu", "h200", "--link", "400gbit"]) == 0
-    assert "us per kernel launch of the collectives (measured on the h200's host)" in capsys.readouterr().out
+    assert "x each collective's census host floor (measured on the h200's host)" in capsys.readouterr().out

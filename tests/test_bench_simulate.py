@@ -185,10 +185,10 @@ def test_overlap_hides_communication():
     assert b["step_ms"]["fsdp"] >= b["breakdown_ms"]["fsdp"]["compute_s"]
 
 
-def test_a_host_cost_per_launch_adds_the_collectives_launches_to_each_step(capsys):
+def test_a_host_factor_adds_the_collectives_census_floors_to_each_step(capsys):
     none = sim.run(["h800"], models=["1.3B"], scale_gpus=[])["cases"][0]
     assert all(b["host_s"] == 0 for b in none["breakdown_ms"].values())  # the paper's GPU types: not priced
-    assert sim.main(["--gpu", "h800", "--models", "1.3B", "--scale-gpus", "16", "--launch-us", "100", "--json"]) == 0
+    assert sim.main(["--gpu", "h800", "--models", "1.3B", "--scale-gpus", "16", "--host-factor", "3", "--json"]) == 0
     priced = json.loads(capsys.readouterr().out)["cases"][0]
     assert priced["breakdown_ms"]["fsdp"]["host_s"] == 0  # FSDP2's own collectives launch nothing more
     host = priced["breakdown_ms"]["sdp4bit"]["host_s"]

@@ -63,3 +63,20 @@ def test_fused_kernels_give_the_reference_bits(preset):
     for (reference, fused), launches in run_world(_fused_and_reference, 4, preset, local_world_size=2, timeout=250):
         assert launches >= 3  # encode, decode-sum-requantize, decode: all fused
         assert torch.equal(reference.view(torch.int32), fused.view(torch.int32))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs in the interpreter subprocess")
+@pytest.mark.parametrize("n", [8 * 1024, 6922, 778, 5])
+def test_the_kernel_cuts_and_pads_a_vector_as_the_reference_does(n, monkeypatch):
+    # whole rows, full rows then a short one then rows past the end, one short row, a few elements
+    from qsdp.comm.hsdp import hsdp_codec
+    from qsdp.config import resolve_config
+
+    for preset in ("qsdp", "hsdp4"):
+        codec = hsdp_codec(resolve_config(preset).hsdp)
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        length = codec.padded_len(-(-n // 8))
+        monkeypatch.setenv("QSDP_DISABLE_TRITON", "1")
+        reference = codec.encode_cut(x, 8, length, seed=11)
+        monkeypatch.setenv("QSDP_DISABLE_TRITON", "0")
+        assert torch.equal(codec.encode_cut(x, 8, length, seed=11), reference), preset

@@ -244,11 +244,11 @@ def test_at_c14eb26_a_two_level_reduce_scatter_launched_per_group_and_per_slice(
 
 def test_a_two_level_reduce_scatter_launches_per_group_and_per_exchange_whatever_its_slices():
     # one exchange per hop where the host moves the bytes: the same launches for 1 and 8 slices
-    assert _group_launches("zeropp", host_staged=True) == _group_launches("sdp4bit", host_staged=True) == 8 + 3
+    assert _group_launches("zeropp", host_staged=True) == _group_launches("sdp4bit", host_staged=True) == 1 + 3
     # pipelined on GPUs: each exchange of the 8 slices of a 4M-element group adds its 3 kernels
     sdp = pm.step_collectives("sdp4bit", [1 << 22], 2, 4, gathers=0)
     exchanges = sum(1 for c in sdp if c.call == "two_level_slice")
-    assert exchanges > 1 and _group_launches("sdp4bit", host_staged=False) == 8 + 3 * exchanges
+    assert exchanges > 1 and _group_launches("sdp4bit", host_staged=False) == 1 + 3 * exchanges
 
 
 def test_the_models_launch_counts_are_those_the_census_committed():
@@ -271,29 +271,54 @@ def test_fsdps_collectives_launch_nothing_beyond_fsdp2s_own():
     assert colls and all(c.launches == 0 for c in colls)
 
 
-def test_the_h200_launch_cost_is_sdp4bits_wait_for_the_host_beyond_fsdps_over_the_launches_it_adds():
-    from qsdp.perfmodel import host_cost, launches as ln
+def test_the_h200_host_factor_is_each_presets_wall_beyond_fsdps_over_its_reduce_scatters_census_floor():
+    from qsdp.perfmodel import host_census, host_cost, launches as ln
 
-    gpu, wall = ln.H200_CODEC_SHARE["sdp4bit"]
-    base_gpu, base_wall = ln.H200_CODEC_SHARE["fsdp"]
-    shards = [ln.CODEC_SHARE_SHARD] * len(ln.CODEC_SHARE_GROUPS)
-    added = host_cost.step_launches("sdp4bit", shards, 2, 4, ln.CODEC_SHARE_GROUPS)
-    assert host_cost.launch_cost_us() == pytest.approx(((wall - gpu) - (base_wall - base_gpu)) * 1e3 / added)
-    assert round(host_cost.launch_cost_us(), 1) == ln.H200_LAUNCH_US == pm.HARDWARE["h200"].launch_us
+    walls = {p: wall for p, (_, wall) in ln.H200_CODEC_SHARE.items()}
+    factors = host_cost.host_factors()
+    # 13 FSDP groups, one reduce-scatter each: qsdp +9.43 ms for 243 us, zeropp +24.04 for 521, sdp4bit +107.72 for 2843
+    for preset, floor in host_cost.C14EB26_REDUCE_SCATTER_US.items():
+        assert factors[preset] == pytest.approx((walls[preset] - walls["fsdp"]) * 1e3 / (13 * floor))
+    assert sorted(round(f, 2) for f in factors.values()) == [2.91, 2.99, 3.55]
+    assert round(host_cost.host_factor(), 1) == host_census.H200_HOST_FACTOR == pm.HARDWARE["h200"].host_factor
 
 
-def _step(launch_us: float, host_staged: bool = False) -> dict:
-    hw = dataclasses.replace(pm.HARDWARE["h200"], launch_us=launch_us, host_staged=host_staged)
+def test_the_models_host_floors_are_those_the_census_committed():
+    from qsdp.perfmodel import host_census
+
+    census = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/census-host.json").read_text())
+    assert host_census.HOST_US == {(r["preset"], r["collective"]): r["host_us"] for r in census["rows"]}
+
+
+def test_each_comm_step_is_priced_at_its_census_floor():
+    from qsdp.perfmodel.host_census import HOST_US, call_host_us
+
+    assert call_host_us("qsdp", "one_level_reduce_scatter") == HOST_US["qsdp", "reduce_scatter"]
+    assert call_host_us("zeropp", "quantized_gather") == HOST_US["zeropp", "gather_direct"]
+    # a difference's exchange is what a step's gather adds to the gather that only fills and agrees
+    assert call_host_us("sdp4bit", "difference_update") == pytest.approx(
+        HOST_US["sdp4bit", "gather_difference_step"] - HOST_US["sdp4bit", "gather_difference"])
+    assert call_host_us("fsdp", "gather") == call_host_us("fsdp", "reduce_scatter") == 0.0
+    # a config the census did not measure: the largest floor of its kind
+    assert call_host_us("custom", "quantized_gather") == max(HOST_US["qsdp", "gather_direct"],
+                                                             HOST_US["zeropp", "gather_direct"])
+    sdp = pm.step_collectives("sdp4bit", [1 << 22], 2, 4, gathers=0)
+    priced = [c for c in sdp if c.host_us]
+    assert len(priced) == 1 and priced[0].host_us == HOST_US["sdp4bit", "reduce_scatter"]  # its first exchange
+
+
+def _step(host_factor: float, host_staged: bool = False) -> dict:
+    hw = dataclasses.replace(pm.HARDWARE["h200"], host_factor=host_factor, host_staged=host_staged)
     setup = pm.fsdp2_setup("h200", 2, 8, pm.gpt_shape(int(1.3e9)))
     return pm.simulate_step(setup, "sdp4bit", hw)
 
 
-def test_a_gpu_step_adds_its_collectives_launches_times_the_host_cost_of_one():
-    r, free = _step(100.0), _step(0.0)
-    assert r["launches"] > 0 and r["host_s"] == pytest.approx(r["launches"] * 100e-6)
+def test_a_gpu_step_adds_its_collectives_census_floors_times_the_host_factor():
+    r, one, free = _step(3.0), _step(1.0), _step(0.0)
+    assert one["host_s"] > 0 and r["host_s"] == pytest.approx(3 * one["host_s"])
     assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_comm_s"] + r["host_s"])
     assert free["host_s"] == 0 and r["step_s"] - free["step_s"] == pytest.approx(r["host_s"])
 
 
-def test_a_host_staged_step_prices_no_launches_its_measured_host_time_holds_them():
-    assert _step(100.0, host_staged=True)["host_s"] == 0
+def test_a_host_staged_step_prices_no_census_floor_its_measured_host_time_holds_it():
+    assert _step(3.0, host_staged=True)["host_s"] == 0

@@ -100,3 +100,22 @@ def test_tp_peers_round_their_replicated_values_identically():
     flat = RowLayout.of(None, LENGTH, unit=codec.unit)
     a, b = round_trip(peer_a, flat), round_trip(peer_b, flat)
     assert not torch.equal(a[:, replicated], b[:, replicated])
+
+
+def test_a_plan_is_keyed_by_a_mixed_reduce_scatters_spans_as_they_are_at_each_reduction():
+    """A reduce-scatter reads its spans again at each reduction (a part unfrozen later changes its
+    row): a plan built for one set of spans is never used for another of the same size."""
+    from qsdp.comm.row_layout import RowLayouts
+
+    now = [[(8, True), (24, False)]]
+    layouts = RowLayouts()
+    layouts.mixed = True
+    layouts.use(lambda: now[0])
+    first = layouts.plan_key()
+    now[0] = [(24, False), (8, True)]  # the same size, other kinds at other places
+    assert layouts.plan_key() != first
+    then = RowLayout.of([(8, True), (24, False)], 32, 16)
+    assert not torch.equal(layouts.get(32, 16, torch.device("cpu")).source, then.source)
+    fixed = RowLayouts()
+    fixed.use(SPANS)  # a gather's spans, fixed when it is attached
+    assert fixed.plan_key() == ()

@@ -100,7 +100,7 @@ def advise(params: int | None, nodes: int, ranks_per_node: int | None = None, gp
            link_gbit_per_gpu: float | None = None, intra_gbps: float | None = None,
            kernels: Mapping[str, float] | None = None, seq_len: int = SEQ_LEN, micro_batch: int = 1,
            overlap: float = 0.0, margin: float = 0.05, measured: bool = False,
-           launch_us: float | None = None) -> dict[str, Any]:
+           host_factor: float | None = None) -> dict[str, Any]:
     """The predictions and the recommendation as a JSON-ready dict (times in ms, bytes in GB per
     GPU per step), for a model of ``params`` parameters (a GPT shape is chosen) or of the given
     ``shape``, on ``nodes`` x ``ranks_per_node`` GPUs (default: the type's per node).
@@ -110,11 +110,12 @@ def advise(params: int | None, nodes: int, ranks_per_node: int | None = None, gp
     link, in Gbit/s as the collectives achieve it, as :func:`qsdp.perfmodel.predict_step` takes
     it: ``link_gbit`` one node's, or ``link_gbit_per_gpu`` one GPU's share (``measured``: that
     share was measured); default: the GPU type's NICs. ``intra_gbps``: a GPU's intra-node GB/s
-    (default: the type's NVLink). ``launch_us``: the host's time per kernel launch of a comm step
-    (default: the GPU type's, measured on its host where known, else 0: not priced). Every row
+    (default: the type's NVLink). ``host_factor``: the host's time per microsecond of a comm step's
+    census host floor (:mod:`qsdp.perfmodel.host_census`; default: the GPU type's, measured on
+    its host where known, else 0: not priced). Every row
     names what limits it (``limit``, ``why``)."""
     hw = cluster_hardware(gpu, ranks_per_node, link_gbit=link_gbit, link_gbit_per_gpu=link_gbit_per_gpu,
-                          intra_gbps=intra_gbps, launch_us=launch_us)
+                          intra_gbps=intra_gbps, host_factor=host_factor)
     m = hw.gpus_per_node
     shape = dict(shape) if shape is not None else gpt_shape(int(params or 0))
     setup = fsdp2_setup(hw.name, nodes, m, shape, seq_len=seq_len, micro_batch=micro_batch)
@@ -137,8 +138,8 @@ def advise(params: int | None, nodes: int, ranks_per_node: int | None = None, gp
         link.update(nics=hw.nics, nic_gbit=hw.nic_gbit, efficiency=hw.link_efficiency)
     return {"params": params, "shape": shape, "nodes": nodes, "ranks_per_node": m, "gpu": hw.name,
             "memory_gb": hw.memory_gb, "link": link, "intra_gbps_per_gpu": hw.intra_gbps,
-            "intra_source": "given" if intra_gbps else "default", "launch_us": hw.launch_us,
-            "launch_source": "given" if launch_us is not None else "default", "seq_len": seq_len,
+            "intra_source": "given" if intra_gbps else "default", "host_factor": hw.host_factor,
+            "host_source": "given" if host_factor is not None else "default", "seq_len": seq_len,
             "micro_batch": micro_batch, "overlap": overlap, "rows": rows, "recommendation": _recommend(rows, margin)}
 
 
@@ -182,8 +183,8 @@ def _why(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], hw: Hardware
         return (f"intra-node bytes: {row['intra_gb_per_gpu']:.2f} GB over the intra-node link ({ms('intra_s')} "
                 f"at {hw.intra_gbps:g} GB/s){replicas}")
     if kind == "host":
-        return (f"host: its collectives launch {row['launches']} kernels a step, {hw.launch_us:g} us of host "
-                f"each ({ms('host_s')}), while the GPU waits")
+        return (f"host: its collectives' calls take {ms('host_s')} of host a step ({hw.host_factor:g} x their "
+                f"census host floor; {row['launches']} kernel launches), while the GPU waits")
     if kind == "codec":
         return f"codec time: {ms('codec_s')} quantizing and dequantizing"
     return f"latency: {ms('latency_s')} of per-message latency (small messages, many peers)"
@@ -299,13 +300,13 @@ def format_text(result: Mapping[str, Any]) -> str:
 
 
 def _host_text(result: Mapping[str, Any]) -> str:
-    us = result["launch_us"]
-    if not us and result["launch_source"] == "given":
-        return "not priced (--launch-us 0)"
-    if not us:
-        return "not priced (no host cost per kernel launch measured for this GPU type; --launch-us sets one)"
-    source = "given" if result["launch_source"] == "given" else f"measured on the {result['gpu']}'s host"
-    return f"{us:g} us per kernel launch of the collectives ({source})"
+    factor = result["host_factor"]
+    if not factor and result["host_source"] == "given":
+        return "not priced (--host-factor 0)"
+    if not factor:
+        return "not priced (no host factor measured for this GPU type; --host-factor sets one)"
+    source = "given" if result["host_source"] == "given" else f"measured on the {result['gpu']}'s host"
+    return f"{factor:g} x each collective's census host floor ({source})"
 
 
 def _gpu_list() -> str:
@@ -347,8 +348,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=number(0, low_open=True), help="--gpu custom: memory per GPU, GB (default: not checked)")
     p.add_argument("--mfu", type=number(0, 1, low_open=True), help="--gpu custom: model FLOPs utilisation (default 0.4)")
     p.add_argument("--kernels", metavar="FILE", help="kernel speeds (qsdp bench kernels --save FILE)")
-    p.add_argument("--launch-us", type=number(0), default=None,
-                   help="the host's time per kernel launch of a collective, us, the Python around it included "
+    p.add_argument("--host-factor", type=number(0), default=None,
+                   help="the host's time per microsecond of a collective's census host floor (qsdp bench census) "
                         "(default: the GPU type's: measured for h200, else 0, not priced)")
     p.add_argument("--seq-len", type=number(1, 1 << 24, integer=True), default=SEQ_LEN)
     p.add_argument("--micro-batch", type=number(1, 1 << 20, integer=True), default=1, help="sequences per GPU per step")
@@ -433,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = advise(params, args.nodes, args.ranks_per_node, gpu, shape=shape, link_gbit=rates["link"],
                     link_gbit_per_gpu=per_gpu, intra_gbps=intra_gbps, kernels=kernels, seq_len=args.seq_len,
                     micro_batch=args.micro_batch, overlap=args.overlap, margin=args.margin,
-                    measured=measured is not None, launch_us=args.launch_us)
+                    measured=measured is not None, host_factor=args.host_factor)
     result["meta"] = {"command": "qsdp advise " + " ".join(argv if argv is not None else sys.argv[1:]),
                       "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                       "device": "analytic model" + (" + measured all-gather" if measured else "")}

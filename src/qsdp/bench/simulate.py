@@ -266,8 +266,9 @@ def _format_hsdp(result: dict[str, Any]) -> list[str]:
 _HW_FLAGS = {
     "gpus_per_node": int, "tflops": float, "mfu": float, "hbm_gbps": float, "intra_gbps": float,
     "inter_gbps": float, "intra_latency_us": float, "inter_latency_us": float, "quant_hbm_fraction": float,
-    # the host's time per kernel launch of a collective (0 on the paper's GPU types: not priced)
-    "launch_us": float,
+    # the host's time per microsecond of a collective's census host floor (0 on the paper's GPU
+    # types: not priced)
+    "host_factor": float,
 }
 
 

@@ -62,11 +62,21 @@ def hash32(index: int, key: int) -> int:
 
 def seed_key(seed: int, stream: int = 0) -> int:
     """Fold an arbitrary Python int seed and a stream number into one 32-bit key."""
-    s = (seed & _MASK32) ^ ((stream * 0x9E3779B9) & _MASK32)
+    x = (seed & _MASK32) ^ ((stream * 0x9E3779B9) & _MASK32)
     # The high word goes in after a round of mixing: xor-ing both words together first made
     # seeds ``a + (b << 32)`` and ``b + (a << 32)`` (e.g. 1 and 2**32) collide. Unchanged for
-    # seeds in [0, 2**32).
-    return _mix32_int(_mix32_int(s) ^ ((seed >> 32) & _MASK32))
+    # seeds in [0, 2**32). Both rounds are _mix32_int written out: every collective call derives
+    # its seeds, and a Python call costs more than a round.
+    x ^= x >> 16
+    x = (x * _M1) & _MASK32
+    x ^= x >> 15
+    x = (x * _M2) & _MASK32
+    x ^= (x >> 16) ^ ((seed >> 32) & _MASK32)
+    x ^= x >> 16
+    x = (x * _M1) & _MASK32
+    x ^= x >> 15
+    x = (x * _M2) & _MASK32
+    return x ^ (x >> 16)
 
 
 def derive_seed(*parts: int) -> int:

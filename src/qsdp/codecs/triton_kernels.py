@@ -41,7 +41,8 @@ gives NaN in every element, with the sign and payload the hardware gives.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -306,6 +307,14 @@ def _load_values(x_row, y_row, e, L, X_KIND: tl.constexpr, Y_KIND: tl.constexpr,
 
 
 @triton.jit
+def _tail_row(x_ptr, r, n, N):
+    # Row r of a vector of N elements cut into rows of n: its first element and its length, the
+    # rows past the end the vector's last element alone (so padded with it, as the reference pads).
+    start = tl.minimum(r * n, N - 1)
+    return x_ptr + start, tl.minimum(n, N - start)
+
+
+@triton.jit
 def _slice_at(k, SG, G, SW, code_off, GS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr):
     """Rounding slice k of a row of G groups in slices of SG, packed SW bytes a slice from
     code_off: (its groups, its first element, its code bytes, and where its codes, scales and zero
@@ -380,6 +389,7 @@ def _quantize_kernel(
     BITS: tl.constexpr, SYMMETRIC: tl.constexpr, ROUNDING: tl.constexpr,
     HB: tl.constexpr, HB_LOG: tl.constexpr, X_KIND: tl.constexpr, Y_KIND: tl.constexpr,
     SLICED: tl.constexpr = False, PERMUTED: tl.constexpr = False, KEY_TERM: tl.constexpr = 0,
+    TAIL: tl.constexpr = False,
 ):
     """Row r has L input elements (x_ptr + r * x_rs), padded to G groups of GS by repeating the
     last one; its codes (NC of them: the rest of the last byte is zero) go to codes_ptr +
@@ -389,7 +399,8 @@ def _quantize_kernel(
     groups (the last may be shorter), program_id(2) the slice k, each quantized as a row of its
     own: its input from element k * SG * GS of the row, its packed row (scales, zero points,
     codes) at byte k * SW of the packed row from code_off (scale_off, zero_off ignored), its
-    random indices its own, its key _slice_key(key, slice0 + k, KEY_TERM)."""
+    random indices its own, its key _slice_key(key, slice0 + k, KEY_TERM). TAIL: row r is the
+    x_rs elements of one vector of L from element r * x_rs, cut short by its end (_tail_row)."""
     row = tl.program_id(1).to(tl.int64) + row0
     if PERMUTED:
         src = tl.load(order_ptr + row).to(tl.int64)
@@ -402,12 +413,12 @@ def _quantize_kernel(
         L = L - span
         NC = G * GS
         key32 = _slice_key(key.to(tl.uint32, bitcast=True), slice0 + k, KEY_TERM)
-        x_row = x_ptr + src * x_rs + span
-        y_row = y_ptr + src * y_rs + span
+        x_row, y_row = x_ptr + src * x_rs + span, y_ptr + src * y_rs + span
     else:
         key32 = key.to(tl.uint32, bitcast=True)
-        x_row = x_ptr + src * x_rs
-        y_row = y_ptr + src * y_rs
+        x_row, y_row = x_ptr + src * x_rs, y_ptr + src * y_rs
+        if TAIL:  # (no base: y is unread)
+            x_row, L = _tail_row(x_ptr, src, x_rs, L)
     g = tl.program_id(0) * GPP + tl.arange(0, GPP)
     gmask = g < G
     cols = tl.arange(0, BG)
@@ -525,11 +536,11 @@ def fuses_hadamard(group_size: int, block: int) -> bool:
     return group_size < block and block % group_size == 0 and group_size & (group_size - 1) == 0 and block <= MAX_TILE
 
 
-@dataclass(frozen=True)
-class Packed:
+class Packed(NamedTuple):
     """Where the packed rows live: codes (uint8), scales and zero points (fp32) of row ``r`` at
     ``codes[code_off + r * code_rs:]``, ``scales[scale_off + r * scale_rs:]`` and
-    ``zeros[zero_off + r * scale_rs:]``; ``ncb`` code bytes per row."""
+    ``zeros[zero_off + r * scale_rs:]``; ``ncb`` code bytes per row. (A named tuple: built for
+    every launch, where a frozen dataclass's field-by-field ``__init__`` costs microseconds.)"""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -552,11 +563,8 @@ class Packed:
         min-max][packed codes][zero padding to 4 bytes]`` for ``padded`` elements."""
         if not buf.is_contiguous():
             raise ValueError("packed rows must be contiguous")
-        width = buf.shape[1]
-        groups = padded // group_size
         f = buf.view(torch.float32)
-        sb = 4 * groups * (1 if symmetric else 2)
-        return cls(buf, f, f, sb, width, 0, groups, width // 4, padded * bits // 8)
+        return cls(buf, f, f, *_rows_places(buf.shape[1], padded, bits, group_size, symmetric))
 
     @classmethod
     def sliced(cls, buf: torch.Tensor) -> "Packed":
@@ -569,8 +577,14 @@ class Packed:
         return cls(buf, f, f, 0, width, 0, 0, width // 4, 0)
 
 
-@dataclass(frozen=True)
-class Slices:
+@functools.lru_cache(maxsize=4096)
+def _rows_places(width: int, padded: int, bits: int, group_size: int, symmetric: bool) -> tuple[int, ...]:
+    """:meth:`Packed.rows`'s offsets and strides, fixed by the row's shape and codec: computed once."""
+    groups = padded // group_size
+    return 4 * groups * (1 if symmetric else 2), width, 0, groups, width // 4, padded * bits // 8
+
+
+class Slices(NamedTuple):
     """Rounding slices launched together, one grid axis: ``count`` slices of ``groups`` groups
     (the last may have fewer), each quantized as a row of its own with the seed
     ``rng.derive_seed(*parts, first + k)`` for slice ``k``, where ``prefix`` is
@@ -622,10 +636,14 @@ def _kernel_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _kind(t: torch.Tensor) -> int:
+    return _kind_of(t.dtype)
+
+
+def _kind_of(dtype: torch.dtype) -> int:
     try:
-        return _KIND[t.dtype]
+        return _KIND[dtype]
     except KeyError:
-        raise ValueError(f"dtype={t.dtype} is not supported; allowed: float32, bfloat16, float16") from None
+        raise ValueError(f"dtype={dtype} is not supported; allowed: float32, bfloat16, float16") from None
 
 
 def _checked_tile(group_size: int, groups: int, hadamard_block: int) -> tuple[int, int, int]:
@@ -672,43 +690,60 @@ def quantize_into(
     hadamard_block: int = 0,
     order: torch.Tensor | None = None,
     slices: Slices | None = None,
+    tail: int = 0,
 ) -> None:
     """Quantize the rows of ``x`` (``[R, length]``; minus ``base`` if given) padded to ``padded``
     elements by repeating the last, Hadamard-transformed first if ``hadamard_block``, into
     ``dst``; the first ``ncodes`` codes of each row are stored. ``order`` (int64 ``[R']`` on the
     device): output row ``r`` quantizes row ``order[r]`` of ``x``. ``slices``: the row is cut into
     rounding slices quantized as rows of their own into ``dst`` (:meth:`Packed.sliced`), with
-    their own seeds (``seed`` is ignored), in the same launch; ``ncodes`` must be ``padded``."""
+    their own seeds (``seed`` is ignored), in the same launch; ``ncodes`` must be ``padded``.
+    ``tail`` rows: ``x`` is one vector (``[1, length]``) cut into ``tail`` rows of ``padded``
+    elements, the last ones (short of or past its end) padded by repeating its last element."""
     x = _rows_2d(x)
-    rows = x.shape[0] if order is None else order.shape[0]
+    rows = tail or (x.shape[0] if order is None else order.shape[0])
     groups = padded // group_size
     if rows == 0 or groups == 0:
         return
     record_run("triton")
-    hb = hadamard_block
-    bg, gpp, nch = _checked_tile(group_size, slices.groups if slices else groups, hb)
     if slices is None:
-        key, sliced, count = _rounding_key(seed, rounding), {}, 1
-        sg, sw, first = groups, 0, 0
+        key, count, sg, sw, first = _rounding_key(seed, rounding), 1, groups, 0, 0
     else:
         key, count = _key_arg(slices.prefix), slices.count
-        sliced = dict(SLICED=True, KEY_TERM=_key_term(rounding))
         sg, sw, first = slices.groups, slices.nbytes, slices.first
     if base is not None:
         base = _rows_2d(base)
     y = base if base is not None else x
+    gpp, kwargs = _quantize_template(group_size, sg, hadamard_block, bits, symmetric, rounding, x.dtype,
+                                     None if base is None else base.dtype, order is not None, slices is not None,
+                                     bool(tail))
     for row0 in range(0, rows, _MAX_GRID_ROWS):
         grid = (triton.cdiv(sg, gpp), min(_MAX_GRID_ROWS, rows - row0), count)
         _launch(
             _quantize_kernel, grid,
             _kernel_view(x), _kernel_view(y), dst.codes, dst.scales, dst.zeros, x if order is None else order,
-            length, groups, ncodes, dst.ncb, x.stride(0), y.stride(0),
+            length, groups, ncodes, dst.ncb, padded if tail else x.stride(0), y.stride(0),
             dst.code_rs, dst.code_off, dst.scale_rs, dst.scale_off, dst.zero_off, key, row0, sg, sw, first,
-            GS=group_size, BG=bg, GPP=gpp, NCH=nch, BITS=bits, SYMMETRIC=symmetric,
-            ROUNDING=_ROUNDING[rounding], HB=hb, HB_LOG=hb.bit_length() - 1 if hb else 0,
-            X_KIND=_kind(x), Y_KIND=_kind(base) if base is not None else -1, PERMUTED=order is not None,
-            num_warps=_warps(gpp * bg), **sliced, **_LAUNCH,
+            **kwargs,
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _quantize_template(group_size: int, sg: int, hb: int, bits: int, symmetric: bool, rounding: str,
+                       x_dtype: torch.dtype, base_dtype: torch.dtype | None, permuted: bool,
+                       sliced: bool, tail: bool) -> tuple[int, dict]:
+    """``_quantize_kernel``'s groups a program and keyword arguments (its constexprs and launch
+    options), fixed by the codec, the tile and the dtypes: built once, a launch only adds its
+    tensors and integers (the caller must not change the dict)."""
+    bg, gpp, nch = _checked_tile(group_size, sg, hb)
+    kwargs = dict(
+        GS=group_size, BG=bg, GPP=gpp, NCH=nch, BITS=bits, SYMMETRIC=symmetric,
+        ROUNDING=_ROUNDING[rounding], HB=hb, HB_LOG=hb.bit_length() - 1 if hb else 0,
+        X_KIND=_kind_of(x_dtype), Y_KIND=_kind_of(base_dtype) if base_dtype is not None else -1, PERMUTED=permuted,
+        **(dict(TAIL=True) if tail else {}),
+        num_warps=_warps(gpp * bg), **(dict(SLICED=True, KEY_TERM=_key_term(rounding)) if sliced else {}), **_LAUNCH,
+    )
+    return gpp, kwargs
 
 
 def dequantize_into(
@@ -742,23 +777,19 @@ def dequantize_into(
     if outputs == 0 or groups == 0:
         return
     record_run("triton")
-    hb = inverse_block
-    bg, gpp, nch = _checked_tile(group_size, slices.groups if slices else groups, hb)
     if requantize is None:
         if out.stride(-1) != 1:
             raise ValueError("out must have a unit column stride")
-        q, qkw = src, dict(Q_BITS=8, Q_SYMMETRIC=True, Q_ROUNDING=0)
-        key, q_ncb, mode = 0, 0, 0
-        out_arg, out_rs, kind = _kernel_view(out), out.stride(0) if out.dim() > 1 else 0, _kind(out)
+        q, qshape, key, q_ncb = src, None, 0, 0
+        out_arg, out_rs, out_dtype = _kernel_view(out), out.stride(0) if out.dim() > 1 else 0, out.dtype
     else:
         q, qbits, qsym, qround, seed = requantize
-        if nch != 1 or hb:
-            raise ValueError("requantization needs groups of at most MAX_TILE and no inverse Hadamard")
-        qkw = dict(Q_BITS=qbits, Q_SYMMETRIC=qsym, Q_ROUNDING=_ROUNDING[qround])
+        qshape = (qbits, qsym, qround)
         key = 0 if slices is not None else _rounding_key(seed, qround)
-        q_ncb, mode = q.ncb, 1
-        out_arg, out_rs, kind = src.scales, 0, 0
-    sliced, count, sg, sw, q_sw, first, key = _dequantize_slices(slices, groups, requantize, key)
+        q_ncb, out_arg, out_rs, out_dtype = q.ncb, src.scales, 0, None
+    count, sg, sw, q_sw, first, key = _dequantize_slices(slices, groups, requantize, key)
+    gpp, nch, kwargs = _dequantize_template(sources, group_size, sg, inverse_block, bits, symmetric, qshape,
+                                            out_dtype, add, slices is not None, divisor, flag is not None)
     for row0 in range(0, outputs, _MAX_GRID_ROWS):
         grid = (triton.cdiv(sg, gpp) * nch, min(_MAX_GRID_ROWS, outputs - row0), count)
         _launch(
@@ -766,30 +797,51 @@ def dequantize_into(
             src.codes, src.scales, src.zeros, out_arg, q.codes, q.scales, q.zeros,
             row_o, row_j, groups, src.ncb, src.code_rs, src.code_off, src.scale_rs, src.scale_off,
             src.zero_off, length, out_rs, q_ncb, q.code_rs, q.code_off, q.scale_rs, q.scale_off, q.zero_off,
-            key, row0, sg, sw, q_sw, first, src.codes if flag is None else flag,
-            K=sources, GS=group_size, BG=bg, GPP=gpp, NCH=nch, BITS=bits, SYMMETRIC=symmetric, HB=hb,
-            HB_LOG=hb.bit_length() - 1 if hb else 0, MODE=mode, OUT_KIND=kind, ADD=add, **qkw, **_watch_args(divisor, flag),
-            num_warps=_warps(gpp * bg), **sliced, **_LAUNCH,
+            key, row0, sg, sw, q_sw, first, src.codes if flag is None else flag, **kwargs,
         )
 
 
-def _watch_args(divisor: int, flag: torch.Tensor | None) -> dict:
+@functools.lru_cache(maxsize=4096)
+def _dequantize_template(sources: int, group_size: int, sg: int, hb: int, bits: int, symmetric: bool,
+                         requantize: tuple | None, out_dtype: torch.dtype | None, add: bool, sliced: bool,
+                         divisor: int, watch: bool) -> tuple[int, int, dict]:
+    """``_dequantize_kernel``'s groups a program, chunks a group and keyword arguments (its
+    constexprs and launch options), fixed by the codecs, the tile, the output's dtype and the
+    watch (``requantize``: ``(bits, symmetric, rounding)`` of the requantized rows): built once,
+    a launch only adds its tensors and integers (the caller must not change the dict)."""
+    bg, gpp, nch = _checked_tile(group_size, sg, hb)
+    if requantize is None:
+        qkw, mode, kind = dict(Q_BITS=8, Q_SYMMETRIC=True, Q_ROUNDING=0), 0, _kind_of(out_dtype)
+    else:
+        if nch != 1 or hb:
+            raise ValueError("requantization needs groups of at most MAX_TILE and no inverse Hadamard")
+        qbits, qsym, qround = requantize
+        qkw, mode, kind = dict(Q_BITS=qbits, Q_SYMMETRIC=qsym, Q_ROUNDING=_ROUNDING[qround]), 1, 0
+    slice_kw = dict(SLICED=True, KEY_TERM=_key_term(requantize[2]) if requantize else 0) if sliced else {}
+    kwargs = dict(
+        K=sources, GS=group_size, BG=bg, GPP=gpp, NCH=nch, BITS=bits, SYMMETRIC=symmetric, HB=hb,
+        HB_LOG=hb.bit_length() - 1 if hb else 0, MODE=mode, OUT_KIND=kind, ADD=add, **qkw,
+        **_watch_args(divisor, watch), num_warps=_warps(gpp * bg), **slice_kw, **_LAUNCH,
+    )
+    return gpp, nch, kwargs
+
+
+def _watch_args(divisor: int, watch: bool) -> dict:
     """``_dequantize_kernel``'s DIV and WATCH, only where asked (its plain variants stay the ones
     compiled before): stored into ``out``, ``divisor`` > 1 divides the value in fp32 before the
-    cast (``torch.div(value, divisor, out=out)``); ``flag`` (int32 ``[1]`` on the device) is set
-    to 1 where a stored value is NaN or infinite."""
-    return {**({"DIV": divisor} if divisor != 1 else {}), **({"WATCH": True} if flag is not None else {})}
+    cast (``torch.div(value, divisor, out=out)``); with ``watch``, the ``flag`` argument (int32
+    ``[1]`` on the device) is set to 1 where a stored value is NaN or infinite."""
+    return {**({"DIV": divisor} if divisor != 1 else {}), **({"WATCH": True} if watch else {})}
 
 
 def _dequantize_slices(slices: Slices | None, groups: int, requantize: tuple | None, key: int):
-    """``_dequantize_kernel``'s slice arguments: (constexprs, slice count, groups a slice, packed
-    bytes a slice, requantized bytes a slice, first slice, key), the key the slices' prefix when
-    they requantize."""
+    """``_dequantize_kernel``'s slice arguments: (slice count, groups a slice, packed bytes a
+    slice, requantized bytes a slice, first slice, key), the key the slices' prefix when they
+    requantize."""
     if slices is None:
-        return {}, 1, groups, 0, 0, 0, key
-    sliced = dict(SLICED=True, KEY_TERM=_key_term(requantize[3]) if requantize else 0)
+        return 1, groups, 0, 0, 0, key
     key = _key_arg(slices.prefix) if requantize else 0
-    return sliced, slices.count, slices.groups, slices.nbytes, slices.q_nbytes, slices.first, key
+    return slices.count, slices.groups, slices.nbytes, slices.q_nbytes, slices.first, key
 
 
 # ----------------------------------------------------------------------------- codec entry points

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..codecs.rng import derive_seed
 from ..config import QuantConfig
 from .base import WeightAllGather
 from .difference import DifferenceAllGather
+from .gather_plan import GatherPlan
 from .topology import Topology
 from .versions import ChangeTracker, versions
 from .weight_codec import weight_codec
@@ -69,12 +69,18 @@ class QuantizedAllGather(WeightAllGather):
         if token != self._seen or self.tracker.assume_changed:
             self.version += 1
             self._seen = token
-        world, rank = self.topology.world_size, self.topology.rank
-        seed = derive_seed(self.config.seed, self.comm_id, self.version, rank, 1)
-        layout = self.layouts.get(n, self.codec.unit, input_tensor.device)
-        send = self.codec.encode(layout.expand(input_tensor.detach().view(1, n)), seed=seed)
-        gathered = self.gather_bytes(send, n, group)
-        self.codec.decode_into(gathered, layout.wire_length, output_tensor.view(world, n), columns=layout.position)
+        # Everything fixed by the shard's size and device, the group and the config is planned
+        # at the first call.
+        plan = self._plans.get((n, input_tensor.device))
+        if plan is None:
+            topo = self.topology
+            plan = self._plans[(n, input_tensor.device)] = GatherPlan.build(
+                self, self.codec, n, input_tensor.device, topo.peers(), topo.world_size)
+        seed = self.seed(self.version, self.topology.rank, 1)
+        send = plan.encode(self.codec, input_tensor.detach().view(1, n), seed)
+        gathered = plan.gather(self, send, group)
+        self.codec.decode_into(gathered, plan.layout.wire_length, output_tensor.view(plan.rows, n),
+                               columns=plan.layout.position)
         return None
 
     def state_dict(self) -> dict[str, Any]:

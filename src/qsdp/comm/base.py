@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.distributed as dist
 
+from ..codecs.rng import derive_seed, fold_seed
 from ..config import QuantConfig
 from .collectives import all_gather_flat, reduce_scatter_flat
 from .meter import METER, ByteMeter
@@ -66,6 +67,20 @@ class CommBase:
         # The forward gather's name when this comm serves FSDP2's post-forward group.
         self.post_forward_of: str | None = None
         self.layouts = RowLayouts()
+        # What a call of each shape does (its codecs, layout, buffer sizes, meter entries),
+        # planned at its first call; forgotten when the rows are laid out anew.
+        self._plans: dict[tuple, Any] = {}
+        self._seed_prefix: int | None = None
+
+    def seed(self, *parts: int) -> int:
+        """``derive_seed(config.seed, comm_id, *parts)``, the comm's own part derived once (every
+        call derives its rounding seeds)."""
+        key = self._seed_prefix
+        if key is None:
+            key = self._seed_prefix = derive_seed(self.config.seed, self.comm_id)
+        for p in parts:
+            key = fold_seed(key, p)
+        return key
 
     def use_row_spans(self, spans: Spans | SpansOf, mixed: bool = False) -> None:
         """Lay out the group's shard rows by its parameters' ``(elements, TP-replicated)``
@@ -73,6 +88,7 @@ class CommBase:
         requiring a gradient then); ``mixed``: the group's parameters, all of them, mix the kinds."""
         self.layouts.mixed = mixed
         self.layouts.use(spans)
+        self._plans.clear()
 
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         """Count this comm's bytes in ``byte_meter`` from now on."""

@@ -24,15 +24,16 @@ fills the output inside the node).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..codecs.rng import derive_seed
 from ..config import QuantConfig
 from .base import NUMBER_DTYPES, WeightAllGather
 from .collectives import all_gather_flat
+from .gather_plan import GatherPlan
 from .topology import Topology
 from .versions import ChangeTracker
 from .weight_codec import weight_codec
@@ -63,6 +64,7 @@ class DifferenceAllGather(WeightAllGather):
         # FSDP2's all-gather row (elements, dtype, device), known before the first gather, so that a
         # checkpoint can be loaded into replica rows of the right shape (:meth:`replica_state`).
         self.row: tuple[int, torch.dtype | None, torch.device] | None = None
+        self._peers = topology.peers()  # the change agreement's peers (intra, inter), for the meter
 
     @property
     def rows(self) -> list[int]:
@@ -91,10 +93,15 @@ class DifferenceAllGather(WeightAllGather):
             self.plain(output_tensor, input_tensor, group)
             return None
         self.gathers += 1
+        # Everything fixed by the shard's size and device, the groups and the config is planned
+        # at the first call.
+        plan = self._plans.get((n, input_tensor.device))
+        if plan is None:
+            plan = self._plans[(n, input_tensor.device)] = self._plan(n, input_tensor.device)
         changed, stale = self.tracker.take(self.index, group, input_tensor.device,
-                                           self.topology.peers(), self.byte_meter)
+                                           self._peers, self.byte_meter)
         r = self.replica
-        fresh = r is None or tuple(r.shape) != (len(self.rows), n) or r.dtype != output_tensor.dtype
+        fresh = r is None or r.shape != plan.replica_shape or r.dtype != output_tensor.dtype
         if fresh or stale:
             self.exact_resends += int(not fresh)
             # Exact values are the new reference: changes made before them (a materialization,
@@ -104,24 +111,28 @@ class DifferenceAllGather(WeightAllGather):
             self.replica = output_tensor.detach().view(-1, n)[self.rows]  # indexing copies
             return None
         if changed:
-            self._update(input_tensor.detach().view(1, n), group)
+            self._update(input_tensor.detach().view(1, n), group, plan)
         self._fill(output_tensor, n)
         return None
 
-    def _update(self, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def _plan(self, n: int, device: torch.device) -> "DifferencePlan":
+        t = self.topology
+        rows = self.rows
+        holders = (0, t.nodes - 1) if self.layout == "node" else self._peers  # the meter's peers
+        own = t.inter_position if self.layout == "node" else t.rank
+        gather = GatherPlan.build(self, self.codec, n, device, holders, len(rows))
+        return DifferencePlan(gather, torch.Size((len(rows), n)), own)
+
+    def _update(self, shard: torch.Tensor, group: dist.ProcessGroup, plan: "DifferencePlan") -> None:
         """Send this rank's quantized difference; add every holder's to the replica rows."""
         self.version += 1
-        n = shard.shape[1]
-        own = self.topology.inter_position if self.layout == "node" else self.topology.rank
-        seed = derive_seed(self.config.seed, self.comm_id, self.version, self.topology.rank, 2)
-        layout = self.layouts.get(n, self.codec.unit, shard.device)
+        n, g = shard.shape[1], plan.gather
+        seed = self.seed(self.version, self.topology.rank, 2)
         # quantize(shard - replica[own row]) in one pass on CUDA
-        send = self.codec.encode_difference(layout.expand(shard), layout.expand(self.replica[own].view(1, n)),
-                                            seed=seed)
-        holders, peers = self._holders(group)
-        gathered = self.gather_bytes(send, n, holders, peers)
+        send = g.encode(self.codec, shard, seed, base=self.replica[plan.own].view(1, n))
+        gathered = g.gather(self, send, self.topology.inter_group if self.layout == "node" else group)
         # replica += dequantize(every holder's difference), in the replica's dtype
-        self.codec.decode_into(gathered, layout.wire_length, self.replica, add=True, columns=layout.position)
+        self.codec.decode_into(gathered, g.layout.wire_length, self.replica, add=True, columns=g.layout.position)
         every = self.config.verify_replicas_every
         if every and self.version % every == 0:
             self._verify(group)
@@ -137,7 +148,7 @@ class DifferenceAllGather(WeightAllGather):
         # major), the output is in group-rank order.
         buf = torch.empty(t.world_size, n, dtype=mine.dtype, device=mine.device)
         all_gather_flat(buf.view(-1), mine, t.intra_group)
-        self.meter("weights", mine.numel() * mine.element_size(), mine.numel(), (t.ranks_per_node - 1, 0))
+        self.byte_meter.record_peers("weights", mine.numel() * mine.element_size(), mine.numel(), t.ranks_per_node - 1, 0)
         output.view(t.world_size, n).index_copy_(0, t.exchange_index(buf.device), buf)
 
     def _checksum(self, chunk: int = 1 << 20) -> torch.Tensor:
@@ -216,3 +227,14 @@ class DifferenceAllGather(WeightAllGather):
         """Restore the replica from ``{row: values}`` holding every row of :attr:`rows`;
         ``None``: re-establish it with exact values at the next gather."""
         self.replica = None if rows is None else torch.stack([rows[r] for r in self.rows])
+
+
+@dataclass(frozen=True)
+class DifferencePlan:
+    """What a difference gather of one shard shape does, fixed at its first call: the gather of
+    the encoded differences among the holders of this rank's rows, the replica's shape and the
+    replica row this rank's shard is the value of (``own``)."""
+
+    gather: GatherPlan
+    replica_shape: torch.Size
+    own: int

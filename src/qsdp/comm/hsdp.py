@@ -23,20 +23,21 @@ averaging over all ``M * D`` ranks happens once, on the fp32 sum, at the end.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._fsdp2 import at_end_of_backward
-from ..codecs.rng import derive_seed
+from ..codecs.rng import derive_seed, fold_seed
 from ..config import HsdpComm, QuantConfig
 from .collectives import all_gather_flat
 from .base import GradReduceScatter
 from .meter import METER, ByteMeter
 from .reduce_scatter import _divisor
 from .rank_alone import RankAloneGroup
-from .row_layout import RowLayouts, Spans, SpansOf
+from .row_layout import RowLayout, RowLayouts, Spans, SpansOf
 from .wire import RowCodec
 
 
@@ -69,6 +70,8 @@ class ReplicaAllReduce:
         self.calls = 0
         self.byte_meter: ByteMeter = METER
         self.layouts = RowLayouts()
+        self._plans: dict[tuple, AllReducePlan] = {}
+        self._prefix: int | None = None
 
     def __call__(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """``x``: float32 ``[n]``, this replica's value. Returns float32 ``[n]``: the sum over the
@@ -80,7 +83,7 @@ class ReplicaAllReduce:
         n = x.numel()
         if self.config.hsdp.mode == "plain" or not self.config.quantizes_shard(n):
             return self._plain(x, inplace)
-        return self._quantized(x, hsdp_codec(self.config.hsdp))
+        return self._quantized(x)
 
     def _plain(self, x: torch.Tensor, inplace: bool) -> torch.Tensor:
         total = x if inplace else x.clone()
@@ -91,41 +94,66 @@ class ReplicaAllReduce:
         self.byte_meter.record("grads", "inter", 2 * (d - 1) * chunk * x.element_size(), 2 * (d - 1) * chunk)
         return total
 
-    def _quantized(self, x: torch.Tensor, codec: RowCodec) -> torch.Tensor:
-        d, real = self.replicas, x.numel()
-        layout = self.layouts.get(real, codec.unit, x.device)
-        x = layout.expand(x.view(1, -1)).view(-1)
-        n = x.numel()
-        length = chunk_len(n, d, codec)
-        if n == d * length and x.dtype == torch.float32:
-            rows = x.view(d, length)  # whole chunks already: encoded where they are
-        else:
-            rows = torch.empty(d * length, dtype=torch.float32, device=x.device)
-            rows[:n] = x
-            # Pad by repeating the last element, which widens no quantization group's range.
-            rows[n:] = x[-1]
-            rows = rows.view(d, length)
-        send = codec.encode(rows, seed=self._seed(1))
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        # Everything fixed by the size, the device and the config is planned at the first call.
+        key = (x.numel(), x.device, self.layouts.plan_key() if self.layouts.mixed else ())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = AllReducePlan.build(self, x)
+        d, codec, length = self.replicas, plan.codec, plan.length
+        if not plan.layout.identity:
+            x = plan.layout.expand(x.view(1, -1)).view(-1)
+        # Cut into the D chunks, the last padded by repeating the last element (which widens no
+        # quantization group's range): on the fused path by the kernel, from x itself.
+        seed = self._call_seed()
+        send = codec.encode_cut(x, d, length, seed=fold_seed(seed, 1))
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        own = layout.real_elements(self.rank * length, (self.rank + 1) * length)
-        others = real - own
-        self.byte_meter.record("grads", "inter", (d - 1) * send.shape[1], others)
-        mine = codec.decode_sum_encode(recv, length, sources=d, codec=codec, seed=self._seed(2))
+        self.byte_meter.record("grads", "inter", *plan.meter1)
+        mine = codec.decode_sum_encode(recv, length, sources=d, codec=codec, seed=fold_seed(seed, 2))
         gathered = torch.empty(d, mine.shape[1], dtype=torch.uint8, device=x.device)
         all_gather_flat(gathered.view(-1), mine.view(-1), self.group)
-        self.byte_meter.record("grads", "inter", (d - 1) * mine.shape[1], (d - 1) * own)
-        total = codec.decode_finished(gathered, length)
-        return layout.contract(total.reshape(-1)[:n])
+        self.byte_meter.record("grads", "inter", *plan.meter2)
+        total = codec.decode_finished(gathered, length).reshape(-1)
+        return total[:plan.n] if plan.layout.identity else plan.layout.contract(total[:plan.n])
 
-    def _seed(self, phase: int) -> int:
-        return derive_seed(self.config.seed, self.comm_id, self.calls, self.rank, 7, phase)
+    def _call_seed(self) -> int:
+        """``derive_seed(seed, comm_id, calls, rank, 7)``: a phase's seed folds in the phase. The
+        part fixed for the comm is derived once."""
+        if self._prefix is None:
+            self._prefix = derive_seed(self.config.seed, self.comm_id)
+        return fold_seed(fold_seed(fold_seed(self._prefix, self.calls), self.rank), 7)
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": self.calls}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.calls = int(state.get("calls", 0))
+
+
+@dataclass(frozen=True)
+class AllReducePlan:
+    """What a quantized all-reduce of one size does, fixed by its config, size and group: the
+    codec, the row layout, the elements ``n`` of the (laid out) vector, its chunk ``length`` and
+    the meter's entries of both exchanges (bytes, elements)."""
+
+    codec: RowCodec
+    layout: RowLayout
+    n: int
+    length: int
+    meter1: tuple[int, int]
+    meter2: tuple[int, int]
+
+    @classmethod
+    def build(cls, reduce: ReplicaAllReduce, x: torch.Tensor) -> "AllReducePlan":
+        d, real = reduce.replicas, x.numel()
+        codec = hsdp_codec(reduce.config.hsdp)
+        layout = reduce.layouts.get(real, codec.unit, x.device)
+        n = layout.wire_length
+        length = chunk_len(n, d, codec)
+        own = layout.real_elements(reduce.rank * length, (reduce.rank + 1) * length)
+        nbytes = codec.row_nbytes(length)
+        return cls(codec, layout, n, length, ((d - 1) * nbytes, real - own), ((d - 1) * nbytes, (d - 1) * own))
 
 
 class _AcrossReplicas(GradReduceScatter):
@@ -148,6 +176,7 @@ class _AcrossReplicas(GradReduceScatter):
         self.inner.use_row_spans(spans, mixed)
         self.all_reduce.layouts.mixed = mixed
         self.all_reduce.layouts.use(spans)
+        self.all_reduce._plans.clear()
 
     def take_nonfinite_flag(self) -> torch.Tensor | None:
         """The all-reduce carries a non-finite value of any replica into every replica's

@@ -19,11 +19,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..codecs.rng import derive_seed
-from ..config import GradComm, QuantConfig
+from ..config import GradComm
 from .base import GradReduceScatter
 from .row_layout import RowLayout
-from .topology import Topology
 from .wire import RowCodec, SliceRun, _pad_cols
 
 
@@ -78,10 +76,6 @@ class QuantizedReduceScatter(GradReduceScatter):
     ``bits_inter`` across nodes.
     """
 
-    def __init__(self, config: QuantConfig, topology: Topology, comm_id: int) -> None:
-        super().__init__(config, topology, comm_id)
-        self._plans: dict[tuple, OneHopPlan | TwoHopPlan] = {}
-
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
         self.check_group(group)
@@ -92,8 +86,10 @@ class QuantizedReduceScatter(GradReduceScatter):
             return None
         self.calls += 1
         x = input_tensor.view(world, s)
-        # Everything fixed by the shapes, dtypes, groups and config is planned at the first call.
-        key = (s, x.dtype, output_tensor.dtype, x.device)
+        # Everything fixed by the shapes, dtypes, groups and config (and, in a row mixing TP's
+        # kinds, by the spans as they are now) is planned at the first call.
+        layouts = self.layouts
+        key = (s, x.dtype, output_tensor.dtype, x.device, layouts.plan_key() if layouts.mixed else ())
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(x, output_tensor)
@@ -125,7 +121,7 @@ class QuantizedReduceScatter(GradReduceScatter):
         return TwoHopPlan.build(self, x, output)
 
     def _seed(self, *parts: int) -> int:
-        return derive_seed(self.config.seed, self.comm_id, self.calls, self.topology.rank, *parts)
+        return self.seed(self.calls, self.topology.rank, *parts)
 
     def _one_hop(self, x: torch.Tensor, group, plan: "OneHopPlan", output: torch.Tensor, divisor: int,
                  flag: torch.Tensor | None) -> torch.Tensor | None:

@@ -158,8 +158,19 @@ class RowLayouts:
         now = spans() if callable(spans) else spans
         self.mixed = self.mixed or len({rep for n, rep in now if n}) > 1
 
+    def now(self) -> tuple[tuple[int, bool], ...]:
+        """The spans as they are now (``spans()`` again where it is a function)."""
+        return tuple(self.spans() if callable(self.spans) else self.spans or ())
+
+    def plan_key(self) -> tuple:
+        """What a plan built on these layouts must be keyed by beside its shapes: the spans now
+        where the row mixes the kinds and they may change (a reduce-scatter's, read at each
+        reduction: a part unfrozen later changes which parameters its row holds); else nothing,
+        the layout being the identity whatever they are."""
+        return self.now() if self.mixed and callable(self.spans) else ()
+
     def get(self, length: int, unit: int, device: torch.device) -> RowLayout:
-        spans = tuple(self.spans() if callable(self.spans) else self.spans or ())
+        spans = self.now()
         key = (length, unit, str(device), spans)
         if key not in self._built:
             self._built[key] = RowLayout.of(spans, length, unit, device, mixed=self.mixed)

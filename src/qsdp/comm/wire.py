@@ -79,13 +79,16 @@ class SliceRun:
     per: int
     end: int
 
-    @property
-    def start(self) -> int:
-        return self.first * self.per
+    def __post_init__(self) -> None:
+        # Read on every step of every call, and a dict key of its plan: plain attributes and a
+        # hash, computed once.
+        #: The run's first element and its end.
+        object.__setattr__(self, "start", self.first * self.per)
+        object.__setattr__(self, "stop", min((self.first + self.count) * self.per, self.end))
+        object.__setattr__(self, "_hash", hash((self.first, self.count, self.per, self.end)))
 
-    @property
-    def stop(self) -> int:
-        return min((self.first + self.count) * self.per, self.end)
+    def __hash__(self) -> int:
+        return self._hash
 
     def bounds(self) -> list[tuple[int, int]]:
         return [(k * self.per, min((k + 1) * self.per, self.end)) for k in range(self.first, self.first + self.count)]
@@ -129,6 +132,12 @@ class RowCodec:
         #: to whole units.
         object.__setattr__(self, "unit", 1 if exact else (
             math.lcm(self.group_size, self.hadamard_block) if self.hadamard_block else self.group_size))
+        # A key of the caches a call consults (_slices_fuse_of): hashed once.
+        object.__setattr__(self, "_hash", hash((self.bits, self.group_size, self.symmetric, self.rounding,
+                                                self.hadamard_block, self.raw_dtype)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def padded_len(self, length: int) -> int:
         if self.exact or length == 0:
@@ -173,6 +182,29 @@ class RowCodec:
                 out[:, col : col + part.shape[1]] = part
                 col += part.shape[1]
         return out
+
+    def encode_cut(self, x: torch.Tensor, rows: int, length: int, *, seed: int) -> torch.Tensor:
+        """``encode`` of ``x`` (float ``[n]``, ``n <= rows * length``; ``length`` a whole number
+        of units) cut into ``rows`` rows of ``length``, padded by repeating its last element. On
+        the fused path the kernel cuts and pads (no padded copy is made)."""
+        n = x.numel()
+        if n == rows * length and x.dtype == torch.float32:
+            return self.encode(x.view(rows, length), seed=seed)  # whole rows already: encoded where they are
+        hb = self.hadamard_block
+        if (self._fused(x) and x.dtype in _OUT_DTYPES and x.is_contiguous()
+                and (not hb or _tk().fuses_hadamard(self.group_size, hb))):
+            packed = self._alloc(rows, length, x.device)
+            _tk().quantize_into(
+                x.view(1, n), self._packed(packed, length), length=n, padded=length, ncodes=length, bits=self.bits,
+                group_size=self.group_size, symmetric=self.symmetric, rounding=self.rounding, seed=seed,
+                hadamard_block=hb, tail=rows,
+            )
+            return packed
+        cut = torch.empty(rows * length, dtype=torch.float32, device=x.device)
+        cut[:n] = x
+        # Pad by repeating the last element, which widens no quantization group's range.
+        cut[n:] = x[-1]
+        return self.encode(cut.view(rows, length), seed=seed)
 
     def decode(self, buf: torch.Tensor, length: int, *, keep_padding: bool = False) -> torch.Tensor:
         """``buf``: uint8 ``[R, row_nbytes(length)]``. Returns float32 ``[R, length]`` (or
@@ -604,10 +636,17 @@ def _sum_dim1(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _tk():
-    from ..codecs import triton_kernels
+_TK = None
 
-    return triton_kernels
+
+def _tk():
+    # Imported at first use (triton is optional), then kept: a steady call asks many times.
+    global _TK
+    if _TK is None:
+        from ..codecs import triton_kernels
+
+        _TK = triton_kernels
+    return _TK
 
 
 # Fixed by the codecs and the run alone: computed once for each (a steady call asks again and again).

@@ -22,6 +22,7 @@ from ..comm.reduce_scatter import (exchange_groups, exchange_min_bytes, grad_cod
                                     real_elements, slice_bytes)
 from ..comm.weight_codec import weight_codec
 from ..config import QuantConfig, resolve_config
+from .host_census import call_host_us
 from .launches import CENSUS, LaunchCounts
 
 _DTYPES = {4: torch.float32, 2: torch.bfloat16}
@@ -52,7 +53,9 @@ class Collective:
     host cost a measured ``Hardware.call_us`` prices; ``None`` for one that continues the step
     before it (the second hop of a two-level exchange) or has no such step (HSDP's all-reduce).
     ``launches``: the kernels its comm step launches on a GPU beyond FSDP2's own collective
-    (:mod:`qsdp.perfmodel.launches`), whose host time ``Hardware.launch_us`` prices.
+    (:mod:`qsdp.perfmodel.launches`). ``host_us``: the census's host floor of its comm step's
+    call (:mod:`qsdp.perfmodel.host_census`; on the first exchange of a two-level reduce-scatter
+    and the first phase of the HSDP all-reduce), which ``Hardware.host_factor`` scales.
     """
 
     kind: str
@@ -69,6 +72,7 @@ class Collective:
     hop: int = 0
     call: str | None = None
     launches: int = 0
+    host_us: float = 0.0
 
 
 def _gathers_per_group(gathers: int | Sequence[int] | None, n_groups: int, zero3: bool) -> list[int]:
@@ -205,7 +209,7 @@ def step_collectives(
         out.append(Collective("control", "allreduce", 8 * len(shard_sizes), 0, intra, inter, call="agreement"))
 
     out += _grad_collectives(cfg, shard_sizes, d, m, grad_bytes, host_staged, counts)
-    return [_launching(c, counts) for c in out]
+    return _hosted([_launching(c, counts) for c in out], cfg.name)
 
 
 def _launching(c: Collective, counts: LaunchCounts) -> Collective:
@@ -213,6 +217,21 @@ def _launching(c: Collective, counts: LaunchCounts) -> Collective:
     if c.call is None or c.call == "two_level_slice":
         return c
     return dataclasses.replace(c, launches=counts.per_call[c.call])
+
+
+def _hosted(collectives: list[Collective], preset: str) -> list[Collective]:
+    """``collectives`` with the census's host floor of each comm step's call: a two-level
+    reduce-scatter's on its first exchange (the census's call carries one exchange per hop; the
+    further exchanges of a pipelined one are not priced)."""
+    out, seen = [], set()
+    for c in collectives:
+        if c.call == "two_level_slice":
+            if c.pipeline in seen:
+                out.append(c)
+                continue
+            seen.add(c.pipeline)
+        out.append(dataclasses.replace(c, host_us=call_host_us(preset, c.call)) if c.call else c)
+    return out
 
 
 def _per_link(collectives: Sequence[Collective], amount: Callable[[Collective], int]) -> dict[str, dict[str, int]]:
@@ -302,7 +321,8 @@ def hsdp_collectives(
         row = codec.row_nbytes(length)
         first, second = CENSUS.hsdp_all_reduce
         out.append(Collective("grads", "a2a_inter", row, length, 0, d - 1, quantize=d * length,
-                              dequantize=d * length, hadamard=bool(codec.hadamard_block), launches=first))
+                              dequantize=d * length, hadamard=bool(codec.hadamard_block), launches=first,
+                              host_us=call_host_us(cfg.name, "hsdp_all_reduce")))
         out.append(Collective("grads", "a2a_inter", row, length, 0, d - 1, quantize=length,
                               dequantize=d * length, launches=second))
     return out

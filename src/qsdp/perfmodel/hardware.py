@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .launches import H200_LAUNCH_US
+from .host_census import H200_HOST_FACTOR
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,9 @@ class Hardware:
     codecs priced one by one.
     ``inter_burst_bytes``: a shaped inter-node link's token bucket, a GPU's share (bytes that
     pass at once after the link was idle long enough to refill it at ``inter_gbps``).
-    ``launch_us``: the host's time per kernel launch of a comm step on a GPU, the Python around
-    it included (:mod:`qsdp.perfmodel.launches`); the GPU waits for it, so a step adds its
-    collectives' launches times this (0: not priced).
+    ``host_factor``: a GPU host's time per microsecond of the census's host floor of a comm
+    step (:mod:`qsdp.perfmodel.host_census`); the GPU waits for the host, so a step adds the
+    floors of its collectives' comm steps times this (0: not priced).
     ``memory_gb``: one GPU's memory (0: not known). ``nics`` x ``nic_gbit``: a node's NICs and
     the line rate of each, of which the collectives achieve ``link_efficiency``; ``inter_gbps``
     is that, a GPU's share, in GB/s."""
@@ -51,7 +51,7 @@ class Hardware:
     call_us: Mapping[str, float] = field(default_factory=dict)
     call_ns_per_element: Mapping[str, float] = field(default_factory=dict)
     inter_burst_bytes: float = 0.0
-    launch_us: float = 0.0
+    host_factor: float = 0.0
     memory_gb: float = 0.0
     nics: int = 0
     nic_gbit: float = 0.0
@@ -96,16 +96,16 @@ HARDWARE: dict[str, Hardware] = {
     "h200": Hardware(
         name="h200", gpus_per_node=8, tflops=989.0, mfu=0.40, hbm_gbps=4800.0,
         intra_gbps=360.0, inter_gbps=40.0, intra_latency_us=3.0, inter_latency_us=8.0,
-        memory_gb=141.0, nics=8, nic_gbit=400.0, link_efficiency=NIC_EFFICIENCY, launch_us=H200_LAUNCH_US,
+        memory_gb=141.0, nics=8, nic_gbit=400.0, link_efficiency=NIC_EFFICIENCY, host_factor=H200_HOST_FACTOR,
         notes=(
             "8 H200-SXM per node (HGX H200)",
             "NVLink4 as H100: 360 GB/s per GPU per direction effective (assumed)",
             "inter-node one 400 Gb/s NIC per GPU (8 per node, the usual HGX H200 build; assumed) "
             "at 80% efficiency: 40 GB/s per GPU",
             "989 TFLOP/s bf16 dense peak (H100's compute), MFU 0.40 (assumed), HBM3e 4800 GB/s, 141 GB",
-            f"host: {H200_LAUNCH_US:g} us per kernel launch of a comm step, measured on one H200 "
-            "(qsdp bench codec-share: sdp4bit's wall time beyond its GPU time, less fsdp's, over "
-            "the launches its collectives add)",
+            f"host: {H200_HOST_FACTOR:g} us per us of a comm step's census host floor, measured on one H200 "
+            "(qsdp bench codec-share: each preset's wall step beyond fsdp's, over its reduce-scatters' "
+            "census host floor)",
         ),
     ),
     "h800": Hardware(
@@ -147,13 +147,14 @@ def custom_hardware(ranks_per_node: int, *, tflops: float, hbm_gbps: float, intr
 def cluster_hardware(gpu: str | Hardware = "h800", ranks_per_node: int | None = None, *,
                      link_gbit: float | None = None, link_gbit_per_gpu: float | None = None,
                      link_latency_us: float | None = None, intra_gbps: float | None = None,
-                     launch_us: float | None = None) -> Hardware:
+                     host_factor: float | None = None) -> Hardware:
     """``HARDWARE[gpu]`` (or the given ``Hardware``) with nodes of ``ranks_per_node`` GPUs
     (default: the type's) and, where given, the measured or stated links: ``link_gbit`` is one
     node's inter-node link in Gbit/s per direction as the collectives achieve it (shared by its
     GPUs: each gets ``link_gbit / 8 / ranks_per_node`` GB/s), ``link_gbit_per_gpu`` the same as
     one GPU's share, ``link_latency_us`` its latency per step, ``intra_gbps`` a GPU's intra-node
-    GB/s, ``launch_us`` the host's time per kernel launch of a comm step (0: not priced)."""
+    GB/s, ``host_factor`` the host's time per microsecond of a comm step's census host floor
+    (0: not priced)."""
     if isinstance(gpu, Hardware):
         hw = gpu
     elif gpu in HARDWARE:
@@ -168,7 +169,7 @@ def cluster_hardware(gpu: str | Hardware = "h800", ranks_per_node: int | None = 
             raise ValueError(f"{name}={value} must be positive")
     if link_gbit is not None and link_gbit_per_gpu is not None:
         raise ValueError("give link_gbit (a node's) or link_gbit_per_gpu (a GPU's share), not both")
-    for name, value in (("link_latency_us", link_latency_us), ("launch_us", launch_us)):
+    for name, value in (("link_latency_us", link_latency_us), ("host_factor", host_factor)):
         if value is not None and value < 0:
             raise ValueError(f"{name}={value} must not be negative")
     changes: dict[str, float] = {"gpus_per_node": m}
@@ -180,6 +181,6 @@ def cluster_hardware(gpu: str | Hardware = "h800", ranks_per_node: int | None = 
         changes["inter_latency_us"] = link_latency_us
     if intra_gbps is not None:
         changes["intra_gbps"] = intra_gbps
-    if launch_us is not None:
-        changes["launch_us"] = launch_us
+    if host_factor is not None:
+        changes["host_factor"] = host_factor
     return dataclasses.replace(hw, **changes)

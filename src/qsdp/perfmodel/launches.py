@@ -1,15 +1,10 @@
-"""The host's work per collective on a GPU: kernel launches, and a measured cost per launch.
-
-On a GPU a collective's codec kernels are short, and between them the host runs the comm
-object's Python and launches the next one: where the host takes longer than the kernels, the
-GPU waits. The model prices that as the kernel launches of every collective's comm step (torch
-kernels plus Triton kernels, the collectives themselves counted apart) times a host cost per
-launch (``Hardware.launch_us``), added to the step (:func:`qsdp.perfmodel.simulate_step`).
+"""The kernel launches of each collective's comm step on a GPU, and one H200 measurement.
 
 The counts are data, here alone: :data:`CENSUS`, what ``qsdp bench census`` counts in the code
-as it is (the model's default), and :data:`AT_C14EB26`, the code the H200 measurement ran. The cost per launch of the H200 host
-(:data:`H200_LAUNCH_US`) is what :func:`qsdp.perfmodel.host_cost.launch_cost_us` finds in one
-measurement of ``qsdp bench codec-share`` on one H200 (:data:`H200_CODEC_SHARE`).
+as it is (the model's default), and :data:`AT_C14EB26`, the code the H200 measurement ran
+(:data:`H200_CODEC_SHARE`, one step of ``qsdp bench codec-share`` per preset on one H200). The
+model prices the host by the census's host floor of each comm step, not by its launches
+(:mod:`qsdp.perfmodel.host_census`); the launches are reported beside it.
 """
 
 from __future__ import annotations
@@ -61,15 +56,17 @@ AT_C14EB26 = LaunchCounts(
 
 # The code as it is, counted by `qsdp bench census` (benchmarks/results/census.json; a test holds
 # these to it): the rounding slices of an exchange are a grid axis of one launch per codec step,
-# so a two-level reduce-scatter launches 8 torch kernels a group (the division into FSDP2's
-# output and the non-finite watch) and 3 Triton kernels an exchange, whatever its slices; a
-# one-level one 10; the HSDP all-reduce 3 (encode and decode-sum-encode, then decode with the
+# and the last decoding kernel divides, casts into FSDP2's output and watches for NaN itself, so a
+# two-level reduce-scatter launches 3 Triton kernels an exchange, whatever its slices, and one
+# torch kernel a group (its first call's zeroing of the non-finite flag: the census counts a
+# group's largest call); a one-level one 2 Triton and that torch kernel; the HSDP all-reduce 3
+# (encode, the kernel cutting and padding the shard, and decode-sum-encode, then decode with the
 # inverse transform).
 CENSUS = LaunchCounts(
     source="qsdp bench census (benchmarks/results/census.json)",
     per_call={"gather": 0, "quantized_gather": 2, "difference_update": 2, "replica_fill": 1, "agreement": 0,
-              "reduce_scatter": 0, "one_level_reduce_scatter": 10},
-    two_level_group=8, two_level_exchange=3, two_level_slice=0, hsdp_all_reduce=(2, 1),
+              "reduce_scatter": 0, "one_level_reduce_scatter": 3},
+    two_level_group=1, two_level_exchange=3, two_level_slice=0, hsdp_all_reduce=(2, 1),
 )
 
 # One rank (rank 0 of 2 x 4) of GPT gpt2-125m (13 FSDP groups: the root, gathered once, and 12
@@ -84,6 +81,3 @@ CODEC_SHARE_WORLD = (2, 4)
 # A block's shard of gpt2-125m on 8 ranks (7,087,872 / 8), taken for every group: a group's
 # launches do not depend on its size once it rounds in 8 slices (the root's is larger).
 CODEC_SHARE_SHARD = 885_984
-# launch_cost_us() of the figures above, rounded to 0.1 us (tests/test_perfmodel.py recomputes it).
-H200_LAUNCH_US = 96.1
-

@@ -39,8 +39,9 @@ def step_parts(collectives: Sequence[Collective], hw: Hardware, nodes: int, rank
     whole group send), ``a2a_ring_nic_bytes`` (what rings of the same rows would send) and
     ``a2a_inter_peers`` (the most ranks on other nodes one of them sends to);
     ``replica_fill_bytes`` (intra-node bytes of the node replicas' exact fill); ``launches``
-    (the kernels the comm steps launch) and ``host_s`` (their host time, ``hw.launch_us`` each;
-    0 on host-staged hardware, whose measured host work is in its collectives' own time)."""
+    (the kernels the comm steps launch) and ``host_s`` (their host time: the census's host floor
+    of each comm step times ``hw.host_factor``; 0 on host-staged hardware, whose measured host
+    work is in its collectives' own time)."""
     m = ranks_per_node
     out = dict.fromkeys(("nic_s", "intra_s", "latency_s", "codec_s", "nic_bytes", "intra_bytes",
                          "a2a_nic_bytes", "a2a_ring_nic_bytes", "a2a_inter_peers", "replica_fill_bytes",
@@ -48,7 +49,7 @@ def step_parts(collectives: Sequence[Collective], hw: Hardware, nodes: int, rank
     for c in collectives:
         out["launches"] += c.launches
         if not hw.host_staged:
-            out["host_s"] += c.launches * hw.launch_us * 1e-6
+            out["host_s"] += c.host_us * hw.host_factor * 1e-6
         intra, inter, _, latency = wire_parts(c, hw, nodes, m)
         tq, tdq = kernel_times(c, hw, kernels)
         out["nic_s"] += inter

@@ -5,8 +5,8 @@
   ``(m + PP - 1) / m`` for ``m`` micro-batches; or a measured compute time.
 * **Communication.** :func:`qsdp.perfmodel.comm_time.comm_time` of the step's collectives
   (:mod:`qsdp.perfmodel.collectives`), codec time included.
-* **Host.** On a GPU the collectives' kernel launches times the host's cost per launch
-  (``Hardware.launch_us``, :mod:`qsdp.perfmodel.launches`): the GPU waits for the host between
+* **Host.** On a GPU the census's host floor of every comm step times the GPU host's factor
+  (``Hardware.host_factor``, :mod:`qsdp.perfmodel.host_census`): the GPU waits for the host between
   the short codec kernels, so this time hides behind nothing.
 * **Step.** ``compute + max(0, communication - overlap * compute) + host``: communication hides
   behind at most ``overlap`` of the compute time.
@@ -59,7 +59,7 @@ def simulate_step(setup: Setup, preset: str | QuantConfig, hw: Hardware, *, over
                   grad_bytes: int = 4, compute_s: float | None = None) -> dict[str, Any]:
     """Predicted fully sharded step and its parts, for one preset: seconds ``step_s``,
     ``compute_s`` (``compute_s`` given: that), ``comm_s``, ``exposed_comm_s``, ``host_s`` (the
-    host launching the collectives' kernels, ``launches`` of them), ``weights_s``,
+    host's work on the collectives' comm steps, which launch ``launches`` kernels), ``weights_s``,
     ``grads_s``, ``kernels_s`` (codec time, inside the two before); ``bytes`` one rank puts on
     the wire (:func:`~qsdp.perfmodel.collectives.step_bytes`); ``parts``: where the
     communication time goes (:func:`~qsdp.perfmodel.limits.step_parts`); ``replica_bytes`` its
@@ -93,7 +93,7 @@ def predict_step(preset: str | QuantConfig, params: int | None = None, nodes: in
                  shape: Mapping[str, int] | None = None, gpu: str | Hardware = "h800",
                  link_gbit: float | None = None, link_gbit_per_gpu: float | None = None,
                  link_latency_us: float | None = None, intra_gbps: float | None = None,
-                 launch_us: float | None = None,
+                 host_factor: float | None = None,
                  kernels: Mapping[str, float] | None = None, hsdp: bool = False, seq_len: int = SEQ_LEN,
                  micro_batch: int = 1, overlap: float = 0.0, compute_s: float | None = None,
                  param_bytes: int = 2, grad_bytes: int = 4) -> dict[str, Any]:
@@ -106,8 +106,8 @@ def predict_step(preset: str | QuantConfig, params: int | None = None, nodes: in
     :data:`~qsdp.perfmodel.hardware.HARDWARE`, or a :class:`~qsdp.perfmodel.hardware.Hardware`),
     its links replaced where given: ``link_gbit`` (one node's inter-node link, Gbit/s per
     direction, as the collectives achieve it) or ``link_gbit_per_gpu`` (a GPU's share of it),
-    ``link_latency_us``, ``intra_gbps`` (GB/s per GPU), ``launch_us`` (the host's time per kernel
-    launch of a comm step); ``kernels`` the codec speeds
+    ``link_latency_us``, ``intra_gbps`` (GB/s per GPU), ``host_factor`` (the host's time per
+    microsecond of a comm step's census host floor); ``kernels`` the codec speeds
     (:func:`~qsdp.perfmodel.codec_time.load_kernels`). ``hsdp``: shard inside the node, replicate
     across nodes. ``compute_s``: a measured forward+backward time instead of the FLOPs model.
     ``param_bytes``/``grad_bytes``: the all-gather and reduce dtypes' sizes (2 or 4).
@@ -120,7 +120,7 @@ def predict_step(preset: str | QuantConfig, params: int | None = None, nodes: in
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap={overlap} must be in [0, 1]")
     hw = cluster_hardware(gpu, ranks_per_node, link_gbit=link_gbit, link_gbit_per_gpu=link_gbit_per_gpu,
-                          link_latency_us=link_latency_us, intra_gbps=intra_gbps, launch_us=launch_us)
+                          link_latency_us=link_latency_us, intra_gbps=intra_gbps, host_factor=host_factor)
     setup = fsdp2_setup(hw.name, nodes, ranks_per_node, shape if shape is not None else gpt_shape(params),
                         seq_len=seq_len, micro_batch=micro_batch)
     simulate = simulate_hsdp_step if hsdp else simulate_step
