@@ -17,6 +17,8 @@ pytestmark = pytest.mark.timeout(120)
 def _dropped_model_is_freed(rank, world, keep_handle):
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
+    qsdp.quantize_comms(fm.build(), "sdp4bit")  # the process's one pair of optimizer hooks is there
+    gc.collect()
     before = len(_global_optimizer_post_hooks)
     model = fm.build()
     handle = qsdp.quantize_comms(model, "sdp4bit")

@@ -99,6 +99,7 @@ class QuantizedComms:
         the exact shards, as FSDP2's own all-gather does (without the hooks nothing would tell a
         replica that the weights changed), while the gradient reductions keep their config.
         Local, no collective."""
+        _TRACKERS.discard(self.tracker)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -576,20 +577,9 @@ def _watch_parameter_changes(handle: QuantizedComms, root: nn.Module) -> None:
     hold the tracker weakly and go away with it (with the model, whose comms hold it): a model
     dropped without ``close()`` is not kept alive by them.
     """
-    ref = weakref.ref(handle.tracker)
-
-    def before(*_: Any) -> None:
-        tracker = ref()
-        if tracker is not None:
-            tracker.before_optimizer_step()
-
-    def after(optimizer: Any, *_: Any) -> None:
-        tracker = ref()
-        if tracker is not None:
-            tracker.after_optimizer_step(optimizer)
-
-    hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
-    weakref.finalize(handle.tracker, _remove_all, list(hooks))
+    _optimizer_hooks()
+    _TRACKERS.add(handle.tracker)
+    hooks: list[Any] = []
     tracker = handle.tracker
     # Before FSDP2's own pre-forward hook, which gathers the root's group.
     hooks.append(root.register_forward_pre_hook(lambda *_: tracker.at_forward(), prepend=True))
@@ -599,6 +589,25 @@ def _watch_parameter_changes(handle: QuantizedComms, root: nn.Module) -> None:
     handle._hooks = hooks
 
 
-def _remove_all(hooks: list[Any]) -> None:
-    for h in hooks:
-        h.remove()
+# The trackers the process-wide optimizer hooks tell about steps, held weakly: a tracker dropped
+# with its model leaves the set by itself. One pair of hooks for the process, never removed: a
+# hook removed when a dropped tracker is collected could be removed while torch iterates over the
+# hooks of a step (the collection can run inside one), which raises "OrderedDict mutated during
+# iteration".
+_TRACKERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_HOOKS: list[Any] = []
+
+
+def _optimizer_hooks() -> None:
+    if _HOOKS:
+        return
+
+    def before(*_: Any) -> None:
+        for tracker in list(_TRACKERS):
+            tracker.before_optimizer_step()
+
+    def after(optimizer: Any, *_: Any) -> None:
+        for tracker in list(_TRACKERS):
+            tracker.after_optimizer_step(optimizer)
+
+    _HOOKS[:] = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
