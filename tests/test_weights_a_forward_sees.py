@@ -189,6 +189,14 @@ def test_a_separate_ema_model_updated_by_foreach_lerp_is_seen_at_each_evaluation
         assert len(errors) == 6 and max(errors) < NOISE, errors
 
 
+def _optimizer_steps(seen, model, opt, steps, rank):
+    """The training steps ``steps`` (an iterable of step numbers): forward, backward, ``opt``'s step."""
+    for step in steps:
+        _loss(seen, model, step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _edit_after_an_evaluation(rank, world, preset, how, path):
     model = fm.build()
     qsdp.quantize_comms(model, preset, overrides=NODES)
@@ -201,10 +209,7 @@ def _edit_after_an_evaluation(rank, world, preset, how, path):
         qsdp.quantize_comms(other, "fsdp", overrides=NODES)
         dcp.save({"model": get_model_state_dict(other)}, checkpoint_id=path)
     seen = Seen(model)
-    for step in range(3):
-        _loss(seen, model, step, rank).backward()
-        opt.step()
-        opt.zero_grad()
+    _optimizer_steps(seen, model, opt, range(3), rank)
     with torch.no_grad():
         _loss(seen, model, 50, rank)  # an evaluation
         if how == "edit":
@@ -214,10 +219,7 @@ def _edit_after_an_evaluation(rank, world, preset, how, path):
             # in place: DCP copies into the sharded parameters themselves, no load_state_dict
             dcp.load({"model": get_model_state_dict(model)}, checkpoint_id=path)
         _loss(seen, model, 51, rank)  # the next evaluation, no step between
-    for step in range(3, 5):
-        _loss(seen, model, step, rank).backward()
-        opt.step()
-        opt.zero_grad()
+    _optimizer_steps(seen, model, opt, range(3, 5), rank)
     return seen.errors
 
 
@@ -254,10 +256,7 @@ def _data_edit(rank, world, preset):
     qsdp.quantize_comms(model, preset, overrides=NODES)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     seen = Seen(model)
-    for step in range(3):
-        _loss(seen, model, step, rank).backward()
-        opt.step()
-        opt.zero_grad()
+    _optimizer_steps(seen, model, opt, range(3), rank)
     with torch.no_grad():
         _loss(seen, model, 50, rank)
     for p in model.parameters():
