@@ -7,6 +7,7 @@ Two lines on top of an FSDP2 script::
 """
 
 from .comm.meter import comm_stats, format_stats
+from .guard import GuardConfig
 from .config import (
     PRESETS,
     ConfigError,
@@ -27,5 +28,5 @@ __all__ = [
     "quantize_comms", "QuantizedComms", "comm_stats", "format_stats",
     "QuantConfig", "WeightComm", "GradComm", "ConfigError",
     "PRESETS", "preset_names", "resolve_config", "__version__",
-    "hsdp_groups", "HsdpGroups", "HsdpComm", "check_gradients", "GradientCheck",
+    "hsdp_groups", "HsdpGroups", "HsdpComm", "check_gradients", "GradientCheck", "GuardConfig",
 ]

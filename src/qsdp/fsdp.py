@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -29,6 +30,7 @@ from .comm.topology import Topology, build_topologies, release
 from .comm.versions import ChangeTracker, managed_parameters
 from .config import ConfigError, QuantConfig, config_diff, resolve_config
 from .group_args import as_process_group
+from .guard import AccuracyGuard, GuardConfig, as_guard_config
 
 _ALL_GATHERS = {"plain": PlainAllGather, "direct": QuantizedAllGather, "difference": DifferenceAllGather}
 POST_FORWARD_GROUP = "post-forward group (reshard_after_forward=<int>)"
@@ -42,7 +44,8 @@ class QuantizedComms:
     (:meth:`comm_stats`), and passes them on to the process-wide meter (:func:`qsdp.comm_stats`).
     ``group_parameters``: per FSDP parameter group, its parameters (sharded). ``replicas``: HSDP's
     replicate group size (1 without HSDP); ``replicate_group``: the one ``replicate_group=`` named.
-    Printed, it is one line."""
+    ``guard``: the accuracy guard (``guard=``), whose ``levels``, ``rungs(i)`` and ``escalations``
+    say which groups took more bits, or ``None``. Printed, it is one line."""
 
     config: QuantConfig
     topology: Topology
@@ -54,6 +57,7 @@ class QuantizedComms:
     meter: ByteMeter = field(default_factory=lambda: ByteMeter(parent=METER))
     replicas: int = 1
     replicate_group: dist.ProcessGroup | None = None
+    guard: AccuracyGuard | None = None
 
     _hooks: list[Any] = field(default_factory=list)
     _topologies: list[Topology] = field(default_factory=list)
@@ -100,6 +104,9 @@ class QuantizedComms:
         replica that the weights changed), while the gradient reductions keep their config.
         Local, no collective."""
         _TRACKERS.discard(self.tracker)
+        if self.guard is not None:
+            _TRACKERS.discard(self.guard)
+            self.guard.close()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -136,10 +143,13 @@ class QuantizedComms:
             if rows:
                 entry["replica"] = {"held": held, "rows": {f"g{group}_row{r}": t for r, t in rows.items()}}
             all_gathers[str(i)] = entry
-        return {
+        state = {
             "all_gather": all_gathers,
             "reduce_scatter": {str(i): rs.state_dict() for i, rs in enumerate(self.reduce_scatters)},
         }
+        if self.guard is not None:
+            state["guard"] = self.guard.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Call after the parameters were loaded: their counters become the reference.
@@ -154,6 +164,12 @@ class QuantizedComms:
                 for what, ks in (("unexpected", keys - expected), ("missing", expected - keys)) if ks)
             raise ValueError(f"QuantizedComms.load_state_dict: expected QuantizedComms.state_dict()'s "
                              f"'all_gather' and 'reduce_scatter', got {got}")
+        if "guard" in state and self.guard is not None:
+            self.guard.load_state_dict(state["guard"])
+        elif "guard" in state and state["guard"]["escalations"] and dist.get_rank() == 0:
+            warnings.warn("qsdp: the loaded comm state holds the accuracy guard's escalations, but this handle has no "
+                          "guard: every group travels as the config says again (pass guard= to keep them)",
+                          stacklevel=2)
         group = _group_digest(self.topology.group)
         for i, ag in enumerate(self.all_gathers):
             entry = state["all_gather"].get(str(i), {})
@@ -175,16 +191,19 @@ def _group_digest(group: dist.ProcessGroup) -> str:
 
 
 def check_same_config(config: QuantConfig, group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None = None,
-                      *, problem: str | None = None) -> None:
+                      *, problem: str | None = None, guard: GuardConfig | None = None) -> None:
     """Collective over ``group`` (default: the world), or over the dimensions of a mesh given as
     its groups in order (every rank of the mesh joins each): raises ``ConfigError`` on every rank
     of it, naming the fields that differ, if any rank passed a different config. Along a mesh, each
     dimension passes on the distinct configs seen so far, so after the last one every rank has
     seen every rank's config: ranks of other meshes (other pipeline stages) make no call.
     ``problem``: what this rank alone found wrong with its arguments; the lowest rank's is raised
-    on every rank, as ``rank R: ...``, instead of that rank raising while the others wait."""
+    on every rank, as ``rank R: ...``, instead of that rank raising while the others wait.
+    ``guard``: the accuracy guard's config, compared as a field ``guard`` of the config (ranks
+    guarding different steps would wait for each other's measurements)."""
     groups = list(group) if isinstance(group, (list, tuple)) else [group]
-    mine = json.dumps(config.to_dict(), sort_keys=True)
+    agreed = {**config.to_dict(), "guard": None if guard is None else dataclasses.asdict(guard)}
+    mine = json.dumps(agreed, sort_keys=True)
     seen = {mine: dist.get_rank()}  # each distinct config, with the first global rank that holds it
     problems = {} if problem is None else {dist.get_rank(): problem}
     for g in groups:
@@ -199,7 +218,7 @@ def check_same_config(config: QuantConfig, group: dist.ProcessGroup | Sequence[d
         raise ConfigError(f"rank {rank}: {problems[rank]}")
     if len(seen) == 1:
         return
-    base = config.to_dict()
+    base = agreed
     other, rank = min(((t, r) for t, r in seen.items() if t != mine), key=lambda item: item[1])
     diffs = config_diff(base, json.loads(other))
     raise ConfigError(
@@ -300,6 +319,7 @@ def quantize_comms(
     overrides: dict[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
     replicate_group: dist.ProcessGroup | None = None,
+    guard: GuardConfig | int | None = None,
 ) -> QuantizedComms:
     """Quantize the weight all-gathers and gradient reduce-scatters of every FSDP2 module under
     ``module`` (call after ``fully_shard``, before the first forward).
@@ -326,6 +346,11 @@ def quantize_comms(
             ``set_requires_all_reduce(False)``) stays FSDP2's. Its shard dimension belongs
             inside a node: one spanning nodes is refused for ``hsdp4``/``hsdp8`` and warned
             about for configs that quantize the shard group's traffic too.
+        guard: the accuracy guard (:class:`qsdp.GuardConfig`, or ``K`` for one every ``K``
+            optimizer steps; default none): on a guarded step each FSDP group's quantization
+            noise is measured on the run's own gradients and weights, and a group whose noise
+            outgrows SGD's takes more bits from the next step on, on every rank alike
+            (docs/check.md, "The guard while training"). Not with HSDP yet.
 
     The config is validated first and then compared across ranks with one collective; both
     raise :class:`qsdp.ConfigError` naming the problem before any data moves. A model whose comms
@@ -335,8 +360,12 @@ def quantize_comms(
     node (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
     """
     cfg = resolve_config(config, overrides)
+    guard_cfg = as_guard_config(guard)
     layout = _read_layout(module, group, replicate_group)
-    _agree_on_config(module, cfg, layout)
+    if guard_cfg is not None and layout.replicas is not None:
+        raise ConfigError("guard= is not supported with HSDP yet (its measurements cover the shard group's "
+                          "reduce-scatter, not the all-reduce across replicas): leave guard= out")
+    _agree_on_config(module, cfg, layout, guard_cfg)
     _refuse_uneven_splits(module, cfg, layout)
     topology, post_topology = _node_topologies(cfg, layout)
     _warn_about_layout(cfg, topology, layout)
@@ -347,12 +376,26 @@ def quantize_comms(
                             replicate_group=replicas)
     handle._topologies = [topology, *post_topology.values()]
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
+    labels = [", ".join(names[id(x)] for x in members) for members in layout.members_of]
     for i, members in enumerate(layout.members_of):
-        _attach(handle, layout, i, members, ", ".join(names[id(x)] for x in members), post_topology)
+        _attach(handle, layout, i, members, labels[i], post_topology)
     handle._bind_meter()
     if cfg.weights.mode != "plain":
         _watch_parameter_changes(handle, module)
+    if guard_cfg is not None:
+        _start_guard(handle, module, guard_cfg, _mesh_groups(module, layout.group), labels)
     return handle
+
+
+def _start_guard(handle: QuantizedComms, root: nn.Module, cfg: GuardConfig, mesh: list[dist.ProcessGroup],
+                 labels: list[str]) -> None:
+    """Attach the accuracy guard: told of every forward of ``root`` (before the tracker's and
+    FSDP2's own pre-forward hooks, so a move applies to that forward's first gather) and of
+    every optimizer step."""
+    guard = handle.guard = AccuracyGuard(handle, cfg, mesh, labels)
+    _optimizer_hooks()
+    _TRACKERS.add(guard)
+    handle._hooks.append(root.register_forward_pre_hook(lambda *_: guard.at_forward(), prepend=True))
 
 
 @dataclass
@@ -398,7 +441,7 @@ def _read_layout(module: nn.Module, group: dist.ProcessGroup | None,
     return _Layout(fsdp_modules, members_of, meshes, shard_group, native, replicate_group, problem)
 
 
-def _agree_on_config(module: nn.Module, cfg: QuantConfig, layout: _Layout) -> None:
+def _agree_on_config(module: nn.Module, cfg: QuantConfig, layout: _Layout, guard: GuardConfig | None = None) -> None:
     """Collective over the model part's mesh (or, for qsdp's HSDP recipe, its two groups): every
     rank uses the same config and layout, or every rank raises naming the difference."""
     if layout.replicate_group is not None:
@@ -408,7 +451,7 @@ def _agree_on_config(module: nn.Module, cfg: QuantConfig, layout: _Layout) -> No
         return
     if layout.native is None:
         _hsdp.require_replicate_group(cfg)
-    check_same_config(cfg, _mesh_groups(module, layout.group), problem=layout.problem)
+    check_same_config(cfg, _mesh_groups(module, layout.group), problem=layout.problem, guard=guard)
 
 
 def _node_topologies(cfg: QuantConfig, layout: _Layout) -> tuple[Topology, dict[int, Topology]]:

@@ -23,6 +23,7 @@ from .collectives import all_gather_flat, reduce_scatter_flat
 from .meter import METER, ByteMeter
 from .row_layout import RowLayouts, Spans, SpansOf
 from .topology import Topology
+from .weight_codec import weight_codec
 from .versions import ChangeTracker
 
 # What a weight all-gather may quantize: anything else is bytes.
@@ -93,6 +94,13 @@ class CommBase:
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         """Count this comm's bytes in ``byte_meter`` from now on."""
         self.byte_meter = byte_meter
+
+    def reconfigure(self, config: QuantConfig) -> None:
+        """Use ``config`` from the next call on (the accuracy guard moves a group up its ladder
+        on every rank at the same step): what was planned for the old one is forgotten. The
+        comm id, and so the rounding streams, stay."""
+        self.config = config
+        self._plans.clear()
 
     def meter(self, kind: str, nbytes: int, elements: int, peers: tuple[int, int] | None = None) -> None:
         """Record one buffer of ``nbytes`` carrying ``elements`` of ``kind`` (``weights``,
@@ -210,6 +218,8 @@ class WeightAllGather(CommBase, AllGather):
         # The comm of FSDP2's post-forward group, when reshard_after_forward=<int> makes one.
         self.post_forward: WeightAllGather | None = None
         self._warned_bytes = False
+        # Set by the accuracy guard's top rung: the shard travels exactly from then on.
+        self.exact = False
 
     @abstractmethod
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -231,6 +241,18 @@ class WeightAllGather(CommBase, AllGather):
         if self.post_forward is not None and self.layouts.mixed:
             self.post_forward.use_row_spans(spans, mixed)
 
+    def reconfigure(self, config: QuantConfig) -> None:
+        super().reconfigure(config)
+        if hasattr(self, "codec"):  # the quantizing gathers' codec follows the weights' config
+            self.codec = weight_codec(config.weights)
+
+    def go_exact(self, exact: bool = True) -> None:
+        """Send the shard exactly from the next gather on (``exact``), as FSDP2's own all-gather
+        does: the guard's top rung. A replica held until then is forgotten."""
+        if exact and not self.exact:
+            self.reset()
+        self.exact = exact
+
     def handled_elsewhere(self, output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                           async_op: bool = False) -> bool:
         """Serve the calls this comm does not quantize itself, and say whether it did:
@@ -248,9 +270,9 @@ class WeightAllGather(CommBase, AllGather):
             post(output, shard, group, async_op)
             return True
         self.check_group(group)
-        if self.closed:
-            # The handle was closed: its tracking is gone, so the shard travels exactly, as
-            # FSDP2's own all-gather sends it (never from a replica nothing updates any more).
+        if self.closed or self.exact:
+            # The handle was closed, or the guard made the group exact: the shard travels exactly,
+            # as FSDP2's own all-gather sends it (never from a replica nothing updates any more).
             self.plain(output, shard, group)
             return True
         if shard.dtype in NUMBER_DTYPES:

@@ -197,7 +197,7 @@ class DifferenceAllGather(WeightAllGather):
         self.tracker.request()
 
     def holds_replicas(self) -> bool:
-        return True
+        return not self.exact
 
     def replica_rows(self) -> dict[int, torch.Tensor]:
         """``{row of the gathered buffer: its replica values}`` held by this rank (empty before

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..text_table import aligned
 
-KINDS = ("weights", "grads", "control")
+KINDS = ("weights", "grads", "control", "guard")
 LEVELS = ("intra", "inter")
 
 Stats = dict[str, dict[str, dict[str, float]]]
@@ -100,10 +100,10 @@ METER = ByteMeter()
 def format_stats(stats: Stats) -> str:
     """:func:`comm_stats` (or a handle's) as a plain-text table: one row per kind and link
     (``intra``, ``inter``, ``total``) with bytes, elements and bits per element; the
-    ``control`` rows only when control messages were sent."""
+    ``control`` and ``guard`` rows only when such bytes were sent."""
     rows = [["kind", "link", "bytes", "elements", "bits/elt"]]
     for kind, levels in stats.items():
-        if kind == "control" and not levels["total"]["bytes"]:
+        if kind in ("control", "guard") and not levels["total"]["bytes"]:
             continue
         for level, c in levels.items():
             bits = f"{c['bits_per_element']:.3f}" if c["elements"] else "-"
@@ -113,6 +113,7 @@ def format_stats(stats: Stats) -> str:
 
 def comm_stats(reset: bool = True) -> Stats:
     """Bytes, elements and bits per element on the wire since the last reset, per kind
-    (``weights``, ``grads``, ``control``) and level (``intra``, ``inter``, ``total``), of every
+    (``weights``, ``grads``, ``control``, ``guard``: the accuracy guard's exact reductions and
+    its sums) and level (``intra``, ``inter``, ``total``), of every
     handle in this process (each handle's own: ``QuantizedComms.comm_stats``)."""
     return METER.snapshot(reset=reset)

@@ -203,7 +203,7 @@ class WireTotals:
         for kind, rows in self.as_dict().items():
             for level, row in rows.items():
                 record[f"wire_bytes_{kind}_{level}"] = row["bytes"]
-                if kind != "control":
+                if kind not in ("control", "guard"):
                     record[f"bits_per_elt_{kind}_{level}"] = round(row["bits_per_element"], 4)
         return record
 

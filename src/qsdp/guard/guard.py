@@ -1,0 +1,259 @@
+"""The accuracy guard: every K optimizer steps, measure each FSDP group's quantization noise on
+the run's own data and ranks, and move a group whose noise outgrows SGD's up its ladder.
+
+A round (docs/check.md, "The guard while training"):
+
+1. the training forward that starts guarded step ``t`` hands every quantized group a probe
+   (:mod:`qsdp.guard.probes`): its first gather keeps this rank's shard, and each reduction of
+   step ``t`` also runs an exact reduce-scatter and adds the gradient statistics;
+2. the first forward after step ``t``'s optimizer step (training or evaluation) measures what
+   each group's gather delivers against the shard the optimizer wrote, in units of the update;
+3. the forward after that sums the statistics over the model's ranks (one all-reduce per mesh
+   dimension of ``groups x 5`` float64, the round's one host read), computes ``qsdp check``'s
+   ratios per group and, where one is over its limit, moves that group one rung up
+   (:mod:`qsdp.guard.ladder`) before its first gather. Every rank decides from the same summed
+   numbers, so every rank switches at the same step and the replicas stay identical.
+
+Outside a round the guard adds one Python call per forward of the root and nothing per
+collective. A group never goes back down within a run, unless :meth:`AccuracyGuard.reset_levels`
+says so. The levels are part of the handle's ``state_dict``, so a resumed run keeps them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .config import GuardConfig
+from .ladder import config_at, grad_rungs, weight_rungs
+from .probes import EXACT_SQ, FIELDS, GRAD_ERR, SCALED_LOCAL, UPDATE_SQ, WEIGHT_ERR, GatherProbe, ReductionProbe
+
+if TYPE_CHECKING:
+    from ..fsdp import QuantizedComms
+
+LOG = logging.getLogger("qsdp.guard")
+IDLE, GRADIENTS, DECIDE = "idle", "gradients", "decide"
+
+
+@dataclass(frozen=True)
+class GroupReading:
+    """One group's ratios at one guarded step (``None`` where undefined: nothing measured, or a
+    zero denominator): ``qsdp check``'s ``q/SGD`` and ``w err/step``."""
+
+    grad_ratio: float | None
+    weight_ratio: float | None
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """One move of one group: at ``step`` (the optimizer steps taken; the first step it
+    applies to), ``part`` (``weights`` or ``gradients``) of group ``group`` (``name``) went from
+    rung ``before`` to ``after`` because ``ratio`` exceeded ``limit``."""
+
+    step: int
+    group: int
+    name: str
+    part: str
+    before: str
+    after: str
+    ratio: float
+    limit: float
+
+    def line(self) -> str:
+        what = "w err/step" if self.part == "weights" else "q/SGD"
+        return (f"qsdp guard: step {self.step}: {self.name}: {self.part} {self.before} -> {self.after} "
+                f"({what} {self.ratio:.3g} > {self.limit:.3g})")
+
+
+def _ratios(values: list[float], world: int) -> GroupReading:
+    grad_var = (values[SCALED_LOCAL] - values[EXACT_SQ]) / (world - 1) if world > 1 else 0.0
+    grad = values[GRAD_ERR] / grad_var if grad_var > 0 and values[EXACT_SQ] > 0 else None
+    weight = math.sqrt(values[WEIGHT_ERR] / values[UPDATE_SQ]) if values[UPDATE_SQ] > 0 else None
+    return GroupReading(grad, weight)
+
+
+class AccuracyGuard:
+    """The guard of one :class:`qsdp.QuantizedComms` (``handle.guard``); see the module doc.
+
+    ``levels``: per FSDP group, ``[weight rung, gradient rung]`` (0: the config's own);
+    ``rungs(i)``: group ``i``'s current rungs as labels; ``escalations``: every move so far;
+    ``readings``: each guarded step's ratios per group; ``on_escalate``: callables run on every
+    rank with each :class:`Escalation` (the trainer writes them into ``metrics.jsonl``)."""
+
+    def __init__(self, handle: "QuantizedComms", config: GuardConfig, mesh: list[dist.ProcessGroup],
+                 names: list[str]) -> None:
+        self.handle, self.config, self.mesh, self.names = handle, config, mesh, names
+        groups = len(handle.modules)
+        self.levels = [[0, 0] for _ in range(groups)]
+        self.escalations: list[Escalation] = []
+        self.readings: list[tuple[int, list[GroupReading]]] = []
+        self.on_escalate: list[Callable[[Escalation], None]] = []
+        self.steps = 0  # optimizer steps taken (equal on every rank)
+        self.phase = IDLE
+        self._armed_at = -1
+        self._stats: torch.Tensor | None = None
+        self._stashes: dict[int, torch.Tensor] = {}
+        self._weights = [handle.config.weights.mode != "plain" for _ in range(groups)]
+        self._grads = [handle.config.grads.mode != "plain" for _ in range(groups)]
+
+    # What the process-wide optimizer hooks call (qsdp.fsdp._TRACKERS).
+    def before_optimizer_step(self) -> None:
+        pass
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Count a step of an optimizer holding this model's parameters (any other is ignored)."""
+        if optimizer is not None:
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if not any(id(p) in held for params in self.handle.group_parameters for p in params):
+                return
+        self.step()
+
+    def step(self) -> None:
+        """Count one update of the parameters. The optimizer hooks call it for every
+        ``torch.optim`` optimizer holding them; a loop updating them any other way (a functional
+        optimizer) calls it once per update, on every rank."""
+        self.steps += 1
+
+    def rungs(self, i: int) -> tuple[str, str]:
+        """Group ``i``'s current (weights, gradients) rungs, e.g. ``("8-bit direct", "exact")``."""
+        cfg = self.handle.config
+        w, g = weight_rungs(cfg.weights), grad_rungs(cfg.grads)
+        return w[min(self.levels[i][0], len(w) - 1)], g[min(self.levels[i][1], len(g) - 1)]
+
+    def at_forward(self) -> None:
+        """A forward of the root begins (every rank runs it): move the round on (module doc)."""
+        if self.phase == DECIDE:
+            self._decide()
+        if self.phase == GRADIENTS and self.steps > self._armed_at:
+            # This forward's first gathers measure; the next forward decides.
+            self._probe_reductions(False)
+            self._probe_gathers(measure=True)
+            self.phase = DECIDE
+            return
+        if self.phase == IDLE and torch.is_grad_enabled() and self._due():
+            self._armed_at = self.steps
+            self._probe_reductions(True)
+            self._probe_gathers(measure=False)
+            self.phase = GRADIENTS
+
+    def _due(self) -> bool:
+        first, every = self.config.first, self.config.every
+        return self.steps >= first and (self.steps - first) % every == 0 and self.steps != self._armed_at \
+            and any(self._weights + self._grads)
+
+    def _row(self, i: int) -> Callable[[torch.device], torch.Tensor]:
+        def row(device: torch.device) -> torch.Tensor:
+            if self._stats is None:
+                self._stats = torch.zeros(len(self.levels), len(FIELDS), dtype=torch.float64, device=device)
+            return self._stats[i]
+        return row
+
+    def _probe_reductions(self, on: bool) -> None:
+        for i, (module, rs) in enumerate(zip(self.handle.modules, self.handle.reduce_scatters)):
+            if self._grads[i]:
+                module.set_custom_reduce_scatter(ReductionProbe(rs, self._row(i)) if on else rs)
+
+    def _probe_gathers(self, measure: bool) -> None:
+        for i, (module, ag) in enumerate(zip(self.handle.modules, self.handle.all_gathers)):
+            if not self._weights[i] or (measure and i not in self._stashes):
+                continue
+            def restore(module=module, ag=ag) -> None:
+                module.set_custom_all_gather(ag)
+            def keep(shard: torch.Tensor, i=i) -> None:
+                self._stashes[i] = shard
+            module.set_custom_all_gather(
+                GatherProbe(ag, restore, self._stashes.pop(i) if measure else None, keep, self._row(i)))
+
+    def _device(self) -> torch.device:
+        """The device of the model's parameters (where the sums are taken: NCCL's for CUDA)."""
+        return next((p.device for params in self.handle.group_parameters for p in params), torch.device("cpu"))
+
+    def close(self) -> None:
+        """Hand every group back to its own comms, ending a round in progress (the handle's close)."""
+        self._restore_all()
+        self.phase, self._stats = IDLE, None
+
+    def _restore_all(self) -> None:
+        for module, ag, rs in zip(self.handle.modules, self.handle.all_gathers, self.handle.reduce_scatters):
+            module.set_custom_all_gather(ag)
+            module.set_custom_reduce_scatter(rs)
+        self._stashes.clear()
+
+    def _decide(self) -> None:
+        """Collective over the model's mesh: sum the round's statistics, read them (the round's
+        one host sync), and move every group over a limit one rung up."""
+        self._restore_all()
+        self.phase = IDLE
+        stats, self._stats = self._stats, None
+        if stats is None:  # nothing measured on this rank (every rank joins the sums all the same)
+            stats = self._row(0)(self._device())
+            stats, self._stats = self._stats, None
+        for group in self.mesh:
+            dist.all_reduce(stats, group=group)
+            self.handle.meter.record_peers("guard", stats.numel() * stats.element_size(), 0,
+                                           *self.handle.topology.peers())
+        world = self.handle.topology.world_size
+        readings = [_ratios(row, world) for row in stats.tolist()]
+        self.readings.append((self._armed_at, readings))
+        moves: list[Escalation] = []
+        for i, reading in enumerate(readings):
+            w, g = self.rungs(i)
+            if reading.weight_ratio is not None and reading.weight_ratio > self.config.weight_limit \
+                    and self.levels[i][0] < len(weight_rungs(self.handle.config.weights)) - 1:
+                self.levels[i][0] += 1
+                moves.append(Escalation(self.steps, i, self.names[i], "weights", w, self.rungs(i)[0],
+                                        reading.weight_ratio, self.config.weight_limit))
+            if reading.grad_ratio is not None and reading.grad_ratio > self.config.grad_limit \
+                    and self.levels[i][1] < len(grad_rungs(self.handle.config.grads)) - 1:
+                self.levels[i][1] += 1
+                moves.append(Escalation(self.steps, i, self.names[i], "gradients", g, self.rungs(i)[1],
+                                        reading.grad_ratio, self.config.grad_limit))
+        for move in moves:
+            self._apply(move.group)
+            self.escalations.append(move)
+            if dist.get_rank() == 0:
+                LOG.warning(move.line())
+            for callback in self.on_escalate:
+                callback(move)
+
+    def _apply(self, i: int) -> None:
+        """Give group ``i``'s comms the config of its levels (every rank, at the same step)."""
+        cfg, exact = config_at(self.handle.config, *self.levels[i])
+        ag, rs = self.handle.all_gathers[i], self.handle.reduce_scatters[i]
+        for comm in (ag, ag.post_forward, rs):
+            if comm is not None:
+                comm.reconfigure(cfg)
+        ag.go_exact(exact)
+        if ag.post_forward is not None:
+            ag.post_forward.go_exact(exact)
+
+    def reset_levels(self) -> None:
+        """Collective by convention (every rank calls it): every group back to the config's own
+        rungs (the user's call: the guard itself never moves a group down)."""
+        for i in range(len(self.levels)):
+            self.levels[i] = [0, 0]
+            self._apply(i)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The levels (per group, as ``{"w": int, "g": int}`` keyed by the group's index), the
+        steps counted and the escalations so far: what a resume needs to continue as it was."""
+        return {"levels": {str(i): {"w": w, "g": g} for i, (w, g) in enumerate(self.levels)},
+                "steps": self.steps, "escalations": [asdict(e) for e in self.escalations]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before the comms' own state: a level changes their config)."""
+        levels = state.get("levels", {})
+        if len(levels) != len(self.levels):
+            raise ValueError(f"the guard's state holds {len(levels)} FSDP groups, this model has {len(self.levels)}")
+        for i in range(len(self.levels)):
+            self.levels[i] = [int(levels[str(i)]["w"]), int(levels[str(i)]["g"])]
+            self._apply(i)
+        self.steps = int(state.get("steps", 0))
+        self.escalations = [Escalation(**e) for e in state.get("escalations", [])]
+        self._restore_all()
+        self.phase, self._stats = IDLE, None

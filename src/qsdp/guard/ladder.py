@@ -1,0 +1,62 @@
+"""The rungs a group climbs when its quantization noise is too large, one at a time.
+
+Weights (direct or difference): their bits, then 8 bits, then exact (the parameter dtype).
+Gradients: one-level ``bits`` then 8, two-level ``bits_inter`` (and ``bits_intra``) then 8, then
+exact fp32 along the same route (``grads.quantize=False``). A config already at a rung starts
+there (8-bit weights go straight to exact). The rung is a function of the start config and a
+level, equal on every rank, so every rank builds the same config from the same agreed level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import GradComm, QuantConfig, WeightComm
+
+EXACT = "exact"
+
+
+def weight_rungs(w: WeightComm) -> list[str]:
+    """The weights' rungs from ``w`` up, as labels (``"4-bit direct"``, ..., ``"exact"``); one
+    rung (nothing to climb) for plain weights."""
+    if w.mode == "plain":
+        return [EXACT]
+    return [f"{b}-bit {w.mode}" for b in sorted({w.bits, 8}) if b >= w.bits] + [EXACT]
+
+
+def grad_rungs(g: GradComm) -> list[str]:
+    """The gradients' rungs from ``g`` up; one (nothing to climb) for exact gradients."""
+    if g.mode == "plain" or not g.quantize:
+        return [EXACT]
+    if g.mode == "one_level":
+        return [f"{b}-bit" for b in sorted({g.bits, 8}) if b >= g.bits] + [EXACT]
+    start = (g.bits_intra, g.bits_inter)
+    top = (max(g.bits_intra, 8), 8)
+    return [f"{a}/{b}-bit" for a, b in sorted({start, top})] + [EXACT]
+
+
+def weights_at(w: WeightComm, level: int) -> tuple[WeightComm, bool]:
+    """The weight config at ``level`` of :func:`weight_rungs` and whether that rung is exact."""
+    rungs = weight_rungs(w)
+    if rungs[min(level, len(rungs) - 1)] == EXACT:
+        return w, w.mode != "plain"
+    return (w if level == 0 else dataclasses.replace(w, bits=8)), False
+
+
+def grads_at(g: GradComm, level: int) -> GradComm:
+    """The gradient config at ``level`` of :func:`grad_rungs`."""
+    rungs = grad_rungs(g)
+    if level == 0 or len(rungs) == 1:
+        return g
+    if rungs[min(level, len(rungs) - 1)] == EXACT:
+        return dataclasses.replace(g, quantize=False)
+    if g.mode == "one_level":
+        return dataclasses.replace(g, bits=8)
+    return dataclasses.replace(g, bits_intra=max(g.bits_intra, 8), bits_inter=8)
+
+
+def config_at(cfg: QuantConfig, weight_level: int, grad_level: int) -> tuple[QuantConfig, bool]:
+    """``cfg`` with its weights and gradients moved up to the given levels, and whether the
+    weights travel exactly."""
+    weights, exact = weights_at(cfg.weights, weight_level)
+    return dataclasses.replace(cfg, weights=weights, grads=grads_at(cfg.grads, grad_level)), exact

@@ -1,0 +1,106 @@
+"""What a guarded step measures, as comms that stand in for a group's own for one step.
+
+A probe is handed to FSDP2 in place of the group's comm (``set_custom_reduce_scatter`` /
+``set_custom_all_gather``) for the calls of a guarded step only, and calls that comm unchanged:
+steps that are not guarded run exactly as without a guard. Every number stays on the device,
+added into the group's row of the guard's statistics (float64 ``[groups, FIELDS]``): the guard
+reads them once, after its all-reduce.
+
+Per reduction (:class:`ReductionProbe`), before the group's own reduce-scatter runs (which may
+work in its input's place), with ``R = a * sum_r x_r`` the reduction of the ranks' inputs
+``x_r`` (``a`` = 1 for SUM, 1/W for AVG, W ranks):
+
+* ``scaled_local``: ``a^2 W ||x_r||^2``, this rank's; summed over the ranks, with ``exact_sq``
+  it gives the variance of ``R`` from the spread of the ranks' gradients:
+  ``var(R) = (sum scaled_local - sum exact_sq) / (W - 1)`` (SGD's own noise, as ``qsdp check``'s
+  ``sum_r ||g_r - g||^2 / (W (W - 1))``, in the units of ``R``);
+* ``exact_sq``: ``||R_shard||^2`` of an exact fp32 reduce-scatter of the same input (metered
+  as ``guard`` bytes);
+* ``grad_err``: ``||Q(R)_shard - R_shard||^2``, the group's own result against it.
+
+Per weight gather (:class:`GatherProbe`), the first of the group in the guarded step's forward
+keeps a copy of this rank's shard; the first after the optimizer step adds
+
+* ``update_sq``: ``||w_new - w_old||^2`` of this rank's shard;
+* ``weight_err``: ``||W_seen - w_new||^2``, ``W_seen`` this rank's row of the gathered output:
+  what every rank's forward sees of this rank's shard (the dequantized row for direct
+  quantization, the replica's row for weight differences).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm.base import AllGather, GradReduceScatter, ReduceScatter, WeightAllGather
+from ..comm.collectives import reduce_scatter_flat
+
+FIELDS = ("scaled_local", "exact_sq", "grad_err", "update_sq", "weight_err")
+SCALED_LOCAL, EXACT_SQ, GRAD_ERR, UPDATE_SQ, WEIGHT_ERR = range(len(FIELDS))
+
+
+def _sq(x: torch.Tensor) -> torch.Tensor:
+    return x.double().square().sum()
+
+
+class ReductionProbe(ReduceScatter):
+    """Stands in for ``comm`` during a guarded step: every reduction adds its statistics to
+    ``row`` (float64 ``[FIELDS]`` on the gradients' device), then ``comm`` reduces as always."""
+
+    def __init__(self, comm: GradReduceScatter, row: Callable[[torch.device], torch.Tensor]) -> None:
+        self.comm = comm
+        self.row = row
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.comm.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> Any:
+        world = group.size()
+        scale = 1.0 if op == dist.ReduceOp.SUM else 1.0 / world
+        exact = torch.empty(output_tensor.shape, dtype=torch.float32, device=output_tensor.device)
+        reduce_scatter_flat(exact, input_tensor.detach().float(), op, group)
+        self.comm.meter("guard", exact.numel() * exact.element_size(), exact.numel())
+        row = self.row(output_tensor.device)
+        row[SCALED_LOCAL] += _sq(input_tensor.detach()) * (scale * scale * world)
+        row[EXACT_SQ] += _sq(exact)
+        work = self.comm(output_tensor, input_tensor, group, op, async_op)
+        if work is not None:
+            work.wait()
+        row[GRAD_ERR] += _sq(output_tensor.detach().float() - exact)
+        return work
+
+
+class GatherProbe(AllGather):
+    """Stands in for ``comm`` for one gather of a guarded step, then hands the group back to
+    ``comm`` (``restore()``): with ``stash`` it keeps a copy of this rank's shard (before the
+    optimizer step), else it measures against ``stash`` (after it) into ``row``."""
+
+    def __init__(self, comm: WeightAllGather, restore: Callable[[], None], stash: torch.Tensor | None,
+                 keep: Callable[[torch.Tensor], None], row: Callable[[torch.device], torch.Tensor]) -> None:
+        self.comm, self.restore, self.stash, self.keep, self.row = comm, restore, stash, keep, row
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.comm.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> Any:
+        if group is not self.comm.topology.group:  # a post-forward group's gather: not this step's first
+            return self.comm(output_tensor, input_tensor, group, async_op)
+        self.restore()
+        # FSDP2's input is this rank's slot of the output, which the gather overwrites.
+        shard = input_tensor.detach().clone()
+        work = self.comm(output_tensor, input_tensor, group, async_op)
+        if self.stash is None:
+            self.keep(shard)
+            return work
+        if work is not None:
+            work.wait()
+        n = shard.numel()
+        seen = output_tensor.detach().view(-1, n)[group.rank()]
+        row = self.row(shard.device)
+        row[UPDATE_SQ] += _sq(shard.float() - self.stash.float())
+        row[WEIGHT_ERR] += _sq(seen.float() - shard.float())
+        return work
