@@ -29,6 +29,7 @@ from typing import Any
 
 from qsdp.config import resolve_config
 from qsdp.text_table import aligned
+from qsdp.guard import DEFAULT_EVERY
 from qsdp.train.args import TrainArgs
 from qsdp.train.launcher import launch, plan_run
 from qsdp.train.owned import NotOwnedError, check_clearable, clear_owned, mark_owned
@@ -96,9 +97,14 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
+GUARDED = "+guard"  # a variant name ending so: the preset with the accuracy guard (its default K)
+
+
 def _train_args(spec: Spec, variant: str, seed: int, out: str, progress: bool) -> TrainArgs:
+    preset, guarded = variant.removesuffix(GUARDED), variant.endswith(GUARDED)
     return TrainArgs(
-        preset=variant, out=os.path.join(out, f"seed{seed}", variant), model=spec.model,
+        preset=preset, guard_every=DEFAULT_EVERY if guarded else 0,
+        out=os.path.join(out, f"seed{seed}", variant), model=spec.model,
         data=spec.data, steps=spec.steps, batch_size=spec.batch_size, seq_len=spec.seq_len,
         lr=spec.lr, warmup=max(1, spec.steps // 10), eval_every=max(1, spec.steps // 6),
         eval_batches=spec.eval_batches, ckpt_every=0, keep_checkpoints=1, seed=seed,
@@ -129,6 +135,7 @@ def _record(summary: dict[str, Any], seed: int, wall: float) -> dict[str, Any]:
         "grads_intra_bits_per_elt": wire["grads"]["intra"]["bits_per_element"],
         "grads_inter_bits_per_elt": wire["grads"]["inter"]["bits_per_element"],
         "wall_time_s": wall, "n_params": summary["n_params"], "tokens_per_step": summary["tokens_per_step"],
+        **({"guard": summary["guard"]} if summary.get("guard") else {}),
     }
 
 

@@ -217,6 +217,10 @@ def _add_process_group(parser: argparse.ArgumentParser, defaults: TrainArgs) -> 
                             "from the last checkpoint in --out (default 0; under torchrun use its own "
                             "--max-restarts)")
     group = parser.add_argument_group("reliability")
+    group.add_argument("--guard-every", type=int, default=defaults.guard_every, metavar="K",
+                       help="the accuracy guard: every K optimizer steps, measure each FSDP group's quantization "
+                            "noise on the run's data and give a group over qsdp check's limits more bits from "
+                            "then on, on every rank alike (default 0: off; 50 adds about 1%% bytes: docs/check.md)")
     group.add_argument("--on-nonfinite", default=defaults.on_nonfinite, choices=ON_NONFINITE,
                        help="when a rank reduces a NaN/Inf gradient: skip the step on every rank and "
                             "count it (default), or stop the run with an error naming the step")

@@ -3,12 +3,14 @@ the run's own data and ranks, and move a group whose noise outgrows SGD's up its
 
 A round (docs/check.md, "The guard while training"):
 
-1. the training forward that starts guarded step ``t`` hands every quantized group a probe
-   (:mod:`qsdp.guard.probes`): its first gather keeps this rank's shard, and each reduction of
-   step ``t`` also runs an exact reduce-scatter and adds the gradient statistics;
-2. the first forward after step ``t``'s optimizer step (training or evaluation) measures what
-   each group's gather delivers against the shard the optimizer wrote, in units of the update;
-3. the forward after that sums the statistics over the model's ranks (one all-reduce per mesh
+1. the training forward that starts guarded step ``t`` hands every quantized group's reduction
+   a probe (:mod:`qsdp.guard.probes`): each reduction of step ``t`` also runs an exact
+   reduce-scatter and adds the gradient statistics;
+2. the optimizer step's hooks take the size of its update of each weight-quantized group's
+   shard (a copy of the shard lives only while the optimizer steps);
+3. the first forward after it (training or evaluation) measures what each such group's first
+   gather delivers of this rank's shard against the shard itself;
+4. the forward after that sums the statistics over the model's ranks (one all-reduce per mesh
    dimension of ``groups x 5`` float64, the round's one host read), computes ``qsdp check``'s
    ratios per group and, where one is over its limit, moves that group one rung up
    (:mod:`qsdp.guard.ladder`) before its first gather. Every rank decides from the same summed
@@ -31,7 +33,8 @@ import torch.distributed as dist
 
 from .config import GuardConfig
 from .ladder import config_at, grad_rungs, weight_rungs
-from .probes import EXACT_SQ, FIELDS, GRAD_ERR, SCALED_LOCAL, UPDATE_SQ, WEIGHT_ERR, GatherProbe, ReductionProbe
+from .probes import EXACT_SQ, FIELDS, GRAD_ERR, SCALED_LOCAL, UPDATE_SQ, WEIGHT_ERR, GatherProbe, ReductionProbe, \
+    sum_sq_diff
 
 if TYPE_CHECKING:
     from ..fsdp import QuantizedComms
@@ -51,8 +54,8 @@ class GroupReading:
 
 @dataclass(frozen=True)
 class Escalation:
-    """One move of one group: at ``step`` (the optimizer steps taken; the first step it
-    applies to), ``part`` (``weights`` or ``gradients``) of group ``group`` (``name``) went from
+    """One move of one group: after ``step`` optimizer steps (it applies from the next one on),
+    ``part`` (``weights`` or ``gradients``) of group ``group`` (``name``) went from
     rung ``before`` to ``after`` because ``ratio`` exceeded ``limit``."""
 
     step: int
@@ -66,8 +69,13 @@ class Escalation:
 
     def line(self) -> str:
         what = "w err/step" if self.part == "weights" else "q/SGD"
-        return (f"qsdp guard: step {self.step}: {self.name}: {self.part} {self.before} -> {self.after} "
+        return (f"qsdp guard: after {self.step} steps: {self.name}: {self.part} {self.before} -> {self.after} "
                 f"({what} {self.ratio:.3g} > {self.limit:.3g})")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (a DTensor's local shard)."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _ratios(values: list[float], world: int) -> GroupReading:
@@ -97,26 +105,37 @@ class AccuracyGuard:
         self.phase = IDLE
         self._armed_at = -1
         self._stats: torch.Tensor | None = None
-        self._stashes: dict[int, torch.Tensor] = {}
+        self._before: dict[int, list[torch.Tensor]] = {}  # the shards before a guarded optimizer step
         self._weights = [handle.config.weights.mode != "plain" for _ in range(groups)]
         self._grads = [handle.config.grads.mode != "plain" for _ in range(groups)]
 
     # What the process-wide optimizer hooks call (qsdp.fsdp._TRACKERS).
     def before_optimizer_step(self) -> None:
-        pass
+        """In a round, keep this rank's shards of the weight-quantized groups until the step ends."""
+        if self.phase == GRADIENTS and self.steps == self._armed_at:
+            self._before = {i: [_local(p).detach().clone() for p in params]
+                            for i, params in enumerate(self.handle.group_parameters) if self._weights[i]}
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Count a step of an optimizer holding this model's parameters (any other is ignored)."""
+        """Count a step of an optimizer holding this model's parameters (any other is ignored);
+        in a round, add the size of its update to the statistics."""
+        before, self._before = self._before, {}
         if optimizer is not None:
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
             if not any(id(p) in held for params in self.handle.group_parameters for p in params):
+                self._before = before  # another optimizer's step: the round waits for this model's
                 return
+        for i, copies in before.items():
+            row = self._row(i)(copies[0].device) if copies else None
+            for p, old in zip(self.handle.group_parameters[i], copies):
+                row[UPDATE_SQ] += sum_sq_diff(_local(p), old)
         self.step()
 
     def step(self) -> None:
         """Count one update of the parameters. The optimizer hooks call it for every
         ``torch.optim`` optimizer holding them; a loop updating them any other way (a functional
-        optimizer) calls it once per update, on every rank."""
+        optimizer) calls it once per update, on every rank (the weights' ratio then stays
+        unmeasured: the update's size is taken around an optimizer's step)."""
         self.steps += 1
 
     def rungs(self, i: int) -> tuple[str, str]:
@@ -132,13 +151,12 @@ class AccuracyGuard:
         if self.phase == GRADIENTS and self.steps > self._armed_at:
             # This forward's first gathers measure; the next forward decides.
             self._probe_reductions(False)
-            self._probe_gathers(measure=True)
+            self._probe_gathers()
             self.phase = DECIDE
             return
         if self.phase == IDLE and torch.is_grad_enabled() and self._due():
             self._armed_at = self.steps
             self._probe_reductions(True)
-            self._probe_gathers(measure=False)
             self.phase = GRADIENTS
 
     def _due(self) -> bool:
@@ -158,16 +176,12 @@ class AccuracyGuard:
             if self._grads[i]:
                 module.set_custom_reduce_scatter(ReductionProbe(rs, self._row(i)) if on else rs)
 
-    def _probe_gathers(self, measure: bool) -> None:
+    def _probe_gathers(self) -> None:
         for i, (module, ag) in enumerate(zip(self.handle.modules, self.handle.all_gathers)):
-            if not self._weights[i] or (measure and i not in self._stashes):
-                continue
-            def restore(module=module, ag=ag) -> None:
-                module.set_custom_all_gather(ag)
-            def keep(shard: torch.Tensor, i=i) -> None:
-                self._stashes[i] = shard
-            module.set_custom_all_gather(
-                GatherProbe(ag, restore, self._stashes.pop(i) if measure else None, keep, self._row(i)))
+            if self._weights[i]:
+                def restore(module=module, ag=ag) -> None:
+                    module.set_custom_all_gather(ag)
+                module.set_custom_all_gather(GatherProbe(ag, restore, self._row(i)))
 
     def _device(self) -> torch.device:
         """The device of the model's parameters (where the sums are taken: NCCL's for CUDA)."""
@@ -182,7 +196,7 @@ class AccuracyGuard:
         for module, ag, rs in zip(self.handle.modules, self.handle.all_gathers, self.handle.reduce_scatters):
             module.set_custom_all_gather(ag)
             module.set_custom_reduce_scatter(rs)
-        self._stashes.clear()
+        self._before = {}
 
     def _decide(self) -> None:
         """Collective over the model's mesh: sum the round's statistics, read them (the round's
@@ -241,9 +255,13 @@ class AccuracyGuard:
 
     def state_dict(self) -> dict[str, Any]:
         """The levels (per group, as ``{"w": int, "g": int}`` keyed by the group's index), the
-        steps counted and the escalations so far: what a resume needs to continue as it was."""
+        steps counted, the escalations so far and a round in progress (its phase, start and this
+        rank's statistics; JSON-able): what a resume needs to decide as the run would have."""
+        stats = None if self._stats is None else self._stats.tolist()
         return {"levels": {str(i): {"w": w, "g": g} for i, (w, g) in enumerate(self.levels)},
-                "steps": self.steps, "escalations": [asdict(e) for e in self.escalations]}
+                "steps": self.steps, "escalations": [asdict(e) for e in self.escalations],
+                "round": {"phase": self.phase, "armed_at": self._armed_at, "stats": stats,
+                          "world": dist.get_world_size()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (before the comms' own state: a level changes their config)."""
@@ -255,5 +273,12 @@ class AccuracyGuard:
             self._apply(i)
         self.steps = int(state.get("steps", 0))
         self.escalations = [Escalation(**e) for e in state.get("escalations", [])]
-        self._restore_all()
-        self.phase, self._stats = IDLE, None
+        self.close()
+        saved = state.get("round") or {}
+        if saved.get("phase", IDLE) != IDLE and saved.get("world") == dist.get_world_size():
+            # Saved between a round's steps (a checkpoint after its optimizer step): it goes on.
+            self.phase, self._armed_at = saved["phase"], int(saved["armed_at"])
+            if saved.get("stats") is not None:
+                self._stats = torch.tensor(saved["stats"], dtype=torch.float64, device=self._device())
+            if self.phase == GRADIENTS:
+                self._probe_reductions(True)

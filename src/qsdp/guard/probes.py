@@ -18,13 +18,11 @@ work in its input's place), with ``R = a * sum_r x_r`` the reduction of the rank
   as ``guard`` bytes);
 * ``grad_err``: ``||Q(R)_shard - R_shard||^2``, the group's own result against it.
 
-Per weight gather (:class:`GatherProbe`), the first of the group in the guarded step's forward
-keeps a copy of this rank's shard; the first after the optimizer step adds
-
-* ``update_sq``: ``||w_new - w_old||^2`` of this rank's shard;
-* ``weight_err``: ``||W_seen - w_new||^2``, ``W_seen`` this rank's row of the gathered output:
-  what every rank's forward sees of this rank's shard (the dequantized row for direct
-  quantization, the replica's row for weight differences).
+Around the guarded step's optimizer step (the guard's hooks), ``update_sq``:
+``||w_new - w_old||^2`` of this rank's shard. Per weight gather (:class:`GatherProbe`), the
+first of the group after that step adds ``weight_err``: ``||W_seen - w_new||^2``, ``W_seen``
+this rank's row of the gathered output: what every rank's forward sees of this rank's shard
+(the dequantized row for direct quantization, the replica's row for weight differences).
 """
 
 from __future__ import annotations
@@ -43,6 +41,11 @@ SCALED_LOCAL, EXACT_SQ, GRAD_ERR, UPDATE_SQ, WEIGHT_ERR = range(len(FIELDS))
 
 def _sq(x: torch.Tensor) -> torch.Tensor:
     return x.double().square().sum()
+
+
+def sum_sq_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``||a - b||^2`` in float64, a 0-d tensor on their device (no host read)."""
+    return _sq(a.detach().float() - b.float())
 
 
 class ReductionProbe(ReduceScatter):
@@ -74,33 +77,27 @@ class ReductionProbe(ReduceScatter):
 
 
 class GatherProbe(AllGather):
-    """Stands in for ``comm`` for one gather of a guarded step, then hands the group back to
-    ``comm`` (``restore()``): with ``stash`` it keeps a copy of this rank's shard (before the
-    optimizer step), else it measures against ``stash`` (after it) into ``row``."""
+    """Stands in for ``comm`` for one gather after a guarded optimizer step, then hands the
+    group back to ``comm`` (``restore()``): adds the error of what the gather delivered of this
+    rank's shard to ``row``."""
 
-    def __init__(self, comm: WeightAllGather, restore: Callable[[], None], stash: torch.Tensor | None,
-                 keep: Callable[[torch.Tensor], None], row: Callable[[torch.device], torch.Tensor]) -> None:
-        self.comm, self.restore, self.stash, self.keep, self.row = comm, restore, stash, keep, row
+    def __init__(self, comm: WeightAllGather, restore: Callable[[], None],
+                 row: Callable[[torch.device], torch.Tensor]) -> None:
+        self.comm, self.restore, self.row = comm, restore, row
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.comm.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> Any:
-        if group is not self.comm.topology.group:  # a post-forward group's gather: not this step's first
+        if group is not self.comm.topology.group:  # a post-forward group's gather: not the forward's
             return self.comm(output_tensor, input_tensor, group, async_op)
         self.restore()
         # FSDP2's input is this rank's slot of the output, which the gather overwrites.
         shard = input_tensor.detach().clone()
         work = self.comm(output_tensor, input_tensor, group, async_op)
-        if self.stash is None:
-            self.keep(shard)
-            return work
         if work is not None:
             work.wait()
-        n = shard.numel()
-        seen = output_tensor.detach().view(-1, n)[group.rank()]
-        row = self.row(shard.device)
-        row[UPDATE_SQ] += _sq(shard.float() - self.stash.float())
-        row[WEIGHT_ERR] += _sq(seen.float() - shard.float())
+        seen = output_tensor.detach().view(-1, shard.numel())[group.rank()]
+        self.row(shard.device)[WEIGHT_ERR] += sum_sq_diff(seen, shard)
         return work

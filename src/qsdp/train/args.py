@@ -88,6 +88,9 @@ class TrainArgs:
         GPU ``LOCAL_RANK % device_count``); ``nccl`` needs one GPU a rank. Both are only used
         when ``train_worker`` creates the process group.
     cache_dir: token and tokenizer caches; ``None`` = ``$QSDP_CACHE_DIR`` or ``~/.cache/qsdp``.
+    guard_every: the accuracy guard (``quantize_comms(guard=K)``): every this many optimizer steps
+        each FSDP group's quantization noise is measured on the run's data, and a group over
+        ``qsdp check``'s limits takes more bits from then on (docs/check.md); 0 (default): off.
     sync_timing: wait for the GPU at the end of every step, so that ``step_time_s`` is the
         step's own device time (one more host sync per step); otherwise a step's time also holds
         what the device still had to do of the step before (see :mod:`qsdp.train.trainer`).
@@ -128,6 +131,7 @@ class TrainArgs:
     cache_dir: str | None = None
     progress: bool = True
     sync_timing: bool = False
+    guard_every: int = 0
 
     def __post_init__(self) -> None:
         if self.resume_from is not None:
@@ -237,6 +241,10 @@ def _check_choices(args: TrainArgs) -> None:
     _need(args.resume_from is None or (isinstance(args.resume_from, str) and bool(args.resume_from.strip())),
           f"resume_from must name a checkpoint (step_XXXXXXXX), got {args.resume_from!r}")
     _need(isinstance(args.hsdp, bool), f"hsdp must be a bool, got {args.hsdp!r}")
+    _need(is_int(args.guard_every) and 0 <= args.guard_every <= MAX_COUNT,
+          f"guard_every must be a non-negative number of steps (0 = off), got {args.guard_every!r}")
+    _need(not (args.hsdp and args.guard_every), "guard_every is not supported with hsdp yet (the guard measures the "
+          "shard group's reduce-scatter, not the all-reduce across replicas): leave --guard-every out")
 
 
 def validate_args(args: TrainArgs) -> QuantConfig:

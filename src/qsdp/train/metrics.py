@@ -11,7 +11,9 @@ per logged step (:func:`train_record`)::
     nonfinite_skipped (steps skipped so far; grad_norm is null on a skipped step)
     hsdp (whether the run shards inside the node and replicates across nodes)
 
-and ``{"step", "val_loss"}`` lines. Bytes are cumulative since the start of the run (resumes
+and ``{"step", "val_loss"}`` lines, and with the accuracy guard one ``{"step", "guard": {group,
+name, part, from, to, ratio, limit}}`` line per move of a group (``wire_bytes_guard_{level}``
+count its exact reductions). Bytes are cumulative since the start of the run (resumes
 included) and summed over all ranks (:class:`WireTotals`): the whole job's traffic as the byte
 meter counts it (see :mod:`qsdp.comm.meter`), evaluation forwards included.
 """

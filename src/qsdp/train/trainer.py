@@ -142,7 +142,7 @@ def shard_and_quantize(
     without HSDP)."""
     if not args.hsdp:
         model, dtype_name = build_model(args, vocab_size, device)
-        return model, dtype_name, qsdp.quantize_comms(model, plan.config), None
+        return model, dtype_name, qsdp.quantize_comms(model, plan.config, guard=args.guard_every or None), None
     # The nodes are the hosts (or QSDP_NODE), however many torchrun agents each runs;
     # --local-world-size emulates nodes of consecutive ranks.
     groups = qsdp.hsdp_groups(ranks_per_node=plan.config.local_world_size, device_type=device.type)
@@ -229,6 +229,9 @@ class Trainer:
         self.model, self.dtype_name, self.comms, self.hsdp_layout = shard_and_quantize(
             args, plan, dataset.vocab_size, device)
         self.optimizer = make_optimizer(self.model, args)
+        self.current_step = 0  # the step running (1-based), for the guard's records
+        if self.comms.guard is not None:
+            self.comms.guard.on_escalate.append(self._escalated)
         qsdp.comm_stats(reset=True)
         implementations_run(reset=True)  # the summary reports the codecs this run's steps used
         self.state = RunState()
@@ -252,6 +255,12 @@ class Trainer:
         self.writer = MetricsWriter(args.out, enabled=self.rank == 0)
         self.bar = self._progress_bar()
         self.postfix: dict[str, str] = {}  # progress bar: loss, tokens/s, bits/element on the wire
+
+    def _escalated(self, move: Any) -> None:
+        """A metrics line for each move of the accuracy guard (``{"step", "guard": {...}}``)."""
+        self.writer.write({"step": self.current_step, "guard": {
+            "group": move.group, "name": move.name, "part": move.part, "from": move.before, "to": move.after,
+            "ratio": move.ratio, "limit": move.limit}})
 
     def _progress_bar(self) -> Any:
         """rank 0's tqdm bar, or ``None`` (other ranks, ``--no-progress``)."""
@@ -282,6 +291,7 @@ class Trainer:
         """Forward, backward and (unless some rank's gradient is not finite) the optimizer
         step of the 1-based step ``step``."""
         args, started = self.args, time.perf_counter()
+        self.current_step = step
         progress.mark(f"step {step}")
         self.faults.hold(step, self.rank)
         self.faults.stall(step, self.rank)
@@ -485,4 +495,14 @@ class Trainer:
             "torch_version": torch.__version__, "qsdp_version": qsdp.__version__,
             "device": device_name(self.device), "backend": str(dist.get_backend()),
             "codec_kernels": implementations_run(),
+            "guard": self._guard_summary(),
         }
+
+    def _guard_summary(self) -> dict[str, Any] | None:
+        """The accuracy guard's moves and every group's rungs at the end, or ``None`` without one."""
+        guard = self.comms.guard
+        if guard is None:
+            return None
+        return {"every": guard.config.every, "escalations": [dataclasses.asdict(e) for e in guard.escalations],
+                "rungs": {guard.names[i]: dict(zip(("weights", "gradients"), guard.rungs(i)))
+                          for i in range(len(guard.levels))}}
