@@ -209,7 +209,7 @@ def run(spec: Spec, *, out: str = "runs/convergence", reuse: bool = False,
     """Train every variant with every seed and return the JSON-ready result; the first seed's
     loss curves go to ``plots`` (default: ``OUT/seed<first>``)."""
     for v in spec.variants:
-        resolve_config(v)  # every name is valid before the first run starts
+        resolve_config(v.removesuffix(GUARDED))  # every name is valid before the first run starts
     records = _train_all(spec, out, reuse, progress)
     first = next(iter(records.values()))[0]
     plots = _plot_seed(out, spec.seeds[0], spec.variants, plots)
