@@ -155,9 +155,11 @@ class QuantizedComms:
         """Call after the parameters were loaded: their counters become the reference.
         ``state`` is what :meth:`state_dict` returned; other keys are a ``ValueError``. Replica
         rows in it (held when saved, every row this rank holds) are restored; missing or not
-        held, the replicas are re-established with exact values at the next gather."""
+        held, the replicas are re-established with exact values at the next gather. A guard's
+        state (its groups' levels) is restored first; saved by a guarded handle and loaded into
+        one without a guard, it is ignored with a warning (the groups go back to the config)."""
         expected = {"all_gather", "reduce_scatter"}
-        keys = set(state) if isinstance(state, Mapping) else None
+        keys = set(state) - {"guard"} if isinstance(state, Mapping) else None
         if keys != expected:
             got = "not a dict" if keys is None else "; ".join(
                 f"{what} keys {', '.join(map(repr, sorted(map(str, ks))))}"
