@@ -10,9 +10,11 @@ job's: forward and backward on the rank's micro-batch, :func:`qsdp.check_gradien
 one host read), AdamW.
 
 After ``--warmup`` steps (the Triton kernels' compilation among them), ``--steps`` steps are
-timed on the wall clock (``wall_step_ms``; on CUDA the device is synchronized before and after),
-then as many run under ``torch.profiler`` with each call of a comm object inside a range
-``qsdp.comm.<class>`` and each collective inside ``qsdp.wire``:
+timed on the wall clock, each from its start to the next one's (on CUDA the device is
+synchronized before the first and after the last; the step's host read of the gradient check
+keeps the host within a step of the device): ``wall_step_ms`` is their median,
+``wall_steps_ms`` each. As many steps then run under ``torch.profiler`` with each call of a comm
+object inside a range ``qsdp.comm.<class>`` and each collective inside ``qsdp.wire``:
 
 * on CUDA the step's time is the GPU time of every GPU activity of those steps (kernels, copies,
   fills), and qsdp's the GPU time of the work the comm objects' calls launched, less the
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 import time
 from collections import Counter
@@ -315,11 +318,17 @@ def _measure(state: OneRankStep) -> dict[str, Any]:
     _sync(state.device)
     implementations_run(reset=True)
     state.handle.comm_stats(reset=True)
-    t0 = time.perf_counter()
-    for _ in range(spec.steps):
+    # Each step's wall time, from its start to the next one's (the last: to the device's end). A
+    # step reads the gradient check on the host, so the host never runs more than a step ahead,
+    # and no synchronization is added between steps.
+    clock = [time.perf_counter()]
+    for i in range(spec.steps):
         loss = state.step()
-    _sync(state.device)
-    wall = (time.perf_counter() - t0) / spec.steps
+        if i == spec.steps - 1:
+            _sync(state.device)
+        clock.append(time.perf_counter())
+    walls = [b - a for a, b in zip(clock, clock[1:])]
+    wall = statistics.median(walls)
     stats = state.handle.comm_stats(reset=True)
     kernels = implementations_run(reset=True)
     gpu = state.device.type == "cuda"
@@ -338,7 +347,8 @@ def _measure(state: OneRankStep) -> dict[str, Any]:
         "by_comm_share": {k: v / step_us for k, v in sorted(t["by_comm"].items())} if step_us else {},
         "wire_ms": t["wire_us"] * per,
         "comm_calls": {k: v / spec.steps for k, v in sorted(t["calls"].items())},
-        "wall_step_ms": wall * 1e3, "loss": float(loss), "codec_kernels": kernels,
+        "wall_step_ms": wall * 1e3, "wall_steps_ms": [w * 1e3 for w in walls], "loss": float(loss),
+        "codec_kernels": kernels,
         # Above 1 by what the step waits for beyond its profiled time: on a GPU, the host.
         "wall_over_step": wall * 1e3 / (step_us * per) if step_us else None,
         "wire_bits": _bits(stats),
@@ -381,7 +391,7 @@ def format_table(result: dict[str, Any]) -> str:
     title = (f"rank {result['rank']} of {result['nodes']} x {result['ranks_per_node']} in one process (FSDP2 + "
              f"quantize_comms) training GPT '{result['model']}' ({result['n_params'] / 1e6:.1f}M), "
              f"{result['batch_size']} x {result['seq_len']} tokens, {result['param_dtype']}; {result['time']} per "
-             f"step, mean of {result['steps']}")
+             f"step, mean of {result['steps']} (wall: their median)")
     notes = ["per comm class: its share of the step (its calls a step); share: the comm objects' work less "
              "their collectives"]
     return "\n".join([title, *aligned(lines, rule=True), *notes])
