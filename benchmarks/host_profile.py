@@ -1,13 +1,14 @@
 """``python -m benchmarks.host_profile``: where one rank's step spends its host time.
 
 Builds the step of ``qsdp bench codec-share`` (:class:`qsdp.bench.codec_share.OneRankStep`: one
-rank of 2 x 4 playing its gathers and reduce-scatters on its own data) for each preset, runs
-three warm-up steps, then writes into ``--out``, per preset:
+rank of 2 x 4 trained in one process by FSDP2 with the comm objects ``quantize_comms`` attaches)
+for each preset, runs three warm-up steps, then writes into ``--out``, per preset:
 
 - ``<preset>-syncs.txt``: every host-device synchronization of one step with the stack that made
   it (``torch.cuda.set_sync_debug_mode``; CUDA only);
 - ``<preset>-ops.txt``: the torch profiler's operators and ranges of two steps by self CPU time
-  and by count (``cudaLaunchKernel`` and ``cuLaunchKernelEx`` count the launches);
+  and by count (``cudaLaunchKernel`` and ``cuLaunchKernelEx`` count the launches; each comm call
+  is a range ``qsdp.comm.<class>``, each collective ``qsdp.wire``);
 - ``<preset>-cprofile.txt``: Python's profile of two steps by own and by cumulative time.
 
 On a GPU the step's wall time over its GPU time (``codec-share``'s ``wall_over_step``) says that
@@ -30,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from qsdp.bench.codec_share import OneRankStep, ShareSpec
+from qsdp.bench.one_rank import ranged_comms
 
 
 def _sync(device: str) -> None:
@@ -60,7 +62,12 @@ def sync_stacks(state: OneRankStep) -> Counter:
 
 def profile_preset(spec: ShareSpec, preset: str, out: Path) -> float:
     """Write the three files of ``preset``; returns one step's wall time in ms."""
-    state = OneRankStep(spec, preset)
+    with OneRankStep(spec, preset) as state:
+        return _profile(state, preset, out)
+
+
+def _profile(state: OneRankStep, preset: str, out: Path) -> float:
+    spec = state.spec
     for _ in range(spec.warmup):
         state.step()
     _sync(spec.device)
@@ -73,7 +80,7 @@ def profile_preset(spec: ShareSpec, preset: str, out: Path) -> float:
     lines += [f"==== x{n}\n{stack}" for stack, n in stacks.most_common(25)]
     (out / f"{preset}-syncs.txt").write_text("\n".join(lines) + "\n")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if spec.device == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with ranged_comms(state.handle), profile(activities=activities) as prof:
         state.step()
         state.step()
         _sync(spec.device)

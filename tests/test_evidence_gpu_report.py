@@ -215,6 +215,30 @@ def test_the_codec_share_summary_says_whether_sdp4bit_meets_its_goal(tmp_path):
                                                           "(sdp4bit <= 3%: met)")
 
 
+def test_the_codec_share_summary_gives_each_presets_wall_step_against_fsdps_and_the_goal(tmp_path):
+    rows = {"fsdp": {"share": 0.0, "wall_step_ms": 40.0, "wall_vs_fsdp": 1.0},
+            "qsdp": {"share": 0.01, "wall_step_ms": 42.0, "wall_vs_fsdp": 1.05},
+            "sdp4bit": {"share": 0.04, "wall_step_ms": 48.0, "wall_vs_fsdp": 1.2}}
+    (tmp_path / "codec-share.json").write_text(json.dumps({"presets": rows}))
+    assert gpu_report.summarize_codec_share(tmp_path) == (
+        "qsdp's share of a step: fsdp 0.0%, qsdp 1.0%, sdp4bit 4.0% (sdp4bit <= 3%: missed); "
+        "wall step vs fsdp: qsdp 1.05x, sdp4bit 1.20x (every preset <= 1.10x: missed)")
+
+
+def test_the_codec_share_summary_of_a_result_without_the_ratio_takes_it_from_the_wall_steps():
+    # The H200's result at c14eb26 was written before the rows named the ratio.
+    assert gpu_report.summarize_codec_share(H200).endswith(
+        "wall step vs fsdp: qsdp 1.22x, sdp4bit 3.53x, zeropp 1.57x (every preset <= 1.10x: missed)")
+
+
+def test_the_codec_share_stage_measures_the_comm_objects_fsdp2_calls():
+    from benchmarks.stage_validity import measured_files
+
+    stage = next(s for s in STAGES if s.name == "codec-share")
+    assert {"src/qsdp/fsdp.py", "src/qsdp/comm/reduce_scatter.py", "src/qsdp/comm/difference.py",
+            "src/qsdp/comm/all_gather.py", "src/qsdp/bench/census.py"} <= set(measured_files(stage.measures, ROOT))
+
+
 # --------------------------------------------------------------------------- the sweep's package
 
 

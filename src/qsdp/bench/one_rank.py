@@ -1,204 +1,133 @@
-"""One rank's part of the collectives, played in one process: its codec work, not its wire.
+"""One rank of a ``D x M`` world trained in one process: FSDP2 with qsdp's own comm objects.
 
-In each collective a rank of a ``D x M`` world runs the codec calls of :mod:`qsdp.comm` on its
-own data: it encodes its shard or its gradient and decodes what its peers sent. Here one process
-plays rank ``rank`` alone. :class:`RankGather` and :class:`RankReduceScatter` make that rank's
-calls with the codecs, seeds, rounding slices and row order of the comm objects
-(:class:`~qsdp.comm.all_gather.QuantizedAllGather`,
-:class:`~qsdp.comm.difference.DifferenceAllGather`,
-:class:`~qsdp.comm.reduce_scatter.QuantizedReduceScatter`), and stand the peers' rows in with
-copies of this rank's own: decoding costs the same whatever the bytes are.
+A rank's step is FSDP2's (gathers before forward and again before backward, copies into and out
+of the gathered buffers, the reduce-scatters in fp32, on FSDP2's own streams) and qsdp's comm
+objects, attached by :func:`qsdp.quantize_comms` as a training job attaches them
+(:class:`~qsdp.comm.reduce_scatter.QuantizedReduceScatter`,
+:class:`~qsdp.comm.all_gather.QuantizedAllGather`, :class:`~qsdp.comm.all_gather.DifferenceAllGather`
+and the fsdp preset's plain ones). Only the peers are missing: the process group is the launch
+census's one-process backend (:class:`qsdp.bench.census.CensusGroup`), whose collectives deliver
+this rank's own send buffer as every peer's. The bytes differ from a real world's, the work of
+the rank does not, and the collective itself is one device copy, far shorter than a transfer.
 
-Every piece of qsdp's own work (the codec calls and the layout and bookkeeping copies around
-them) runs inside a ``torch.profiler`` range ``qsdp.codec.<step>``, the step named after the
-workload of ``qsdp bench kernels`` it runs where one matches (``quantize``, ``hadamard_quantize``,
-``dequantize_requantize``, ``dequantize_accumulate``, ``weight_difference_quantize``,
-``replica_update``; also ``dequantize``, a direct gather's decode, and ``replica_fill``); the
-copies that stand in for the wire run outside them. A profile of a step therefore tells qsdp's
-kernels from the rest (:mod:`qsdp.bench.codec_share`).
-
-With nearest rounding and every rank holding the same data the peers' rows really are this
-rank's, so the results equal what :mod:`qsdp.check.emulate` gives that rank (tests check this).
+:func:`one_process_world` makes that world (``torch.distributed``'s default group, on the CPU or
+on one CUDA device); :func:`ranged_comms` names each call of a comm object in the profiler
+(``qsdp.comm.<class>``), and the emulated wire inside it is named ``qsdp.wire``, so a profile
+tells qsdp's work (:mod:`qsdp.bench.codec_share`) from the collectives' and from the model's.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Iterator
+
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..codecs.rng import derive_seed
-from ..comm.difference import replica_layout
-from ..comm.reduce_scatter import TwoHopPlan, grad_codec, pipelines_exchanges
-from ..comm.row_layout import RowLayout
-from ..comm.topology import Topology
-from ..comm.weight_codec import weight_codec
-from ..comm.wire import sum_rows
-from ..config import QuantConfig
+from ..comm.rank_alone import CompletedWork
+from .census import CensusGroup
 
-__all__ = ["CODEC_RANGE", "RankGather", "RankReduceScatter", "gather_kind"]
+__all__ = ["BACKEND", "COMM_RANGE", "WIRE_RANGE", "StepGroup", "one_process_world", "in_one_process_world", "ranged_comms"]
 
-CODEC_RANGE = "qsdp.codec"
+BACKEND = "qsdp-one-rank"
+COMM_RANGE = "qsdp.comm"
+WIRE_RANGE = "qsdp.wire"
 
 
-def _codec(step: str) -> record_function:
-    """The profiler range of one piece of qsdp's work."""
-    return record_function(f"{CODEC_RANGE}.{step}")
+class StepGroup(CensusGroup):
+    """The census's group with what FSDP2 and :func:`qsdp.quantize_comms` ask of a group
+    besides the collectives the comm objects make: a name (a device mesh is made from the group),
+    the list all-gather of ``all_gather_object`` (the config's agreement) and a broadcast. While
+    :attr:`ranged` is set, each collective runs inside a :data:`WIRE_RANGE` profiler range."""
+
+    ranged = False
+
+    @property
+    def group_name(self) -> str:
+        return dist.distributed_c10d._world.pg_names[self]
+
+    @contextlib.contextmanager
+    def _wire(self, name: str, sent: torch.Tensor) -> Iterator[None]:
+        with super()._wire(name, sent):
+            if StepGroup.ranged:
+                with record_function(WIRE_RANGE):
+                    yield
+            else:
+                yield
+
+    def allgather(self, output_lists, inputs, opts=None):
+        with self._wire("all_gather", inputs[0]):
+            for outputs, sent in zip(output_lists, inputs):
+                for out in outputs:
+                    out.copy_(sent)
+        return CompletedWork([out for outputs in output_lists for out in outputs])
+
+    def broadcast(self, tensors, opts=None):
+        return CompletedWork(tensors)
+
+    def getBackendName(self) -> str:
+        return BACKEND
 
 
-def _encode_step(codec) -> str:
-    return "hadamard_quantize" if codec.hadamard_block and not codec.exact else "quantize"
+def _make_group(store, rank, size, timeout) -> StepGroup:
+    return StepGroup(rank, size)
 
 
-def _peers(rows: torch.Tensor, count: int) -> torch.Tensor:
-    """What a collective delivers when all ``count`` senders sent ``rows``: their copies one
-    after another, in a new buffer (the wire's stand-in)."""
-    return rows.repeat(count, 1)
+@contextlib.contextmanager
+def one_process_world(nodes: int, ranks_per_node: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
+    """This process as rank ``rank`` of a world of ``nodes * ranks_per_node`` on the
+    :class:`StepGroup` backend (CPU or CUDA tensors), the default process group until the
+    context ends. The nodes are not the group's: :func:`qsdp.quantize_comms` is told them with
+    ``local_world_size=ranks_per_node``."""
+    if dist.is_initialized():
+        raise RuntimeError("the one-process world needs a process without a default process group")
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _make_group, devices=["cpu", "cuda"])
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=nodes * ranks_per_node)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
-def gather_kind(cfg: QuantConfig, nodes: int, ranks_per_node: int, numel: int) -> str:
-    """How a group's weight all-gather travels: ``plain`` (unquantized, also a node replica's
-    ``exact`` layout on one node), ``direct``, or the weight-difference replicas ``full`` or
-    ``node``."""
-    w = cfg.weights
-    if w.mode == "plain" or not cfg.quantizes_shard(numel):
-        return "plain"
-    if w.mode == "direct":
-        return "direct"
-    layout = replica_layout(w.replica, nodes, ranks_per_node)
-    return "plain" if layout == "exact" else layout
+def in_one_process_world() -> bool:
+    """Whether the default process group is a :func:`one_process_world`'s."""
+    return dist.is_initialized() and isinstance(dist.group.WORLD, StepGroup)
 
 
-class RankGather:
-    """One FSDP group's weight all-gather as rank ``rank`` of ``nodes x ranks_per_node`` runs it.
+class _Ranged:
+    """A comm object as FSDP2 calls it (``allocate``, then the call), each call inside a
+    ``qsdp.comm.<class>`` profiler range; everything else is the comm's own."""
 
-    ``shard``: the rank's first shard (``[n]``, the parameter dtype); a weight-difference replica
-    starts from it as the exact first gather would leave it (every row this rank's, see the
-    module doc). Each call fills ``output`` (``[world * n]``, the parameter dtype).
-    """
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.range = f"{COMM_RANGE}.{type(comm).__name__}"
 
-    def __init__(self, cfg: QuantConfig, nodes: int, ranks_per_node: int, rank: int, comm_id: int,
-                 shard: torch.Tensor) -> None:
-        self.cfg, self.d, self.m, self.rank, self.comm_id = cfg, nodes, ranks_per_node, rank, comm_id
-        self.world = nodes * ranks_per_node
-        self.node, self.local = divmod(rank, ranks_per_node)
-        self.n = shard.numel()
-        self.kind = gather_kind(cfg, nodes, ranks_per_node, self.n)
-        self.codec = weight_codec(cfg.weights)
-        self.version = 0
-        holders = {"full": self.world, "node": nodes}.get(self.kind, 0)
-        self.replica = _peers(shard.detach().view(1, self.n), holders) if holders else None
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.comm.allocate(*args, **kwargs)
 
-    def __call__(self, shard: torch.Tensor, output: torch.Tensor, changed: bool) -> None:
-        """One gather; ``changed``: the shard changed since the last one (an optimizer step)."""
-        n, world = self.n, self.world
-        rows = output.view(world, n)
-        mine = shard.detach().view(1, n)
-        if self.kind == "plain":
-            rows.copy_(_peers(mine, world))
-            return
-        if self.kind == "direct":
-            self.version += int(changed)
-            with _codec("quantize"):
-                send = self.codec.encode(mine, seed=derive_seed(self.cfg.seed, self.comm_id, self.version, self.rank, 1))
-            recv = _peers(send, world)
-            with _codec("dequantize"):
-                self.codec.decode_into(recv, n, rows)
-            return
-        if changed:
-            self._update(mine)
-        self._fill(rows)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with record_function(self.range):
+            return self.comm(*args, **kwargs)
 
-    def _update(self, mine: torch.Tensor) -> None:
-        self.version += 1
-        own = self.node if self.kind == "node" else self.rank
-        seed = derive_seed(self.cfg.seed, self.comm_id, self.version, self.rank, 2)
-        with _codec("weight_difference_quantize"):
-            send = self.codec.encode_difference(mine, self.replica[own].view(1, self.n), seed=seed)
-        recv = _peers(send, self.replica.shape[0])
-        with _codec("replica_update"):
-            self.codec.decode_into(recv, self.n, self.replica, add=True)
-
-    def _fill(self, rows: torch.Tensor) -> None:
-        if self.kind == "full":
-            with _codec("replica_fill"):
-                rows.copy_(self.replica)
-            return
-        # node replicas: the node's ranks gather their rows exactly, local-rank-major
-        received = _peers(self.replica.reshape(1, -1), self.m).view(self.m, self.d, self.n)
-        with _codec("replica_fill"):
-            rows.view(self.d, self.m, self.n).copy_(received.transpose(0, 1))
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.comm, name)
 
 
-class RankReduceScatter:
-    """One FSDP group's gradient reduce-scatter (``op=AVG``) as rank ``rank`` runs it."""
-
-    def __init__(self, cfg: QuantConfig, nodes: int, ranks_per_node: int, rank: int, comm_id: int) -> None:
-        self.cfg, self.d, self.m, self.rank, self.comm_id = cfg, nodes, ranks_per_node, rank, comm_id
-        self.world = nodes * ranks_per_node
-        self.node, self.local = divmod(rank, ranks_per_node)
-        self.calls = 0
-        # Built once, as the comm objects hold theirs: its exchange index is made on the device
-        # at the first call and reused (a new one per call would add a host-to-device copy,
-        # blocking on a GPU, that the real path does not make).
-        self.topology = Topology.contiguous(nodes, ranks_per_node, rank)
-        self._plans: dict[tuple, TwoHopPlan] = {}
-
-    def _seed(self, *parts: int) -> int:
-        return derive_seed(self.cfg.seed, self.comm_id, self.calls, self.rank, *parts)
-
-    def __call__(self, grads: torch.Tensor) -> torch.Tensor:
-        """``grads``: this rank's ``input_tensor`` as ``[world, s]``; returns its ``[s]`` fp32
-        output, the average of every rank's row ``rank`` (all of them this rank's here)."""
-        world, s = grads.shape
-        g, d, m = self.cfg.grads, self.d, self.m
-        if g.mode == "plain" or not self.cfg.quantizes_shard(s):
-            return sum_rows(_peers(grads[self.rank:self.rank + 1].float(), world)) / world
-        self.calls += 1
-        if g.mode == "one_level" or d == 1 or m == 1:
-            bits = g.bits if g.mode == "one_level" else (g.bits_intra if d == 1 else g.bits_inter)
-            codec = grad_codec(g, bits, grads.dtype)
-            with _codec(_encode_step(codec)):
-                send = codec.encode(grads, seed=self._seed(3))
-            recv = _peers(send[self.rank:self.rank + 1], world)
-            with _codec("dequantize_accumulate"):
-                return codec.decode_sum(recv, s, finish=True) / world
-        return self._two_hops(grads)
-
-    def _two_hops(self, grads: torch.Tensor) -> torch.Tensor:
-        """The exchanges of :meth:`QuantizedReduceScatter._two_hops` with their codec calls: the
-        rounding slices of an exchange encoded, requantized and decoded by one call each."""
-        d, m = self.d, self.m
-        s = grads.shape[1]
-        plan = self._plan(grads)
-        hop1, hop2 = plan.hop1, plan.hop2
-        out = torch.empty(plan.lp, dtype=torch.float32, device=grads.device)
-        order = self.topology.exchange_index(grads.device)
-        prefix1, prefix2 = self._seed(4), self._seed(5)
-        for run in plan.runs:
-            with _codec(_encode_step(hop1)):
-                send = torch.empty(grads.shape[0], run.nbytes(hop1), dtype=torch.uint8, device=grads.device)
-                hop1.encode_slices(grads, run, prefix=prefix1, out=send, order=order)
-            # hop 1 inside the node: every local peer's D rows for this local rank
-            recv = _peers(send[self.local * d:(self.local + 1) * d], m)
-            with _codec("dequantize_requantize"):
-                send2 = torch.empty(d, run.nbytes(hop2), dtype=torch.uint8, device=grads.device)
-                hop1.decode_sum_encode_slices(recv, run, sources=m, codec=hop2, prefix=prefix2, out=send2)
-            # hop 2 between nodes: every node's partial sum of this node's row
-            recv2 = _peers(send2[self.node:self.node + 1], d)
-            with _codec("dequantize_accumulate"):
-                hop2.decode_sum_slices(recv2, run, out)
-        with _codec("dequantize_accumulate"):
-            return out[:s] / grads.shape[0]
-
-    def _plan(self, grads: torch.Tensor) -> TwoHopPlan:
-        """The comm's plan for this shape, built once: its exchanges as NCCL would group them on
-        a GPU (one per hop where the host moves the bytes: CPU tensors)."""
-        key = (tuple(grads.shape), grads.dtype, str(grads.device))
-        if key not in self._plans:
-            host_moves_bytes = not pipelines_exchanges(grads.device.type, "nccl")
-            self._plans[key] = TwoHopPlan.of(self.cfg.grads, grads, self.d, self._layout, host_moves_bytes)
-        return self._plans[key]
-
-    @staticmethod
-    def _layout(length: int, unit: int, device: torch.device) -> RowLayout:
-        return RowLayout.of(None, length, unit, device)
+@contextlib.contextmanager
+def ranged_comms(handle: Any) -> Iterator[None]:
+    """Within it, FSDP2 calls each comm object of ``handle`` (what :func:`qsdp.quantize_comms`
+    returned) inside a ``qsdp.comm.<class>`` range and each collective of the world inside a
+    :data:`WIRE_RANGE` range; the comm objects are FSDP2's again after."""
+    for module, ag, rs in zip(handle.modules, handle.all_gathers, handle.reduce_scatters):
+        module.set_custom_all_gather(_Ranged(ag))
+        module.set_custom_reduce_scatter(_Ranged(rs))
+    StepGroup.ranged = True
+    try:
+        yield
+    finally:
+        StepGroup.ranged = False
+        for module, ag, rs in zip(handle.modules, handle.all_gathers, handle.reduce_scatters):
+            module.set_custom_all_gather(ag)
+            module.set_custom_reduce_scatter(rs)
