@@ -62,7 +62,8 @@ def _train(rank, world, preset, guard, steps, lr=1e-3, overrides=None, outlier=N
             "readings": None if g is None else [(s, [(r.grad_ratio, r.weight_ratio) for r in rs]) for s, rs in g.readings],
             "guard_bytes": handle.comm_stats()["guard"]["total"]["bytes"],
             "bits": [(ag.config.weights.bits, ag.exact, rs.config.grads.bits_inter, rs.config.grads.quantize)
-                     for ag, rs in zip(handle.all_gathers, handle.reduce_scatters)]}
+                     for ag, rs in zip(handle.all_gathers, handle.reduce_scatters)],
+            "gathers": [type(ag).__name__ for ag in handle.all_gathers]}
 
 
 def test_an_unescalated_guarded_run_is_bit_identical_to_an_unguarded_one():
@@ -78,17 +79,22 @@ def test_an_unescalated_guarded_run_is_bit_identical_to_an_unguarded_one():
     assert all(r["guard_bytes"] > 0 == plain[0]["guard_bytes"] for r in guarded)
 
 
-def test_four_bit_direct_weights_move_to_eight_bits_on_every_rank_at_the_same_step():
-    results = run_pooled(_train, 4, "qw4", GuardConfig(every=2), 7, local_world_size=2)
+def test_four_bit_direct_weights_move_to_differences_on_every_rank_at_the_same_step():
+    # verify_replicas_every=1: the new difference replicas are compared across their holders at
+    # every update (a divergence raises).
+    results = run_pooled(_train, 4, "qw4", GuardConfig(every=2), 7, overrides={"verify_replicas_every": 1},
+                         local_world_size=2)
     moves = results[0]["moves"]
     assert moves and all(r["moves"] == moves for r in results)
     # The first round (armed after 2 steps, decided after 4), weights only.
     assert {m[0] for m in moves} == {4} and {m[2] for m in moves} == {"weights"}
-    assert {(m[3], m[4]) for m in moves} == {("4-bit direct", "8-bit direct")}
+    assert {(m[3], m[4]) for m in moves} == {("4-bit direct", "4-bit difference")}
     assert len(moves) == 3  # every group: the root and both blocks
-    assert all(r["bits"] == [(8, False, 4, True)] * 3 for r in results)
-    # 4-bit weights on this net are off by 20-30 updates; 8-bit ones by about 1.
-    assert all(w > 10 for _, w in results[0]["readings"][0][1])
+    assert all(r["gathers"] == ["DifferenceAllGather"] * 3 and r["bits"] == [(4, False, 4, True)] * 3
+               for r in results)
+    # 4-bit direct weights on this net are off by 20-30 updates; their differences by 0.1.
+    first, second = results[0]["readings"][0][1], results[0]["readings"][1][1]
+    assert all(w > 10 for _, w in first) and all(w < 1 for _, w in second)
 
 
 def test_a_layer_with_outlier_gradients_is_the_one_that_escalates():
@@ -110,7 +116,7 @@ def test_escalated_weight_difference_replicas_stay_identical_on_every_rank():
     assert all(r["moves"] == moves for r in results)
     weight_moves = [(m[0], m[3], m[4]) for m in moves if m[2] == "weights" and m[1] == 0]
     assert weight_moves == [(4, "4-bit difference", "8-bit difference"), (6, "8-bit difference", "exact")]
-    assert all(r["bits"][0][:2] == (4, True) for r in results)  # exact: the config keeps its bits
+    assert all(r["bits"][0][:2] == (8, True) for r in results)  # exact (its config stays at the last rung)
 
 
 def _round_trip(rank, world):
@@ -121,14 +127,15 @@ def _round_trip(rank, world):
     state = handle.state_dict()
     fresh_model = fm.build(width=64)
     fresh = qsdp.quantize_comms(fresh_model, "qw4", overrides=NODES, guard=guard)
-    fresh.load_state_dict(json.loads(json.dumps(state)))  # the guard's part is JSON (comms.json)
-    return (handle.guard.levels, fresh.guard.levels, [ag.config.weights.bits for ag in fresh.all_gathers],
+    state["guard"] = json.loads(json.dumps(state["guard"]))  # the guard's part is JSON (comms.json)
+    fresh.load_state_dict(state)
+    return (handle.guard.levels, fresh.guard.levels, [type(ag).__name__ for ag in fresh.all_gathers],
             len(fresh.guard.escalations))
 
 
 def test_a_loaded_handle_keeps_the_escalations():
-    for saved, loaded, bits, moves in run_pooled(_round_trip, 4, local_world_size=2):
-        assert saved == loaded == [[1, 0]] * 3 and bits == [8, 8, 8] and moves == 3
+    for saved, loaded, gathers, moves in run_pooled(_round_trip, 4, local_world_size=2):
+        assert saved == loaded == [[1, 0]] * 3 and gathers == ["DifferenceAllGather"] * 3 and moves == 3
 
 
 def _comms_between_rounds(rank, world):

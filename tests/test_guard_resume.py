@@ -49,4 +49,5 @@ def test_a_guarded_run_killed_mid_round_resumes_with_the_same_escalations(tmp_pa
     assert b["final_weights_sha256"] == a["final_weights_sha256"]
     guard_lines = [r for r in read_metrics(ref) if "guard" in r]
     assert guard_lines and all(r["guard"]["part"] == "weights" for r in guard_lines)
-    assert json.dumps(a["guard"]["rungs"]).count("8-bit direct") == len(a["guard"]["rungs"])
+    # Direct 4-bit weights became differences: the resumed run loaded their replicas.
+    assert json.dumps(a["guard"]["rungs"]).count("4-bit difference") == len(a["guard"]["rungs"])

@@ -394,7 +394,7 @@ def _start_guard(handle: QuantizedComms, root: nn.Module, cfg: GuardConfig, mesh
     """Attach the accuracy guard: told of every forward of ``root`` (before the tracker's and
     FSDP2's own pre-forward hooks, so a move applies to that forward's first gather) and of
     every optimizer step."""
-    guard = handle.guard = AccuracyGuard(handle, cfg, mesh, labels)
+    guard = handle.guard = AccuracyGuard(handle, cfg, mesh, labels, functools.partial(_new_all_gather, handle))
     _optimizer_hooks()
     _TRACKERS.add(guard)
     handle._hooks.append(root.register_forward_pre_hook(lambda *_: guard.at_forward(), prepend=True))
@@ -540,6 +540,24 @@ def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Mo
     handle.all_gathers.append(ag)
     handle.reduce_scatters.append(rs)
     handle.group_parameters.append(params)
+
+
+def _new_all_gather(handle: QuantizedComms, i: int, cfg: QuantConfig) -> WeightAllGather:
+    """Give FSDP group ``i`` a new weight all-gather of ``cfg``'s mode in place of its own (the
+    guard moving direct weights to differences, on every rank at the same step): it watches the
+    same parameters and lays out the same rows; a difference gather's first call sends exact
+    values, as at the start of a run."""
+    old, m, params = handle.all_gathers[i], handle.modules[i], handle.group_parameters[i]
+    new = _ALL_GATHERS[cfg.weights.mode](cfg, handle.topology, i, handle.tracker)
+    new.track(params, old.name)
+    if isinstance(new, DifferenceAllGather):
+        new.expect_row(*all_gather_row(m), params[0].device if params else torch.device("cpu"))
+    new.post_forward = old.post_forward
+    new.use_row_spans(shard_row_spans(m))
+    new.bind_meter(handle.meter)
+    m.set_custom_all_gather(new)
+    handle.all_gathers[i] = new
+    return new
 
 
 def _native_replicas(fsdp_modules: list[nn.Module], replicate_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -37,6 +37,8 @@ from .probes import EXACT_SQ, FIELDS, GRAD_ERR, SCALED_LOCAL, UPDATE_SQ, WEIGHT_
     sum_sq_diff
 
 if TYPE_CHECKING:
+    from ..comm.base import WeightAllGather
+    from ..config import QuantConfig
     from ..fsdp import QuantizedComms
 
 LOG = logging.getLogger("qsdp.guard")
@@ -94,8 +96,9 @@ class AccuracyGuard:
     rank with each :class:`Escalation` (the trainer writes them into ``metrics.jsonl``)."""
 
     def __init__(self, handle: "QuantizedComms", config: GuardConfig, mesh: list[dist.ProcessGroup],
-                 names: list[str]) -> None:
+                 names: list[str], new_all_gather: Callable[[int, QuantConfig], WeightAllGather]) -> None:
         self.handle, self.config, self.mesh, self.names = handle, config, mesh, names
+        self._new_all_gather = new_all_gather  # group i's gather of another weight mode, swapped in
         groups = len(handle.modules)
         self.levels = [[0, 0] for _ in range(groups)]
         self.escalations: list[Escalation] = []
@@ -239,6 +242,8 @@ class AccuracyGuard:
         """Give group ``i``'s comms the config of its levels (every rank, at the same step)."""
         cfg, exact = config_at(self.handle.config, *self.levels[i])
         ag, rs = self.handle.all_gathers[i], self.handle.reduce_scatters[i]
+        if ag.config.weights.mode != cfg.weights.mode:
+            ag = self._new_all_gather(i, cfg)
         for comm in (ag, ag.post_forward, rs):
             if comm is not None:
                 comm.reconfigure(cfg)
