@@ -68,6 +68,7 @@ BENCHMARKS = {
     "memory": "qsdp.bench.memory",
     "phases": "qsdp.bench.phases",
     "census": "qsdp.bench.census",
+    "guard": "qsdp.bench.guard_cost",
 }
 # Benchmarks that only produce this repository's evidence: run from a clone (benchmarks/).
 MOVED_TO_REPOSITORY = {"convergence": "python -m benchmarks.convergence", "soak": "python -m benchmarks.soak"}

@@ -162,6 +162,16 @@ class AccuracyGuard:
             self._probe_reductions(True)
             self.phase = GRADIENTS
 
+    def upcoming(self) -> str:
+        """What the next training forward's step does for the guard: ``"gradients"`` (a guarded
+        step: its reductions are measured), ``"weights"`` (its first gathers are), ``"decide"``
+        (the round's sums and moves) or ``"plain"`` (nothing: the step runs as unguarded)."""
+        if self.phase == DECIDE:
+            return "decide"
+        if self.phase == GRADIENTS:
+            return "weights" if self.steps > self._armed_at else "gradients"
+        return "gradients" if self._due() else "plain"
+
     def _due(self) -> bool:
         first, every = self.config.first, self.config.every
         return self.steps >= first and (self.steps - first) % every == 0 and self.steps != self._armed_at \
