@@ -348,11 +348,9 @@ def quantize_comms(
             ``set_requires_all_reduce(False)``) stays FSDP2's. Its shard dimension belongs
             inside a node: one spanning nodes is refused for ``hsdp4``/``hsdp8`` and warned
             about for configs that quantize the shard group's traffic too.
-        guard: the accuracy guard (:class:`qsdp.GuardConfig`, or ``K`` for one every ``K``
-            optimizer steps; default none): on a guarded step each FSDP group's quantization
-            noise is measured on the run's own gradients and weights, and a group whose noise
-            outgrows SGD's takes more bits from the next step on, on every rank alike
-            (docs/check.md, "The guard while training"). Not with HSDP yet.
+        guard: the accuracy guard (:class:`qsdp.GuardConfig`, or ``K``: every ``K`` steps): a group
+            whose measured noise outgrows SGD's takes more bits, on every rank alike (docs/check.md,
+            "The guard while training"). Not with HSDP yet.
 
     The config is validated first and then compared across ranks with one collective; both
     raise :class:`qsdp.ConfigError` naming the problem before any data moves. A model whose comms
@@ -362,11 +360,8 @@ def quantize_comms(
     node (``nodes == 1``), rank 0 warns once if the config's inter-node settings go unused.
     """
     cfg = resolve_config(config, overrides)
-    guard_cfg = as_guard_config(guard)
     layout = _read_layout(module, group, replicate_group)
-    if guard_cfg is not None and layout.replicas is not None:
-        raise ConfigError("guard= is not supported with HSDP yet (its measurements cover the shard group's "
-                          "reduce-scatter, not the all-reduce across replicas): leave guard= out")
+    guard_cfg = _guard_config(guard, layout)
     _agree_on_config(module, cfg, layout, guard_cfg)
     _refuse_uneven_splits(module, cfg, layout)
     topology, post_topology = _node_topologies(cfg, layout)
@@ -377,16 +372,31 @@ def quantize_comms(
     handle = QuantizedComms(cfg, topology, replicas=1 if replicas is None else replicas.size(),
                             replicate_group=replicas)
     handle._topologies = [topology, *post_topology.values()]
+    _attach_all(handle, module, layout, post_topology, guard_cfg)
+    return handle
+
+
+def _guard_config(guard: GuardConfig | int | None, layout: "_Layout") -> GuardConfig | None:
+    """``guard=`` validated (local, before any collective); refused beside HSDP."""
+    cfg = as_guard_config(guard)
+    if cfg is not None and layout.replicas is not None:
+        raise ConfigError("guard= is not supported with HSDP yet (its measurements cover the shard group's "
+                          "reduce-scatter, not the all-reduce across replicas): leave guard= out")
+    return cfg
+
+
+def _attach_all(handle: QuantizedComms, module: nn.Module, layout: "_Layout", post_topology: dict[int, Topology],
+                guard: GuardConfig | None) -> None:
+    """Every FSDP group's comms, the handle's meter and change tracking, and the guard."""
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
     labels = [", ".join(names[id(x)] for x in members) for members in layout.members_of]
     for i, members in enumerate(layout.members_of):
         _attach(handle, layout, i, members, labels[i], post_topology)
     handle._bind_meter()
-    if cfg.weights.mode != "plain":
+    if handle.config.weights.mode != "plain":
         _watch_parameter_changes(handle, module)
-    if guard_cfg is not None:
-        _start_guard(handle, module, guard_cfg, _mesh_groups(module, layout.group), labels)
-    return handle
+    if guard is not None:
+        _start_guard(handle, module, guard, _mesh_groups(module, layout.group), labels)
 
 
 def _start_guard(handle: QuantizedComms, root: nn.Module, cfg: GuardConfig, mesh: list[dist.ProcessGroup],

@@ -41,16 +41,9 @@ import math
 from dataclasses import dataclass
 
 from ..config import QuantConfig
+from ..noise_limits import (CALIBRATION_GAP, CALIBRATION_WEIGHT_RATIO, DELTA_LIMIT, GAP_PER_RATIO_SQ,  # noqa: F401
+                            GRAD_RATIO_LIMIT, GRAD_RATIO_VALIDATED, TOLERANCE, WEIGHT_RATIO_LIMIT)
 from .measure import GroupSums
-
-TOLERANCE = 0.003                       # final-loss gap taken as harmless
-CALIBRATION_WEIGHT_RATIO = 22.6         # qw4's measured weight error / step (total)
-CALIBRATION_GAP = 0.036                 # qw4's measured mean gap
-GAP_PER_RATIO_SQ = CALIBRATION_GAP / CALIBRATION_WEIGHT_RATIO ** 2
-WEIGHT_RATIO_LIMIT = math.sqrt(TOLERANCE / GAP_PER_RATIO_SQ)  # 6.5
-GRAD_RATIO_VALIDATED = 0.11             # sdp4bit's largest layer ratio
-GRAD_RATIO_LIMIT = 1.0                  # quantization noise = SGD noise
-DELTA_LIMIT = 1.0                       # delta-approximation: relative error below 1
 
 LEVELS = ("ok", "warn", "fail")
 # The per-layer SGD var the gradient thresholds were calibrated at (the calibration run above,

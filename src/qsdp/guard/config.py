@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..check.verdict import GRAD_RATIO_LIMIT, WEIGHT_RATIO_LIMIT
 from ..config import ConfigError
+from ..noise_limits import GRAD_RATIO_LIMIT, WEIGHT_RATIO_LIMIT
 
 # Every 50 optimizer steps: a guarded step adds one exact (fp32) reduce-scatter of every group,
 # which for sdp4bit on 2 x 2 ranks is about 2.6 MB a rank against 4.4 MB a step of the run's own
