@@ -67,7 +67,7 @@ def _train(rank, world, preset, guard, steps, lr=1e-3, overrides=None, outlier=N
 
 
 def test_an_unescalated_guarded_run_is_bit_identical_to_an_unguarded_one():
-    guarded = run_pooled(_train, 4, "sdp4bit", GuardConfig(every=2), 9, local_world_size=2)
+    guarded = run_pooled(_train, 4, "sdp4bit", GuardConfig(every=2, start=2), 9, local_world_size=2)
     plain = run_pooled(_train, 4, "sdp4bit", None, 9, local_world_size=2)
     assert all(r["moves"] == [] for r in guarded)
     assert [r["losses"] for r in guarded] == [r["losses"] for r in plain]
@@ -82,7 +82,7 @@ def test_an_unescalated_guarded_run_is_bit_identical_to_an_unguarded_one():
 def test_four_bit_direct_weights_move_to_differences_on_every_rank_at_the_same_step():
     # verify_replicas_every=1: the new difference replicas are compared across their holders at
     # every update (a divergence raises).
-    results = run_pooled(_train, 4, "qw4", GuardConfig(every=2), 7, overrides={"verify_replicas_every": 1},
+    results = run_pooled(_train, 4, "qw4", GuardConfig(every=2, start=2), 7, overrides={"verify_replicas_every": 1},
                          local_world_size=2)
     moves = results[0]["moves"]
     assert moves and all(r["moves"] == moves for r in results)
@@ -98,7 +98,7 @@ def test_four_bit_direct_weights_move_to_differences_on_every_rank_at_the_same_s
 
 
 def test_a_layer_with_outlier_gradients_is_the_one_that_escalates():
-    results = run_pooled(_train, 4, "sdp4bit", GuardConfig(every=2), 5, lr=1e-3, outlier=1, local_world_size=2)
+    results = run_pooled(_train, 4, "sdp4bit", GuardConfig(every=2, start=2, grad_start=0), 5, lr=1e-3, outlier=1, local_world_size=2)
     moves = results[0]["moves"]
     assert all(r["moves"] == moves for r in results)
     assert [(m[1], m[2], m[3], m[4]) for m in moves] == [(2, "gradients", "8/4-bit", "8/8-bit")], \
@@ -109,7 +109,7 @@ def test_a_layer_with_outlier_gradients_is_the_one_that_escalates():
 def test_escalated_weight_difference_replicas_stay_identical_on_every_rank():
     # A limit every group exceeds: weights 4 -> 8 bits, then exact; verify_replicas_every=1
     # compares the replicas' checksums across their holders at every update (raises if they differ).
-    guard = GuardConfig(every=2, weight_limit=1e-3)
+    guard = GuardConfig(every=2, start=2, weight_limit=1e-3)
     results = run_pooled(_train, 4, "sdp4bit", guard, 9, overrides={"verify_replicas_every": 1},
                          local_world_size=2)
     moves = results[0]["moves"]
@@ -120,7 +120,7 @@ def test_escalated_weight_difference_replicas_stay_identical_on_every_rank():
 
 
 def _round_trip(rank, world):
-    guard = GuardConfig(every=2)
+    guard = GuardConfig(every=2, start=2)
     model = fm.build(width=64)
     handle = qsdp.quantize_comms(model, "qw4", overrides=NODES, guard=guard)
     fm.train(model, 5, rank, lr=1e-3)
@@ -140,7 +140,7 @@ def test_a_loaded_handle_keeps_the_escalations():
 
 def _comms_between_rounds(rank, world):
     model = fm.build(width=64)
-    handle = qsdp.quantize_comms(model, "sdp4bit", overrides=NODES, guard=GuardConfig(every=3))
+    handle = qsdp.quantize_comms(model, "sdp4bit", overrides=NODES, guard=GuardConfig(every=3, start=3))
     seen = []
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for step in range(8):
@@ -175,6 +175,7 @@ def _refused(rank, world, guard, what):
 @pytest.mark.parametrize("guard, message", [
     (-1, "guard.every=-1 must be a whole number of steps"),
     (GuardConfig(every=5, grad_limit=0), "guard.grad_limit=0 must be a positive number"),
+    (GuardConfig(start=0), "guard.start=0 must be at least 1"),
     ("often", "guard='often': give a GuardConfig, a number of steps"),
 ])
 def test_a_bad_guard_is_refused_naming_it(guard, message):
@@ -199,7 +200,7 @@ def _check_model_run(rank, world, preset):
     for block in block_list(model)[1]:
         fully_shard(block)
     fully_shard(model)
-    handle = qsdp.quantize_comms(model, preset, overrides=NODES, guard=GuardConfig(every=100, start=1))
+    handle = qsdp.quantize_comms(model, preset, overrides=NODES, guard=GuardConfig(every=100, start=1, grad_start=0))
     opt = adamw(model.parameters(), SPEC.lr, SPEC.weight_decay)
     for step in range(3):
         x, y = dataset.batch(step, rank, SPEC.world, SPEC.batch_size, SPEC.seq_len)

@@ -32,8 +32,8 @@ def _records(run_dir):
 
 
 def test_a_guarded_run_killed_mid_round_resumes_with_the_same_escalations(tmp_path, corpus, monkeypatch):
-    # Rounds are armed after 2, 4, 6 optimizer steps and decided 2 steps later; the checkpoint of
-    # step 3 falls inside the first (its gradients and update measured, its weights not yet).
+    # Rounds are armed after 1, 3, 5 optimizer steps and decided 2 steps later; the checkpoint of
+    # step 3 falls inside the first (measured, not yet decided).
     common = ["train", "--preset", "qw4", "--guard-every", "2", "--nproc", "2", "--local-world-size", "1",
               "--batch-size", "4", "--seq-len", "32", "--data", corpus, "--steps", "8", "--ckpt-every", "3",
               "--eval-every", "4", "--eval-batches", "2", "--no-progress"]

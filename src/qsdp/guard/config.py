@@ -7,12 +7,19 @@ from dataclasses import dataclass
 from ..config import ConfigError
 from ..noise_limits import GRAD_RATIO_LIMIT, WEIGHT_RATIO_LIMIT
 
-# Every 50 optimizer steps: a guarded step adds one exact (fp32) reduce-scatter of every group,
-# which for sdp4bit on 2 x 2 ranks is about 2.6 MB a rank against 4.4 MB a step of the run's own
-# traffic: 1.2% more bytes averaged over 50 steps (benchmarks/results/guard_cost.json measures it).
-# And 50 steps is past the first steps, whose micro-batch gradients agree so well that q/SGD
-# overstates the gradient risk (qsdp check's calibration, docs/check.md).
+# Every 50 optimizer steps: a round adds one exact (fp32) reduce-scatter of every quantized group,
+# for sdp4bit on 2 x 2 ranks of the tiny GPT 2.6 MB against about 4.4 MB a step of the run's own
+# traffic: about 1.3% more bytes averaged over 50 steps (`qsdp bench guard`).
 DEFAULT_EVERY = 50
+# The first round right after the first update: a weight quantizer that drowns the updates does
+# its lasting damage in the first steps (the tiny GPT's convergence setting, seed 0: zeropp's
+# 4-bit direct weights for the first 12 steps, then 4-bit differences, ended +2.2% above fsdp's
+# loss; for the first 3 steps, within noise of it; differences throughout, -0.3%).
+DEFAULT_START = 1
+# Gradients move from this step on: before it the micro-batches' gradients agree so well that
+# q/SGD overstates the risk (qsdp check's calibration, docs/check.md "How many warm-up steps":
+# sdp4bit measured q/SGD 1.8-4 after one step of the tiny GPT, 0.05-0.11 after 20).
+DEFAULT_GRAD_START = 50
 
 
 @dataclass(frozen=True)
@@ -21,7 +28,10 @@ class GuardConfig:
     while training").
 
     every: a guarded step every this many optimizer steps (steps ``start``, ``start + every``, ...).
-    start: the first guarded step (``None``: ``every``, past the first steps' atypical noise).
+    start: the first guarded step (after this many optimizer steps; default 1, right after the
+        first update: a weight quantizer that drowns the updates does its damage early).
+    grad_start: a round before this many steps measures the gradients but moves none (early
+        gradients agree across the micro-batches so well that q/SGD overstates the risk).
     weight_limit: a group whose gathered weights are off by more than this many times one
         optimizer step's update (``||W_seen - w|| / ||w_new - w_old||``) takes more weight bits.
         Default: ``qsdp check``'s calibrated limit (6.5, a predicted loss gap of 0.3%).
@@ -31,20 +41,19 @@ class GuardConfig:
     """
 
     every: int = DEFAULT_EVERY
-    start: int | None = None
+    start: int = DEFAULT_START
+    grad_start: int = DEFAULT_GRAD_START
     weight_limit: float = WEIGHT_RATIO_LIMIT
     grad_limit: float = GRAD_RATIO_LIMIT
-
-    @property
-    def first(self) -> int:
-        return self.every if self.start is None else self.start
 
     def validate(self) -> None:
         """Raise :class:`qsdp.ConfigError` naming the first bad field."""
         if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
             raise ConfigError(f"guard.every={self.every!r} must be a whole number of steps, at least 1")
-        if self.start is not None and (not isinstance(self.start, int) or self.start < 1):
+        if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 1:
             raise ConfigError(f"guard.start={self.start!r} must be at least 1 (step 0 has no update to compare with)")
+        if not isinstance(self.grad_start, int) or isinstance(self.grad_start, bool) or self.grad_start < 0:
+            raise ConfigError(f"guard.grad_start={self.grad_start!r} must be a whole number of steps, at least 0")
         for name in ("weight_limit", "grad_limit"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:

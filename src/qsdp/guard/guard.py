@@ -173,7 +173,7 @@ class AccuracyGuard:
         return "gradients" if self._due() else "plain"
 
     def _due(self) -> bool:
-        first, every = self.config.first, self.config.every
+        first, every = self.config.start, self.config.every
         return self.steps >= first and (self.steps - first) % every == 0 and self.steps != self._armed_at \
             and any(self._weights + self._grads)
 
@@ -236,6 +236,7 @@ class AccuracyGuard:
                 moves.append(Escalation(self.steps, i, self.names[i], "weights", w, self.rungs(i)[0],
                                         reading.weight_ratio, self.config.weight_limit))
             if reading.grad_ratio is not None and reading.grad_ratio > self.config.grad_limit \
+                    and self._armed_at >= self.config.grad_start \
                     and self.levels[i][1] < len(grad_rungs(self.handle.config.grads)) - 1:
                 self.levels[i][1] += 1
                 moves.append(Escalation(self.steps, i, self.names[i], "gradients", g, self.rungs(i)[1],
