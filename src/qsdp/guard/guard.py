@@ -276,6 +276,7 @@ class AccuracyGuard:
         stats = None if self._stats is None else self._stats.tolist()
         return {"levels": {str(i): {"w": w, "g": g} for i, (w, g) in enumerate(self.levels)},
                 "steps": self.steps, "escalations": [asdict(e) for e in self.escalations],
+                "readings": [[step, [[r.grad_ratio, r.weight_ratio] for r in rs]] for step, rs in self.readings],
                 "round": {"phase": self.phase, "armed_at": self._armed_at, "stats": stats,
                           "world": dist.get_world_size()}}
 
@@ -289,6 +290,7 @@ class AccuracyGuard:
             self._apply(i)
         self.steps = int(state.get("steps", 0))
         self.escalations = [Escalation(**e) for e in state.get("escalations", [])]
+        self.readings = [(int(step), [GroupReading(g, w) for g, w in rs]) for step, rs in state.get("readings", [])]
         self.close()
         saved = state.get("round") or {}
         if saved.get("phase", IDLE) != IDLE and saved.get("world") == dist.get_world_size():

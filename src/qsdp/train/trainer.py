@@ -505,4 +505,6 @@ class Trainer:
             return None
         return {"every": guard.config.every, "escalations": [dataclasses.asdict(e) for e in guard.escalations],
                 "rungs": {guard.names[i]: dict(zip(("weights", "gradients"), guard.rungs(i)))
-                          for i in range(len(guard.levels))}}
+                          for i in range(len(guard.levels))},
+                "readings": [{"step": step, "q_sgd": [r.grad_ratio for r in rs], "w_err_step": [r.weight_ratio for r in rs]}
+                             for step, rs in guard.readings]}
