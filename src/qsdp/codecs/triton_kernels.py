@@ -674,24 +674,78 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+class Launch(NamedTuple):
+    """One kernel launch as fixed by its shapes, strides, dtypes and codecs, without its tensors
+    and its key: ``grids`` (each grid with its first row: grids have at most
+    :data:`_MAX_GRID_ROWS` rows), the integer arguments before the key (``head``) and after the
+    first row (``tail``), the keyword arguments (constexprs and options, shared: never changed)
+    and ``keying``, how a call's ``seed`` becomes the key (:func:`_launch_key`). A collective's
+    plan keeps the launches of its first call (:func:`recording`) and gives each later call's
+    tensors and seed to ``quantize_into`` / ``dequantize_into`` with ``launch=``: the same
+    arguments, nothing derived again."""
+
+    grids: tuple
+    head: tuple
+    tail: tuple
+    kwargs: dict
+    keying: str | None
+
+
+# The Launch lists of the active recordings (recording()): every launch computed is appended.
+_RECORDINGS: list[list[Launch]] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Within it, the :class:`Launch` of every ``quantize_into`` / ``dequantize_into`` call that
+    derives one is appended to the yielded list (calls given ``launch=`` derive none)."""
+    launches: list[Launch] = []
+    _RECORDINGS.append(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDINGS.remove(launches)
+
+
+def _recorded(launch: Launch) -> None:
+    for launches in _RECORDINGS:
+        launches.append(launch)
+
+
+def _launch_key(keying: str | None, seed: int | None) -> int:
+    """The kernel's key for ``seed``: 0 (``keying`` None: no random stream), a slices' prefix as
+    int32 bits (``"prefix"``), or the rounding's key of the seed (``keying`` the rounding)."""
+    if keying is None:
+        return 0
+    if keying == "prefix":
+        return _key_arg(seed)
+    return _rounding_key(seed, keying)
+
+
+def _grids(blocks: int, rows: int, count: int) -> tuple:
+    """The grids of ``rows`` rows (at most :data:`_MAX_GRID_ROWS` each) with their first rows."""
+    return tuple(((blocks, min(_MAX_GRID_ROWS, rows - row0), count), row0) for row0 in range(0, rows, _MAX_GRID_ROWS))
+
+
 def quantize_into(
     x: torch.Tensor,
     dst: Packed,
     *,
-    length: int,
-    padded: int,
-    ncodes: int,
-    bits: int,
-    group_size: int,
-    symmetric: bool,
-    rounding: str,
-    seed: int | None,
+    length: int = 0,
+    padded: int = 0,
+    ncodes: int = 0,
+    bits: int = 0,
+    group_size: int = 0,
+    symmetric: bool = True,
+    rounding: str = "nearest",
+    seed: int | None = None,
     base: torch.Tensor | None = None,
     hadamard_block: int = 0,
     order: torch.Tensor | None = None,
     slices: Slices | None = None,
     tail: int = 0,
-) -> None:
+    launch: Launch | None = None,
+) -> Launch | None:
     """Quantize the rows of ``x`` (``[R, length]``; minus ``base`` if given) padded to ``padded``
     elements by repeating the last, Hadamard-transformed first if ``hadamard_block``, into
     ``dst``; the first ``ncodes`` codes of each row are stored. ``order`` (int64 ``[R']`` on the
@@ -699,33 +753,55 @@ def quantize_into(
     rounding slices quantized as rows of their own into ``dst`` (:meth:`Packed.sliced`), with
     their own seeds (``seed`` is ignored), in the same launch; ``ncodes`` must be ``padded``.
     ``tail`` rows: ``x`` is one vector (``[1, length]``) cut into ``tail`` rows of ``padded``
-    elements, the last ones (short of or past its end) padded by repeating its last element."""
-    x = _rows_2d(x)
+    elements, the last ones (short of or past its end) padded by repeating its last element.
+
+    Returns the :class:`Launch` (``None`` where nothing was launched). ``launch``: a launch an
+    earlier call returned, for tensors of the same shapes, strides and dtypes (``x``, ``base``
+    and ``order`` may then be any views with the same data pointers, ``dst`` any sequence whose
+    first three items are the codes, scales and zero points; the slices' prefix is ``seed``):
+    only the tensors and the key are new."""
+    if launch is None:
+        x = _rows_2d(x)
+        if base is not None:
+            base = _rows_2d(base)
+        launch = _quantize_launch(x, dst, length, padded, ncodes, bits, group_size, symmetric, rounding, base,
+                                  hadamard_block, order, slices, tail)
+        if launch is None:
+            return None
+        if slices is not None:
+            seed = slices.prefix
+        if _RECORDINGS:
+            _recorded(launch)
+    record_run("triton")
+    key = _launch_key(launch.keying, seed)
+    xv = _kernel_view(x)
+    yv = xv if base is None else _kernel_view(base)
+    head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
+    for grid, row0 in launch.grids:
+        _launch(_quantize_kernel, grid, xv, yv, dst[0], dst[1], dst[2], x if order is None else order,
+                *head, key, row0, *tail_args, **kwargs)
+    return launch
+
+
+def _quantize_launch(x, dst, length, padded, ncodes, bits, group_size, symmetric, rounding, base, hadamard_block,
+                     order, slices, tail) -> Launch | None:
+    """:func:`quantize_into`'s launch (see there), ``None`` where it launches nothing."""
     rows = tail or (x.shape[0] if order is None else order.shape[0])
     groups = padded // group_size
     if rows == 0 or groups == 0:
-        return
-    record_run("triton")
+        return None
     if slices is None:
-        key, count, sg, sw, first = _rounding_key(seed, rounding), 1, groups, 0, 0
+        keying, count, sg, sw, first = rounding, 1, groups, 0, 0
     else:
-        key, count = _key_arg(slices.prefix), slices.count
+        keying, count = "prefix", slices.count
         sg, sw, first = slices.groups, slices.nbytes, slices.first
-    if base is not None:
-        base = _rows_2d(base)
     y = base if base is not None else x
     gpp, kwargs = _quantize_template(group_size, sg, hadamard_block, bits, symmetric, rounding, x.dtype,
                                      None if base is None else base.dtype, order is not None, slices is not None,
                                      bool(tail))
-    for row0 in range(0, rows, _MAX_GRID_ROWS):
-        grid = (triton.cdiv(sg, gpp), min(_MAX_GRID_ROWS, rows - row0), count)
-        _launch(
-            _quantize_kernel, grid,
-            _kernel_view(x), _kernel_view(y), dst.codes, dst.scales, dst.zeros, x if order is None else order,
-            length, groups, ncodes, dst.ncb, padded if tail else x.stride(0), y.stride(0),
-            dst.code_rs, dst.code_off, dst.scale_rs, dst.scale_off, dst.zero_off, key, row0, sg, sw, first,
-            **kwargs,
-        )
+    head = (length, groups, ncodes, dst.ncb, padded if tail else x.stride(0), y.stride(0),
+            dst.code_rs, dst.code_off, dst.scale_rs, dst.scale_off, dst.zero_off)
+    return Launch(_grids(-(-sg // gpp), rows, count), head, (sg, sw, first), kwargs, keying)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -749,10 +825,10 @@ def _quantize_template(group_size: int, sg: int, hb: int, bits: int, symmetric: 
 def dequantize_into(
     src: Packed,
     *,
-    groups: int,
-    bits: int,
-    group_size: int,
-    symmetric: bool,
+    groups: int = 0,
+    bits: int = 0,
+    group_size: int = 0,
+    symmetric: bool = True,
     sources: int = 1,
     outputs: int = 1,
     row_o: int = 1,
@@ -765,7 +841,10 @@ def dequantize_into(
     slices: Slices | None = None,
     divisor: int = 1,
     flag: torch.Tensor | None = None,
-) -> None:
+    launch: Launch | None = None,
+    dst: Packed | None = None,
+    seed: int | None = None,
+) -> Launch | None:
     """Output row ``o < outputs`` = sum over ``j < sources`` (left to right) of the dequantized
     packed rows ``o * row_o + j * row_j`` of ``src``. Either stored into ``out`` (``[outputs,
     >= length]``, unit column stride, fp32/bf16/fp16; first ``length`` columns; inverse Hadamard
@@ -773,32 +852,55 @@ def dequantize_into(
     symmetric, rounding, seed)``, quantized again with the same groups into ``dst``.
     ``slices``: the rows are rounding slices side by side (:meth:`Packed.sliced`, also ``dst``),
     each decoded (and requantized, with its own seed) as rows of their own in the same launch;
-    ``out``'s columns hold the slices one after another. ``divisor``, ``flag``: :func:`_watch_args`."""
-    if outputs == 0 or groups == 0:
-        return
+    ``out``'s columns hold the slices one after another. ``divisor``, ``flag``: :func:`_watch_args`.
+
+    Returns the :class:`Launch` (``None`` where nothing was launched). ``launch``: one an earlier
+    call returned, for tensors of the same shapes, strides and dtypes, given only ``src``, ``out``
+    or ``dst`` (the requantized rows; sequences whose first three items are the codes, scales and
+    zero points), ``seed`` (the requantization's seed or the slices' prefix) and ``flag``."""
+    if launch is None:
+        launch = _dequantize_launch(src, groups, bits, group_size, symmetric, sources, outputs, row_o, row_j, out,
+                                    length, add, inverse_block, requantize, slices, divisor, flag)
+        if launch is None:
+            return None
+        if requantize is not None:
+            dst, seed = requantize[0], requantize[4] if slices is None else slices.prefix
+        if _RECORDINGS:
+            _recorded(launch)
     record_run("triton")
+    key = _launch_key(launch.keying, seed)
+    if dst is None:
+        q, out_arg = src, _kernel_view(out)
+    else:
+        q, out_arg = dst, src[1]
+    head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
+    for grid, row0 in launch.grids:
+        _launch(_dequantize_kernel, grid, src[0], src[1], src[2], out_arg, q[0], q[1], q[2],
+                *head, key, row0, *tail_args, src[0] if flag is None else flag, **kwargs)
+    return launch
+
+
+def _dequantize_launch(src, groups, bits, group_size, symmetric, sources, outputs, row_o, row_j, out, length, add,
+                       inverse_block, requantize, slices, divisor, flag) -> Launch | None:
+    """:func:`dequantize_into`'s launch (see there), ``None`` where it launches nothing."""
+    if outputs == 0 or groups == 0:
+        return None
     if requantize is None:
         if out.stride(-1) != 1:
             raise ValueError("out must have a unit column stride")
-        q, qshape, key, q_ncb = src, None, 0, 0
-        out_arg, out_rs, out_dtype = _kernel_view(out), out.stride(0) if out.dim() > 1 else 0, out.dtype
+        q, qshape, keying, q_ncb = src, None, None, 0
+        out_rs, out_dtype = out.stride(0) if out.dim() > 1 else 0, out.dtype
     else:
-        q, qbits, qsym, qround, seed = requantize
+        q, qbits, qsym, qround, _ = requantize
         qshape = (qbits, qsym, qround)
-        key = 0 if slices is not None else _rounding_key(seed, qround)
-        q_ncb, out_arg, out_rs, out_dtype = q.ncb, src.scales, 0, None
-    count, sg, sw, q_sw, first, key = _dequantize_slices(slices, groups, requantize, key)
+        keying = "prefix" if slices is not None else qround
+        q_ncb, out_rs, out_dtype = q.ncb, 0, None
+    count, sg, sw, q_sw, first = _dequantize_slices(slices, groups)
     gpp, nch, kwargs = _dequantize_template(sources, group_size, sg, inverse_block, bits, symmetric, qshape,
                                             out_dtype, add, slices is not None, divisor, flag is not None)
-    for row0 in range(0, outputs, _MAX_GRID_ROWS):
-        grid = (triton.cdiv(sg, gpp) * nch, min(_MAX_GRID_ROWS, outputs - row0), count)
-        _launch(
-            _dequantize_kernel, grid,
-            src.codes, src.scales, src.zeros, out_arg, q.codes, q.scales, q.zeros,
-            row_o, row_j, groups, src.ncb, src.code_rs, src.code_off, src.scale_rs, src.scale_off,
-            src.zero_off, length, out_rs, q_ncb, q.code_rs, q.code_off, q.scale_rs, q.scale_off, q.zero_off,
-            key, row0, sg, sw, q_sw, first, src.codes if flag is None else flag, **kwargs,
-        )
+    head = (row_o, row_j, groups, src.ncb, src.code_rs, src.code_off, src.scale_rs, src.scale_off,
+            src.zero_off, length, out_rs, q_ncb, q.code_rs, q.code_off, q.scale_rs, q.scale_off, q.zero_off)
+    return Launch(_grids(-(-sg // gpp) * nch, outputs, count), head, (sg, sw, q_sw, first), kwargs, keying)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -834,14 +936,12 @@ def _watch_args(divisor: int, watch: bool) -> dict:
     return {**({"DIV": divisor} if divisor != 1 else {}), **({"WATCH": True} if watch else {})}
 
 
-def _dequantize_slices(slices: Slices | None, groups: int, requantize: tuple | None, key: int):
+def _dequantize_slices(slices: Slices | None, groups: int):
     """``_dequantize_kernel``'s slice arguments: (slice count, groups a slice, packed bytes a
-    slice, requantized bytes a slice, first slice, key), the key the slices' prefix when they
-    requantize."""
+    slice, requantized bytes a slice, first slice)."""
     if slices is None:
-        return 1, groups, 0, 0, 0, key
-    key = _key_arg(slices.prefix) if requantize else 0
-    return slices.count, slices.groups, slices.nbytes, slices.q_nbytes, slices.first, key
+        return 1, groups, 0, 0, 0
+    return slices.count, slices.groups, slices.nbytes, slices.q_nbytes, slices.first
 
 
 # ----------------------------------------------------------------------------- codec entry points

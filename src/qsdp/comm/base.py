@@ -71,6 +71,9 @@ class CommBase:
         # planned at its first call; forgotten when the rows are laid out anew.
         self._plans: dict[tuple, Any] = {}
         self._seed_prefix: int | None = None
+        # The last group check_group accepted: a group's size does not change, so a call with
+        # the same group object needs no new look (group.size() is a pybind call).
+        self._group_ok: dist.ProcessGroup | None = None
 
     def seed(self, *parts: int) -> int:
         """``derive_seed(config.seed, comm_id, *parts)``, the comm's own part derived once (every
@@ -108,7 +111,10 @@ class CommBase:
     def check_group(self, group: dist.ProcessGroup) -> None:
         """Raise naming the group and the fix when FSDP2 calls with a group other than the one
         set up."""
+        if group is self._group_ok:
+            return
         if group.size() == self.topology.world_size:
+            self._group_ok = group
             return
         if self.post_forward_of is not None:
             raise RuntimeError(

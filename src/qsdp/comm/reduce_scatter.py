@@ -19,10 +19,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..codecs.dispatch import disabled
 from ..config import GradComm
 from .base import GradReduceScatter
+from .collectives import all_to_all
+from .meter import peer_entries
 from .row_layout import RowLayout
-from .wire import RowCodec, SliceRun, _pad_cols
+from .wire import RowCodec, SliceRun, _pad_cols, _padding_from, _tk, one_launch, recording
 
 
 def _divisor(op: Any, world: int) -> int:
@@ -85,18 +88,30 @@ class QuantizedReduceScatter(GradReduceScatter):
             self.plain(output_tensor, input_tensor, group, op)
             return None
         self.calls += 1
-        x = input_tensor.view(world, s)
         # Everything fixed by the shapes, dtypes, groups and config (and, in a row mixing TP's
         # kinds, by the spans as they are now) is planned at the first call.
         layouts = self.layouts
-        key = (s, x.dtype, output_tensor.dtype, x.device, layouts.plan_key() if layouts.mixed else ())
+        key = (s, input_tensor.dtype, output_tensor.dtype, input_tensor.device,
+               layouts.plan_key() if layouts.mixed else ())
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._plan(x, output_tensor)
+            plan = self._plans[key] = self._plan(input_tensor.view(world, s), output_tensor)
         # The last kernel divides, casts into FSDP2's output and watches for NaN/Inf itself
         # (plan.direct); otherwise the fp32 sum is divided and watched by torch.
-        flag = self.kernel_flag(x.device) if plan.direct else None
-        if isinstance(plan, OneHopPlan):
+        flag = self.kernel_flag(input_tensor.device) if plan.direct else None
+        # A steady call launches its first call's kernels again with its own tensors and seeds
+        # (plan.launches: where every step took one launch, the inputs are contiguous and the
+        # kernels are still on).
+        launches = plan.launches.get(divisor)
+        if launches is not None and input_tensor.is_contiguous() and output_tensor.is_contiguous() \
+                and not disabled():
+            if plan.runs is None:
+                self._one_hop_again(input_tensor, group, plan, launches, output_tensor, flag)
+            else:
+                self._two_hops_again(input_tensor, plan, launches, output_tensor, flag)
+            return None
+        x = input_tensor.view(world, s)
+        if plan.runs is None:
             total = self._one_hop(x, group, plan, output_tensor, divisor, flag)
         else:
             total = self._two_hops(x, plan, output_tensor, divisor, flag)
@@ -126,16 +141,39 @@ class QuantizedReduceScatter(GradReduceScatter):
     def _one_hop(self, x: torch.Tensor, group, plan: "OneHopPlan", output: torch.Tensor, divisor: int,
                  flag: torch.Tensor | None) -> torch.Tensor | None:
         codec, layout = plan.codec, plan.layout
-        # A group mixing TP-replicated and TP-sharded parameters is encoded from a copy of its
-        # gradient in the codec's order (row_layout); any other group from the gradient itself.
-        send = codec.encode(x if layout.identity else layout.expand(x), seed=self._seed(3))
+        # The first call's launches are kept for the later calls where both steps are one
+        # launch each and the decoding writes FSDP2's output (plan.direct).
+        with recording(plan.direct) as encoded:
+            # A group mixing TP-replicated and TP-sharded parameters is encoded from a copy of its
+            # gradient in the codec's order (row_layout); any other group from the gradient itself.
+            send = codec.encode(x if layout.identity else layout.expand(x), seed=self._seed(3))
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        self.byte_meter.record_peers("grads", *plan.meter)
+        all_to_all(recv, send, group)
+        self.byte_meter.add(plan.meter)
         if plan.direct:
-            codec.decode_sum_finished_into(recv, layout.wire_length, output, divisor=divisor, flag=flag)
+            with recording(True) as decoded:
+                codec.decode_sum_finished_into(recv, layout.wire_length, output, divisor=divisor, flag=flag)
+            launches = (one_launch(encoded), one_launch(decoded))
+            if layout.identity and None not in launches:
+                plan.launches[divisor] = launches
             return None
         return layout.contract(codec.decode_sum(recv, layout.wire_length, finish=True))
+
+    def _one_hop_again(self, x: torch.Tensor, group, plan: "OneHopPlan", launches: tuple, output: torch.Tensor,
+                       flag: torch.Tensor | None) -> None:
+        """:meth:`_one_hop` of a steady call: its two launches and its exchange (``x`` the flat
+        gradient, the kernels reading it by the rows the first call's launch was made for)."""
+        tk = _tk()
+        send = torch.empty(plan.send_shape, dtype=torch.uint8, device=x.device)
+        if plan.used is not None:
+            send[:, plan.used:].zero_()  # each row's 4-byte padding, as the encoding zeroes it
+        f = send.view(torch.float32)
+        tk.quantize_into(x, (send, f, f), launch=launches[0], seed=self._seed(3))
+        recv = torch.empty_like(send)
+        all_to_all(recv, send, group)
+        self.byte_meter.add(plan.meter)
+        f = recv.view(torch.float32)
+        tk.dequantize_into((recv, f, f), launch=launches[1], out=output, flag=flag)
 
     def _two_hops(self, x: torch.Tensor, plan: "TwoHopPlan", output: torch.Tensor, divisor: int,
                   flag: torch.Tensor | None) -> torch.Tensor | None:
@@ -147,33 +185,87 @@ class QuantizedReduceScatter(GradReduceScatter):
         # codec step of a run is one launch on the fused path (the slices a grid axis, each with
         # its own seed); the Hadamard transform (blockwise, and every slice is whole blocks) is
         # fused into hop 1's quantization, its inverse into hop 2's decoding, and with
-        # plan.direct the division, the cast into FSDP2's output and the watch too.
+        # plan.direct the division, the cast into FSDP2's output and the watch too. Those
+        # launches are kept for the later calls (:meth:`_two_hops_again`).
         out = output if plan.direct else torch.empty(plan.lp, dtype=torch.float32, device=x.device)
         prefix1, prefix2 = self._seed(4), self._seed(5)
         runs = plan.runs
         n = len(runs)
+        learned: list[list] = [[None, None, None] for _ in range(n)]
         stage1: list[tuple[torch.Tensor, Any] | None] = [None] * n
         stage2: list[tuple[torch.Tensor, Any] | None] = [None] * n
         for step in range(n + 2):
             i = step
             if i < n:
-                stage1[i] = self._intra_exchange(x, plan, runs[i], order, prefix1)
+                with recording(plan.direct) as launches:
+                    stage1[i] = self._intra_exchange(x, plan, runs[i], order, prefix1)
+                learned[i][0] = one_launch(launches)
             i = step - 1
             if 0 <= i < n:
                 recv, work = stage1[i]
                 work.wait()
                 stage1[i] = None
-                stage2[i] = self._inter_exchange(recv, plan, runs[i], prefix2)
+                with recording(plan.direct) as launches:
+                    stage2[i] = self._inter_exchange(recv, plan, runs[i], prefix2)
+                learned[i][1] = one_launch(launches)
             i = step - 2
             if 0 <= i < n:
                 recv2, work2 = stage2[i]
                 work2.wait()
                 stage2[i] = None
                 if plan.direct:
-                    hop2.decode_sum_slices(recv2, runs[i], out, divisor=divisor, flag=flag)
+                    with recording(True) as launches:
+                        hop2.decode_sum_slices(recv2, runs[i], out, divisor=divisor, flag=flag)
+                    learned[i][2] = one_launch(launches)
                 else:
                     hop2.decode_sum_slices(recv2, runs[i], out)
+        if plan.direct and all(None not in run for run in learned):
+            plan.launches[divisor] = tuple(tuple(run) for run in learned)
         return None if plan.direct else layout.contract(out)
+
+    def _two_hops_again(self, x: torch.Tensor, plan: "TwoHopPlan", launches: tuple, output: torch.Tensor,
+                        flag: torch.Tensor | None) -> None:
+        """:meth:`_two_hops` of a steady call: each run's three launches and two exchanges in the
+        same order (``x`` the flat gradient; each run's kernels read from its first column on)."""
+        tk = _tk()
+        topo = self.topology
+        intra, inter = topo.intra_group, topo.inter_group
+        prefix1, prefix2 = self._seed(4), self._seed(5)
+        runs, order, device = plan.runs, plan.order, x.device
+        n = len(runs)
+        stage1: list = [None] * n
+        stage2: list = [None] * n
+        for step in range(n + 2):
+            i = step
+            if i < n:
+                start = runs[i].start
+                send = torch.empty(plan.shape1[i], dtype=torch.uint8, device=device)
+                f = send.view(torch.float32)
+                tk.quantize_into(x if start == 0 else x[start:], (send, f, f), launch=launches[i][0], seed=prefix1,
+                                 order=order)
+                recv = torch.empty_like(send)
+                stage1[i] = recv, all_to_all(recv, send, intra, async_op=True)
+                self.byte_meter.add(plan.meter1[runs[i]])
+            i = step - 1
+            if 0 <= i < n:
+                recv, work = stage1[i]
+                work.wait()
+                stage1[i] = None
+                send = torch.empty(plan.shape2[i], dtype=torch.uint8, device=device)
+                f, g = send.view(torch.float32), recv.view(torch.float32)
+                tk.dequantize_into((recv, g, g), launch=launches[i][1], dst=(send, f, f), seed=prefix2)
+                recv2 = torch.empty_like(send)
+                stage2[i] = recv2, all_to_all(recv2, send, inter, async_op=True)
+                self.byte_meter.add(plan.meter2[runs[i]])
+            i = step - 2
+            if 0 <= i < n:
+                recv2, work2 = stage2[i]
+                work2.wait()
+                stage2[i] = None
+                start = runs[i].start
+                g = recv2.view(torch.float32)
+                tk.dequantize_into((recv2, g, g), launch=launches[i][2], out=output if start == 0 else output[start:],
+                                   flag=flag)
 
     def _intra_exchange(self, x: torch.Tensor, plan: "TwoHopPlan", run: SliceRun, order: torch.Tensor,
                         prefix: int) -> tuple[torch.Tensor, Any]:
@@ -181,13 +273,12 @@ class QuantizedReduceScatter(GradReduceScatter):
         send buffer (rows in destination-major order: :func:`destination_major`), one
         asynchronous all-to-all inside the node."""
         topo = self.topology
-        m, d = topo.ranks_per_node, topo.nodes
         send = torch.empty(x.shape[0], plan.nbytes1[run], dtype=torch.uint8, device=x.device)
         plan.hop1.encode_slices(x, run, prefix=prefix, out=send, order=order,
                                 layout=None if plan.layout.identity else plan.layout)
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
-        self.byte_meter.record_peers("grads", *plan.meter1[run])
+        work = all_to_all(recv, send, topo.intra_group, async_op=True)
+        self.byte_meter.add(plan.meter1[run])
         return recv, work
 
     def _inter_exchange(self, recv: torch.Tensor, plan: "TwoHopPlan", run: SliceRun,
@@ -200,8 +291,8 @@ class QuantizedReduceScatter(GradReduceScatter):
         send = torch.empty(d, plan.nbytes2[run], dtype=torch.uint8, device=recv.device)
         plan.hop1.decode_sum_encode_slices(recv, run, sources=m, codec=plan.hop2, prefix=prefix, out=send)
         recv2 = torch.empty_like(send)
-        work = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
-        self.byte_meter.record_peers("grads", *plan.meter2[run])
+        work = all_to_all(recv2, send, topo.inter_group, async_op=True)
+        self.byte_meter.add(plan.meter2[run])
         return recv2, work
 
 
@@ -213,8 +304,15 @@ class OneHopPlan:
 
     codec: RowCodec
     layout: RowLayout
-    meter: tuple[int, int, int, int]
+    meter: tuple  # the meter's entries (ByteMeter.add)
     direct: bool
+    # The send buffer's shape, and where each row's 4-byte padding starts (None: there is none).
+    send_shape: tuple[int, int] = (0, 0)
+    used: int | None = None
+    # {divisor: (encoding, decoding)}: the launches of the first call with that divisor, where
+    # both were one launch (kernels.Launch); the later calls launch them again.
+    launches: dict = dataclasses.field(default_factory=dict)
+    runs: None = None  # (a two-hop plan's rounding slices)
 
     @classmethod
     def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor, output: torch.Tensor, codec: RowCodec,
@@ -227,7 +325,8 @@ class OneHopPlan:
         direct = (layout.identity and codec._fused(probe) and output.is_contiguous()
                   and output.dtype in (torch.float32, torch.bfloat16, torch.float16)
                   and (not codec.hadamard_block or _fuses_hadamard(codec)))
-        return cls(codec, layout, (nbytes, s, 0 if inter_only else intra, inter), direct)
+        meter = peer_entries("grads", nbytes, s, 0 if inter_only else intra, inter)
+        return cls(codec, layout, meter, direct, (world, nbytes), _padding_from(codec, layout.wire_length))
 
 
 def _fuses_hadamard(codec: RowCodec) -> bool:
@@ -255,6 +354,13 @@ class TwoHopPlan:
     meter1: dict = dataclasses.field(default_factory=dict)
     meter2: dict = dataclasses.field(default_factory=dict)
     direct: bool = False
+    # Per run (in order): both send buffers' shapes; the exchange order's index on the device.
+    shape1: tuple = ()
+    shape2: tuple = ()
+    order: torch.Tensor | None = None
+    # {divisor: ((hop 1's encoding, hop 2's requantization, the decoding) per run)}: the launches
+    # of the first call with that divisor, where each step was one launch (kernels.Launch).
+    launches: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor, output: torch.Tensor) -> "TwoHopPlan":
@@ -265,13 +371,15 @@ class TwoHopPlan:
         m, d = topo.ranks_per_node, topo.nodes
         for run in plan.runs:
             plan.nbytes1[run], plan.nbytes2[run] = run.nbytes(plan.hop1), run.nbytes(plan.hop2)
-            plan.meter1[run] = (d * plan.nbytes1[run], d * plan.real[run], m - 1, 0)
-            plan.meter2[run] = (plan.nbytes2[run], plan.real[run], 0, d - 1)
+            plan.meter1[run] = peer_entries("grads", d * plan.nbytes1[run], d * plan.real[run], m - 1, 0)
+            plan.meter2[run] = peer_entries("grads", plan.nbytes2[run], plan.real[run], 0, d - 1)
         probe = torch.empty(0, dtype=torch.uint8, device=x.device)
         direct = (plan.layout.identity and output.is_contiguous()
                   and output.dtype in (torch.float32, torch.bfloat16, torch.float16)
                   and all(plan.hop2.fuses_slices(run, probe) for run in plan.runs))
-        return dataclasses.replace(plan, direct=direct)
+        return dataclasses.replace(
+            plan, direct=direct, shape1=tuple((x.shape[0], plan.nbytes1[run]) for run in plan.runs),
+            shape2=tuple((d, plan.nbytes2[run]) for run in plan.runs), order=topo.exchange_index(x.device))
 
     @classmethod
     def of(cls, g: GradComm, x: torch.Tensor, nodes: int, layout_of: Callable[..., RowLayout],
