@@ -679,7 +679,7 @@ class Launch(NamedTuple):
     and its key: ``grids`` (each grid with its first row: grids have at most
     :data:`_MAX_GRID_ROWS` rows), the integer arguments before the key (``head``) and after the
     first row (``tail``), the keyword arguments (constexprs and options, shared: never changed)
-    and ``keying``, how a call's ``seed`` becomes the key (:func:`_launch_key`). A collective's
+    and ``keying``, how a call's ``seed`` becomes the key (:func:`_keying`). A collective's
     plan keeps the launches of its first call (:func:`recording`) and gives each later call's
     tensors and seed to ``quantize_into`` / ``dequantize_into`` with ``launch=``: the same
     arguments, nothing derived again."""
@@ -688,7 +688,7 @@ class Launch(NamedTuple):
     head: tuple
     tail: tuple
     kwargs: dict
-    keying: str | None
+    keying: int
 
 
 # The Launch lists of the active recordings (recording()): every launch computed is appended.
@@ -712,14 +712,28 @@ def _recorded(launch: Launch) -> None:
         launches.append(launch)
 
 
-def _launch_key(keying: str | None, seed: int | None) -> int:
-    """The kernel's key for ``seed``: 0 (``keying`` None: no random stream), a slices' prefix as
-    int32 bits (``"prefix"``), or the rounding's key of the seed (``keying`` the rounding)."""
-    if keying is None:
+# Launch.keying: how a call's seed becomes the kernel's key (an int, tested at every launch).
+_NO_KEY = -1  # no random stream: 0
+_PREFIX_KEY = 0  # the seed is the slices' prefix: its int32 bits
+# (otherwise the rounding's stream: the int32 bits of rng.seed_key(seed, stream), _rounding_key)
+
+
+def _keying(rounding: str | None) -> int:
+    """:attr:`Launch.keying` of a launch rounding with ``rounding`` (``None``: a slices' prefix)."""
+    if rounding is None:
+        return _PREFIX_KEY
+    if rounding == "nearest":
+        return _NO_KEY
+    return rng.STREAM_GROUP if rounding == "shift" else rng.STREAM_ELEMENT
+
+
+def _launch_key(keying: int, seed: int | None) -> int:
+    """The kernel's key for ``seed`` (:func:`_keying`): what ``_rounding_key(seed, rounding)`` or
+    ``_key_arg(prefix)`` gives, in one call."""
+    if keying < 0:
         return 0
-    if keying == "prefix":
-        return _key_arg(seed)
-    return _rounding_key(seed, keying)
+    v = (seed if keying == _PREFIX_KEY else rng.seed_key(seed, keying)) & 0xFFFFFFFF
+    return v - 0x100000000 if v >= 0x80000000 else v
 
 
 def _grids(blocks: int, rows: int, count: int) -> tuple:
@@ -774,12 +788,15 @@ def quantize_into(
             _recorded(launch)
     record_run("triton")
     key = _launch_key(launch.keying, seed)
-    xv = _kernel_view(x)
+    xv = x.view(torch.int16) if x.dtype is torch.bfloat16 else x  # _kernel_view, inline
     yv = xv if base is None else _kernel_view(base)
     head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
     for grid, row0 in launch.grids:
-        _launch(_quantize_kernel, grid, xv, yv, dst[0], dst[1], dst[2], x if order is None else order,
-                *head, key, row0, *tail_args, **kwargs)
+        args = (xv, yv, dst[0], dst[1], dst[2], x if order is None else order, *head, key, row0, *tail_args)
+        if launch_observers:
+            _launch(_quantize_kernel, grid, *args, **kwargs)
+        else:
+            _quantize_kernel[grid](*args, **kwargs)
     return launch
 
 
@@ -791,9 +808,9 @@ def _quantize_launch(x, dst, length, padded, ncodes, bits, group_size, symmetric
     if rows == 0 or groups == 0:
         return None
     if slices is None:
-        keying, count, sg, sw, first = rounding, 1, groups, 0, 0
+        keying, count, sg, sw, first = _keying(rounding), 1, groups, 0, 0
     else:
-        keying, count = "prefix", slices.count
+        keying, count = _PREFIX_KEY, slices.count
         sg, sw, first = slices.groups, slices.nbytes, slices.first
     y = base if base is not None else x
     gpp, kwargs = _quantize_template(group_size, sg, hadamard_block, bits, symmetric, rounding, x.dtype,
@@ -870,13 +887,17 @@ def dequantize_into(
     record_run("triton")
     key = _launch_key(launch.keying, seed)
     if dst is None:
-        q, out_arg = src, _kernel_view(out)
+        q, out_arg = src, out.view(torch.int16) if out.dtype is torch.bfloat16 else out  # _kernel_view, inline
     else:
         q, out_arg = dst, src[1]
     head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
     for grid, row0 in launch.grids:
-        _launch(_dequantize_kernel, grid, src[0], src[1], src[2], out_arg, q[0], q[1], q[2],
-                *head, key, row0, *tail_args, src[0] if flag is None else flag, **kwargs)
+        args = (src[0], src[1], src[2], out_arg, q[0], q[1], q[2], *head, key, row0, *tail_args,
+                src[0] if flag is None else flag)
+        if launch_observers:
+            _launch(_dequantize_kernel, grid, *args, **kwargs)
+        else:
+            _dequantize_kernel[grid](*args, **kwargs)
     return launch
 
 
@@ -888,12 +909,12 @@ def _dequantize_launch(src, groups, bits, group_size, symmetric, sources, output
     if requantize is None:
         if out.stride(-1) != 1:
             raise ValueError("out must have a unit column stride")
-        q, qshape, keying, q_ncb = src, None, None, 0
+        q, qshape, keying, q_ncb = src, None, _NO_KEY, 0
         out_rs, out_dtype = out.stride(0) if out.dim() > 1 else 0, out.dtype
     else:
         q, qbits, qsym, qround, _ = requantize
         qshape = (qbits, qsym, qround)
-        keying = "prefix" if slices is not None else qround
+        keying = _keying(None if slices is not None else qround)
         q_ncb, out_rs, out_dtype = q.ncb, 0, None
     count, sg, sw, q_sw, first = _dequantize_slices(slices, groups)
     gpp, nch, kwargs = _dequantize_template(sources, group_size, sg, inverse_block, bits, symmetric, qshape,

@@ -341,8 +341,10 @@ class GradReduceScatter(CommBase, ReduceScatter):
                 "set_gradient_divide_factor before quantize_comms (or close() the handle and quantize again)")
 
     def check_group(self, group: dist.ProcessGroup) -> None:
-        self.check_settings()
-        super().check_group(group)
+        if self._divide_factor is not None:
+            self.check_settings()
+        if group is not self._group_ok:
+            super().check_group(group)
         if self.tracker is not None:
             self.tracker.gradients_reduced()
 

@@ -83,7 +83,11 @@ class QuantizedReduceScatter(GradReduceScatter):
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
         self.check_group(group)
         world, s = self.topology.world_size, output_tensor.numel()
-        divisor = _divisor(op, world)
+        if op is self._op:
+            divisor = self._op_divisor  # the op of the last call (ReduceOp's == is a pybind call)
+        else:
+            divisor = _divisor(op, world)
+            self._op, self._op_divisor = op, divisor
         if not self.config.quantizes_shard(s):
             self.plain(output_tensor, input_tensor, group, op)
             return None
@@ -124,6 +128,9 @@ class QuantizedReduceScatter(GradReduceScatter):
             output_tensor.copy_(total)
         self.watch(output_tensor)
         return None
+
+    _op: Any = None  # the last call's op and its divisor
+    _op_divisor: int = 1
 
     def _plan(self, x: torch.Tensor, output: torch.Tensor) -> "OneHopPlan | TwoHopPlan":
         topo, g = self.topology, self.config.grads
