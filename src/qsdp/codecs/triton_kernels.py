@@ -143,6 +143,23 @@ def _widen(raw, KIND: tl.constexpr):
 
 
 @triton.jit
+def _kind_ptr(ptr, KIND: tl.constexpr):
+    # A pointer to values of KIND as the kernels read and write them: bf16 as its int16 bits
+    # (the host passes bf16 tensors as they are, no int16 view made a launch).
+    if KIND == 1:
+        return ptr.to(tl.pointer_type(tl.int16))
+    else:
+        return ptr
+
+
+@triton.jit
+def _f32_ptr(ptr):
+    # Scales and zero points: fp32 words inside the packed rows' uint8 buffer (the host passes
+    # the buffer itself, no fp32 view made a launch) or fp32 tensors of their own.
+    return ptr.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
 def _to_kind(v, KIND: tl.constexpr):
     # fp32 -> the stored dtype, rounding to nearest even as torch's .to(dtype).
     if KIND == 1:
@@ -401,6 +418,10 @@ def _quantize_kernel(
     codes) at byte k * SW of the packed row from code_off (scale_off, zero_off ignored), its
     random indices its own, its key _slice_key(key, slice0 + k, KEY_TERM). TAIL: row r is the
     x_rs elements of one vector of L from element r * x_rs, cut short by its end (_tail_row)."""
+    x_ptr = _kind_ptr(x_ptr, X_KIND)
+    y_ptr = _kind_ptr(y_ptr, Y_KIND)
+    scales_ptr = _f32_ptr(scales_ptr)
+    zeros_ptr = _f32_ptr(zeros_ptr)
     row = tl.program_id(1).to(tl.int64) + row0
     if PERMUTED:
         src = tl.load(order_ptr + row).to(tl.int64)
@@ -481,6 +502,12 @@ def _dequantize_kernel(
     MODE 1: requantized (Q_BITS, Q_SYMMETRIC, Q_ROUNDING, same groups) into the q_* layout.
     Output rows start at row0. SLICED: as _quantize_kernel's, the packed rows' slices at byte
     k * SW (the requantized ones' at k * Q_SW), the output's at element k * SG * GS."""
+    scales_ptr = _f32_ptr(scales_ptr)
+    zeros_ptr = _f32_ptr(zeros_ptr)
+    q_scales_ptr = _f32_ptr(q_scales_ptr)
+    q_zeros_ptr = _f32_ptr(q_zeros_ptr)
+    if MODE == 0:
+        out_ptr = _kind_ptr(out_ptr, OUT_KIND)
     o = tl.program_id(1).to(tl.int64) + row0
     if SLICED:
         k = tl.program_id(2)
@@ -537,9 +564,11 @@ def fuses_hadamard(group_size: int, block: int) -> bool:
 
 
 class Packed(NamedTuple):
-    """Where the packed rows live: codes (uint8), scales and zero points (fp32) of row ``r`` at
+    """Where the packed rows live: codes (uint8), scales and zero points (fp32 words: fp32 tensors,
+    or the packed rows' uint8 buffer itself, read as fp32 by the kernels) of row ``r`` at
     ``codes[code_off + r * code_rs:]``, ``scales[scale_off + r * scale_rs:]`` and
-    ``zeros[zero_off + r * scale_rs:]``; ``ncb`` code bytes per row. (A named tuple: built for
+    ``zeros[zero_off + r * scale_rs:]`` (offsets in elements, fp32 words for the scales and zero
+    points); ``ncb`` code bytes per row. (A named tuple: built for
     every launch, where a frozen dataclass's field-by-field ``__init__`` costs microseconds.)"""
 
     codes: torch.Tensor
@@ -563,8 +592,7 @@ class Packed(NamedTuple):
         min-max][packed codes][zero padding to 4 bytes]`` for ``padded`` elements."""
         if not buf.is_contiguous():
             raise ValueError("packed rows must be contiguous")
-        f = buf.view(torch.float32)
-        return cls(buf, f, f, *_rows_places(buf.shape[1], padded, bits, group_size, symmetric))
+        return cls(buf, buf, buf, *_rows_places(buf.shape[1], padded, bits, group_size, symmetric))
 
     @classmethod
     def sliced(cls, buf: torch.Tensor) -> "Packed":
@@ -573,8 +601,7 @@ class Packed(NamedTuple):
         if not buf.is_contiguous():
             raise ValueError("packed rows must be contiguous")
         width = buf.shape[1]
-        f = buf.view(torch.float32)
-        return cls(buf, f, f, 0, width, 0, 0, width // 4, 0)
+        return cls(buf, buf, buf, 0, width, 0, 0, width // 4, 0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -628,11 +655,6 @@ def _tile(group_size: int, groups: int, hadamard_block: int = 0) -> tuple[int, i
 
 def _warps(elements: int) -> int:
     return 8 if elements >= 4096 else 4
-
-
-def _kernel_view(t: torch.Tensor) -> torch.Tensor:
-    """bf16 tensors are passed as their int16 bits (widened and rounded by hand in the kernels)."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
 def _kind(t: torch.Tensor) -> int:
@@ -788,11 +810,10 @@ def quantize_into(
             _recorded(launch)
     record_run("triton")
     key = _launch_key(launch.keying, seed)
-    xv = x.view(torch.int16) if x.dtype is torch.bfloat16 else x  # _kernel_view, inline
-    yv = xv if base is None else _kernel_view(base)
     head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
     for grid, row0 in launch.grids:
-        args = (xv, yv, dst[0], dst[1], dst[2], x if order is None else order, *head, key, row0, *tail_args)
+        args = (x, x if base is None else base, dst[0], dst[1], dst[2], x if order is None else order,
+                *head, key, row0, *tail_args)
         if launch_observers:
             _launch(_quantize_kernel, grid, *args, **kwargs)
         else:
@@ -887,7 +908,7 @@ def dequantize_into(
     record_run("triton")
     key = _launch_key(launch.keying, seed)
     if dst is None:
-        q, out_arg = src, out.view(torch.int16) if out.dtype is torch.bfloat16 else out  # _kernel_view, inline
+        q, out_arg = src, out
     else:
         q, out_arg = dst, src[1]
     head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs

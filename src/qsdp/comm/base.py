@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.distributed as dist
 
-from ..codecs.rng import derive_seed, fold_seed
+from ..codecs.rng import derive_seed, fold_seeds
 from ..config import QuantConfig
 from .collectives import all_gather_flat, reduce_scatter_flat
 from .meter import METER, ByteMeter
@@ -81,9 +81,7 @@ class CommBase:
         key = self._seed_prefix
         if key is None:
             key = self._seed_prefix = derive_seed(self.config.seed, self.comm_id)
-        for p in parts:
-            key = fold_seed(key, p)
-        return key
+        return fold_seeds(key, *parts)
 
     def use_row_spans(self, spans: Spans | SpansOf, mixed: bool = False) -> None:
         """Lay out the group's shard rows by its parameters' ``(elements, TP-replicated)``

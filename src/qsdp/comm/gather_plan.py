@@ -73,8 +73,7 @@ class GatherPlan:
         send = torch.empty(1, self.width, dtype=torch.uint8, device=shard.device)
         if self.used is not None:
             send[:, self.used:].zero_()  # the row's 4-byte padding, as the encoding zeroes it
-        f = send.view(torch.float32)
-        _tk().quantize_into(shard, (send, f, f), launch=self.launches[0], seed=seed, base=base)
+        _tk().quantize_into(shard, (send, send, send), launch=self.launches[0], seed=seed, base=base)
         return send
 
     def gather(self, comm, send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -86,8 +85,7 @@ class GatherPlan:
 
     def decode_again(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
         """The first call's decoding launch into ``out`` (contiguous, any shape) from ``gathered``."""
-        f = gathered.view(torch.float32)
-        _tk().dequantize_into((gathered, f, f), launch=self.launches[1], out=out)
+        _tk().dequantize_into((gathered, gathered, gathered), launch=self.launches[1], out=out)
 
     def keep(self, encoded: list, decoded: list) -> None:
         """Keep the first call's launches (:func:`~qsdp.comm.wire.recording` of its encoding and

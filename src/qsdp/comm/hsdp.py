@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .._fsdp2 import at_end_of_backward
 from ..codecs.dispatch import disabled
-from ..codecs.rng import derive_seed, fold_seed
+from ..codecs.rng import derive_seed, fold_seed, fold_seeds
 from ..config import HsdpComm, QuantConfig
 from .collectives import all_gather, all_reduce, all_to_all
 from .base import GradReduceScatter
@@ -123,8 +123,16 @@ class ReplicaAllReduce:
         with recording(learn) as decoded:
             total = codec.decode_finished(gathered, length).reshape(-1)
         if learn:
-            launches = (one_launch(encoded), one_launch(summed), one_launch(decoded))
+            launches = [one_launch(encoded), one_launch(summed), one_launch(decoded)]
             if None not in launches:
+                # A later call requantizes into its own row of the gathered buffer and gathers in
+                # place: the requantized row's offsets moved to row ``rank``.
+                head = list(launches[1].head)
+                width = plan.width
+                head[13] += self.rank * width  # q code_off (bytes)
+                head[15] += self.rank * width // 4  # q scale_off, zero_off (fp32 words)
+                head[16] += self.rank * width // 4
+                launches[1] = launches[1]._replace(head=tuple(head))
                 plan.launches[:] = launches
         return total[:plan.n] if plan.layout.identity else plan.layout.contract(total[:plan.n])
 
@@ -136,22 +144,20 @@ class ReplicaAllReduce:
         send = torch.empty(d, width, dtype=torch.uint8, device=device)
         if plan.used is not None:
             send[:, plan.used:].zero_()  # each row's 4-byte padding, as the encoding zeroes it
-        f = send.view(torch.float32)
-        tk.quantize_into(x, (send, f, f), launch=plan.launches[0], seed=fold_seed(seed, 1))
+        tk.quantize_into(x, (send, send, send), launch=plan.launches[0], seed=fold_seed(seed, 1))
         recv = torch.empty_like(send)
         all_to_all(recv, send, self.group)
         self.byte_meter.add(plan.meter1)
-        mine = torch.empty(1, width, dtype=torch.uint8, device=device)
+        gathered = torch.empty(d, width, dtype=torch.uint8, device=device)
+        mine = gathered[self.rank:self.rank + 1]  # requantized and gathered in place, as FSDP2 gathers
         if plan.used is not None:
             mine[:, plan.used:].zero_()
-        f, g = mine.view(torch.float32), recv.view(torch.float32)
-        tk.dequantize_into((recv, g, g), launch=plan.launches[1], dst=(mine, f, f), seed=fold_seed(seed, 2))
-        gathered = torch.empty(d, width, dtype=torch.uint8, device=device)
+        tk.dequantize_into((recv, recv, recv), launch=plan.launches[1], dst=(gathered, gathered, gathered),
+                           seed=fold_seed(seed, 2))
         all_gather(gathered, mine, self.group)
         self.byte_meter.add(plan.meter2)
         total = torch.empty(d * plan.length, dtype=torch.float32, device=device)
-        g = gathered.view(torch.float32)
-        tk.dequantize_into((gathered, g, g), launch=plan.launches[2], out=total)
+        tk.dequantize_into((gathered, gathered, gathered), launch=plan.launches[2], out=total)
         return total[:plan.n] if plan.n < total.numel() else total
 
     def _call_seed(self) -> int:
@@ -159,7 +165,7 @@ class ReplicaAllReduce:
         part fixed for the comm is derived once."""
         if self._prefix is None:
             self._prefix = derive_seed(self.config.seed, self.comm_id)
-        return fold_seed(fold_seed(fold_seed(self._prefix, self.calls), self.rank), 7)
+        return fold_seeds(self._prefix, self.calls, self.rank, 7)
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": self.calls}

@@ -174,13 +174,11 @@ class QuantizedReduceScatter(GradReduceScatter):
         send = torch.empty(plan.send_shape, dtype=torch.uint8, device=x.device)
         if plan.used is not None:
             send[:, plan.used:].zero_()  # each row's 4-byte padding, as the encoding zeroes it
-        f = send.view(torch.float32)
-        tk.quantize_into(x, (send, f, f), launch=launches[0], seed=self._seed(3))
+        tk.quantize_into(x, (send, send, send), launch=launches[0], seed=self._seed(3))
         recv = torch.empty_like(send)
         all_to_all(recv, send, group)
         self.byte_meter.add(plan.meter)
-        f = recv.view(torch.float32)
-        tk.dequantize_into((recv, f, f), launch=launches[1], out=output, flag=flag)
+        tk.dequantize_into((recv, recv, recv), launch=launches[1], out=output, flag=flag)
 
     def _two_hops(self, x: torch.Tensor, plan: "TwoHopPlan", output: torch.Tensor, divisor: int,
                   flag: torch.Tensor | None) -> torch.Tensor | None:
@@ -247,8 +245,7 @@ class QuantizedReduceScatter(GradReduceScatter):
             if i < n:
                 start = runs[i].start
                 send = torch.empty(plan.shape1[i], dtype=torch.uint8, device=device)
-                f = send.view(torch.float32)
-                tk.quantize_into(x if start == 0 else x[start:], (send, f, f), launch=launches[i][0], seed=prefix1,
+                tk.quantize_into(x if start == 0 else x[start:], (send, send, send), launch=launches[i][0], seed=prefix1,
                                  order=order)
                 recv = torch.empty_like(send)
                 stage1[i] = recv, all_to_all(recv, send, intra, async_op=True)
@@ -259,8 +256,7 @@ class QuantizedReduceScatter(GradReduceScatter):
                 work.wait()
                 stage1[i] = None
                 send = torch.empty(plan.shape2[i], dtype=torch.uint8, device=device)
-                f, g = send.view(torch.float32), recv.view(torch.float32)
-                tk.dequantize_into((recv, g, g), launch=launches[i][1], dst=(send, f, f), seed=prefix2)
+                tk.dequantize_into((recv, recv, recv), launch=launches[i][1], dst=(send, send, send), seed=prefix2)
                 recv2 = torch.empty_like(send)
                 stage2[i] = recv2, all_to_all(recv2, send, inter, async_op=True)
                 self.byte_meter.add(plan.meter2[runs[i]])
@@ -270,8 +266,8 @@ class QuantizedReduceScatter(GradReduceScatter):
                 work2.wait()
                 stage2[i] = None
                 start = runs[i].start
-                g = recv2.view(torch.float32)
-                tk.dequantize_into((recv2, g, g), launch=launches[i][2], out=output if start == 0 else output[start:],
+                tk.dequantize_into((recv2, recv2, recv2), launch=launches[i][2],
+                                   out=output if start == 0 else output[start:],
                                    flag=flag)
 
     def _intra_exchange(self, x: torch.Tensor, plan: "TwoHopPlan", run: SliceRun, order: torch.Tensor,
