@@ -79,7 +79,7 @@ class QuantizedAllGather(WeightAllGather):
             plan = self._plans[key] = GatherPlan.build(
                 self, self.codec, n, input_tensor.device, topo.peers(), topo.world_size)
         seed = self.seed(self.version, self.topology.rank, 1)
-        if plan.again(input_tensor, output_tensor):
+        if plan.again(input_tensor, output_tensor) and output_tensor.numel() == plan.rows * n:
             plan.decode_again(plan.gather(self, plan.encode_again(input_tensor, seed), group), output_tensor)
             return None
         learn = plan.fused and not plan.launches

@@ -74,8 +74,7 @@ def _options(cls, async_op: bool, **fields):
 # What torch.distributed builds for every call, built once (the group copies what it reads).
 _A2A_OPTS = (_options(c10d.AllToAllOptions, False), _options(c10d.AllToAllOptions, True))
 _AG_OPTS = (_options(c10d.AllgatherOptions, False), _options(c10d.AllgatherOptions, True))
-_AR_SUM_OPTS = (_options(c10d.AllreduceOptions, False, reduceOp=dist.ReduceOp.SUM),
-                _options(c10d.AllreduceOptions, True, reduceOp=dist.ReduceOp.SUM))
+_AR_OPTS: dict[Any, Any] = {}  # by reduce op (a ReduceOp.RedOpType), made at its first use
 
 
 def all_to_all(output: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
@@ -93,6 +92,10 @@ def all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group) -> None:
     _method(group, _ALL_GATHER)(group, output, input_tensor, _AG_OPTS[False]).wait()
 
 
-def all_reduce(tensor: torch.Tensor, group) -> None:
-    """``dist.all_reduce(tensor, group=group)`` (a sum), called on the group itself."""
-    _method(group, _ALLREDUCE)(group, [tensor], _AR_SUM_OPTS[False]).wait()
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """``dist.all_reduce(tensor, op=op, group=group)`` (``op`` one of ``ReduceOp``'s values, not a
+    premultiplied sum), called on the group itself."""
+    opts = _AR_OPTS.get(op)
+    if opts is None:
+        opts = _AR_OPTS[op] = _options(c10d.AllreduceOptions, False, reduceOp=op)
+    _method(group, _ALLREDUCE)(group, [tensor], opts).wait()

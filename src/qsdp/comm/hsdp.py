@@ -147,7 +147,6 @@ class ReplicaAllReduce:
         tk.quantize_into(x, (send, send, send), launch=plan.launches[0], seed=fold_seed(seed, 1))
         recv = torch.empty_like(send)
         all_to_all(recv, send, self.group)
-        self.byte_meter.add(plan.meter1)
         gathered = torch.empty(d, width, dtype=torch.uint8, device=device)
         mine = gathered[self.rank:self.rank + 1]  # requantized and gathered in place, as FSDP2 gathers
         if plan.used is not None:
@@ -155,7 +154,7 @@ class ReplicaAllReduce:
         tk.dequantize_into((recv, recv, recv), launch=plan.launches[1], dst=(gathered, gathered, gathered),
                            seed=fold_seed(seed, 2))
         all_gather(gathered, mine, self.group)
-        self.byte_meter.add(plan.meter2)
+        self.byte_meter.add(plan.meter1 + plan.meter2)  # both exchanges', once
         total = torch.empty(d * plan.length, dtype=torch.float32, device=device)
         tk.dequantize_into((gathered, gathered, gathered), launch=plan.launches[2], out=total)
         return total[:plan.n] if plan.n < total.numel() else total

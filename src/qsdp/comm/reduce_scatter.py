@@ -101,14 +101,15 @@ class QuantizedReduceScatter(GradReduceScatter):
         if plan is None:
             plan = self._plans[key] = self._plan(input_tensor.view(world, s), output_tensor)
         # The last kernel divides, casts into FSDP2's output and watches for NaN/Inf itself
-        # (plan.direct); otherwise the fp32 sum is divided and watched by torch.
-        flag = self.kernel_flag(input_tensor.device) if plan.direct else None
+        # (direct: where the plan says so and the kernels were not switched off since, by
+        # QSDP_DISABLE_TRITON); otherwise the fp32 sum is divided and watched by torch.
+        direct = plan.direct and not disabled()
+        flag = self.kernel_flag(input_tensor.device) if direct else None
         # A steady call launches its first call's kernels again with its own tensors and seeds
-        # (plan.launches: where every step took one launch, the inputs are contiguous and the
-        # kernels are still on).
+        # (plan.launches: where every step took one launch and the tensors are contiguous).
         launches = plan.launches.get(divisor)
-        if launches is not None and input_tensor.is_contiguous() and output_tensor.is_contiguous() \
-                and not disabled():
+        if launches is not None and direct and input_tensor.is_contiguous() and output_tensor.is_contiguous() \
+                and input_tensor.numel() == world * s:
             if plan.runs is None:
                 self._one_hop_again(input_tensor, group, plan, launches, output_tensor, flag)
             else:
@@ -116,10 +117,10 @@ class QuantizedReduceScatter(GradReduceScatter):
             return None
         x = input_tensor.view(world, s)
         if plan.runs is None:
-            total = self._one_hop(x, group, plan, output_tensor, divisor, flag)
+            total = self._one_hop(x, group, plan, direct, output_tensor, divisor, flag)
         else:
-            total = self._two_hops(x, plan, output_tensor, divisor, flag)
-        if plan.direct:
+            total = self._two_hops(x, plan, direct, output_tensor, divisor, flag)
+        if direct:
             return None
         if divisor != 1:
             # the fp32 quotient cast into FSDP2's output as copy_ would, in one kernel
@@ -145,19 +146,19 @@ class QuantizedReduceScatter(GradReduceScatter):
     def _seed(self, *parts: int) -> int:
         return self.seed(self.calls, self.topology.rank, *parts)
 
-    def _one_hop(self, x: torch.Tensor, group, plan: "OneHopPlan", output: torch.Tensor, divisor: int,
-                 flag: torch.Tensor | None) -> torch.Tensor | None:
+    def _one_hop(self, x: torch.Tensor, group, plan: "OneHopPlan", direct: bool, output: torch.Tensor,
+                 divisor: int, flag: torch.Tensor | None) -> torch.Tensor | None:
         codec, layout = plan.codec, plan.layout
         # The first call's launches are kept for the later calls where both steps are one
-        # launch each and the decoding writes FSDP2's output (plan.direct).
-        with recording(plan.direct) as encoded:
+        # launch each and the decoding writes FSDP2's output (direct).
+        with recording(direct) as encoded:
             # A group mixing TP-replicated and TP-sharded parameters is encoded from a copy of its
             # gradient in the codec's order (row_layout); any other group from the gradient itself.
             send = codec.encode(x if layout.identity else layout.expand(x), seed=self._seed(3))
         recv = torch.empty_like(send)
         all_to_all(recv, send, group)
         self.byte_meter.add(plan.meter)
-        if plan.direct:
+        if direct:
             with recording(True) as decoded:
                 codec.decode_sum_finished_into(recv, layout.wire_length, output, divisor=divisor, flag=flag)
             launches = (one_launch(encoded), one_launch(decoded))
@@ -180,7 +181,7 @@ class QuantizedReduceScatter(GradReduceScatter):
         self.byte_meter.add(plan.meter)
         tk.dequantize_into((recv, recv, recv), launch=launches[1], out=output, flag=flag)
 
-    def _two_hops(self, x: torch.Tensor, plan: "TwoHopPlan", output: torch.Tensor, divisor: int,
+    def _two_hops(self, x: torch.Tensor, plan: "TwoHopPlan", direct: bool, output: torch.Tensor, divisor: int,
                   flag: torch.Tensor | None) -> torch.Tensor | None:
         topo = self.topology
         layout, hop2 = plan.layout, plan.hop2
@@ -190,9 +191,9 @@ class QuantizedReduceScatter(GradReduceScatter):
         # codec step of a run is one launch on the fused path (the slices a grid axis, each with
         # its own seed); the Hadamard transform (blockwise, and every slice is whole blocks) is
         # fused into hop 1's quantization, its inverse into hop 2's decoding, and with
-        # plan.direct the division, the cast into FSDP2's output and the watch too. Those
+        # direct the division, the cast into FSDP2's output and the watch too. Those
         # launches are kept for the later calls (:meth:`_two_hops_again`).
-        out = output if plan.direct else torch.empty(plan.lp, dtype=torch.float32, device=x.device)
+        out = output if direct else torch.empty(plan.lp, dtype=torch.float32, device=x.device)
         prefix1, prefix2 = self._seed(4), self._seed(5)
         runs = plan.runs
         n = len(runs)
@@ -202,7 +203,7 @@ class QuantizedReduceScatter(GradReduceScatter):
         for step in range(n + 2):
             i = step
             if i < n:
-                with recording(plan.direct) as launches:
+                with recording(direct) as launches:
                     stage1[i] = self._intra_exchange(x, plan, runs[i], order, prefix1)
                 learned[i][0] = one_launch(launches)
             i = step - 1
@@ -210,7 +211,7 @@ class QuantizedReduceScatter(GradReduceScatter):
                 recv, work = stage1[i]
                 work.wait()
                 stage1[i] = None
-                with recording(plan.direct) as launches:
+                with recording(direct) as launches:
                     stage2[i] = self._inter_exchange(recv, plan, runs[i], prefix2)
                 learned[i][1] = one_launch(launches)
             i = step - 2
@@ -218,15 +219,15 @@ class QuantizedReduceScatter(GradReduceScatter):
                 recv2, work2 = stage2[i]
                 work2.wait()
                 stage2[i] = None
-                if plan.direct:
+                if direct:
                     with recording(True) as launches:
                         hop2.decode_sum_slices(recv2, runs[i], out, divisor=divisor, flag=flag)
                     learned[i][2] = one_launch(launches)
                 else:
                     hop2.decode_sum_slices(recv2, runs[i], out)
-        if plan.direct and all(None not in run for run in learned):
+        if direct and all(None not in run for run in learned):
             plan.launches[divisor] = tuple(tuple(run) for run in learned)
-        return None if plan.direct else layout.contract(out)
+        return None if direct else layout.contract(out)
 
     def _two_hops_again(self, x: torch.Tensor, plan: "TwoHopPlan", launches: tuple, output: torch.Tensor,
                         flag: torch.Tensor | None) -> None:
