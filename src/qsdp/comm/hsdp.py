@@ -147,7 +147,7 @@ class ReplicaAllReduce:
         tk.quantize_into(x, (send, send, send), launch=plan.launches[0], seed=fold_seed(seed, 1))
         recv = torch.empty_like(send)
         all_to_all(recv, send, self.group)
-        gathered = torch.empty(d, width, dtype=torch.uint8, device=device)
+        gathered = torch.empty_like(send)  # [d, width], as send
         mine = gathered[self.rank:self.rank + 1]  # requantized and gathered in place, as FSDP2 gathers
         if plan.used is not None:
             mine[:, plan.used:].zero_()
