@@ -19,7 +19,7 @@ from ..codecs.dispatch import disabled
 from .collectives import all_gather
 from .meter import peer_entries
 from .row_layout import RowLayout
-from .wire import RowCodec, _padding_from, _tk, one_launch, recording
+from .wire import RowCodec, _padding_from, _tk, one_launch
 
 
 @dataclass(frozen=True)

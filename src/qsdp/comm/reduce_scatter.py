@@ -184,7 +184,7 @@ class QuantizedReduceScatter(GradReduceScatter):
     def _two_hops(self, x: torch.Tensor, plan: "TwoHopPlan", direct: bool, output: torch.Tensor, divisor: int,
                   flag: torch.Tensor | None) -> torch.Tensor | None:
         topo = self.topology
-        layout, hop2 = plan.layout, plan.hop2
+        layout = plan.layout
         order = topo.exchange_index(x.device)
         # The rounding slices (their bounds and seeds fix the result) travel in runs, one
         # exchange per hop each: one per slice when pipelined, else all of them in one. Each
@@ -196,35 +196,29 @@ class QuantizedReduceScatter(GradReduceScatter):
         out = output if direct else torch.empty(plan.lp, dtype=torch.float32, device=x.device)
         prefix1, prefix2 = self._seed(4), self._seed(5)
         runs = plan.runs
-        n = len(runs)
-        learned: list[list] = [[None, None, None] for _ in range(n)]
-        stage1: list[tuple[torch.Tensor, Any] | None] = [None] * n
-        stage2: list[tuple[torch.Tensor, Any] | None] = [None] * n
-        for step in range(n + 2):
-            i = step
-            if i < n:
-                with recording(direct) as launches:
-                    stage1[i] = self._intra_exchange(x, plan, runs[i], order, prefix1)
-                learned[i][0] = one_launch(launches)
-            i = step - 1
-            if 0 <= i < n:
-                recv, work = stage1[i]
-                work.wait()
-                stage1[i] = None
-                with recording(direct) as launches:
-                    stage2[i] = self._inter_exchange(recv, plan, runs[i], prefix2)
-                learned[i][1] = one_launch(launches)
-            i = step - 2
-            if 0 <= i < n:
-                recv2, work2 = stage2[i]
-                work2.wait()
-                stage2[i] = None
-                if direct:
-                    with recording(True) as launches:
-                        hop2.decode_sum_slices(recv2, runs[i], out, divisor=divisor, flag=flag)
-                    learned[i][2] = one_launch(launches)
-                else:
-                    hop2.decode_sum_slices(recv2, runs[i], out)
+        learned: list[list] = [[None, None, None] for _ in runs]
+
+        def hop1(i: int) -> tuple[torch.Tensor, Any]:
+            with recording(direct) as launches:
+                sent = self._intra_exchange(x, plan, runs[i], order, prefix1)
+            learned[i][0] = one_launch(launches)
+            return sent
+
+        def hop2(i: int, recv: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            with recording(direct) as launches:
+                sent = self._inter_exchange(recv, plan, runs[i], prefix2)
+            learned[i][1] = one_launch(launches)
+            return sent
+
+        def decode(i: int, recv2: torch.Tensor) -> None:
+            if not direct:
+                plan.hop2.decode_sum_slices(recv2, runs[i], out)
+                return
+            with recording(True) as launches:
+                plan.hop2.decode_sum_slices(recv2, runs[i], out, divisor=divisor, flag=flag)
+            learned[i][2] = one_launch(launches)
+
+        _pipelined(len(runs), hop1, hop2, decode)
         if direct and all(None not in run for run in learned):
             plan.launches[divisor] = tuple(tuple(run) for run in learned)
         return None if direct else layout.contract(out)
@@ -237,39 +231,32 @@ class QuantizedReduceScatter(GradReduceScatter):
         topo = self.topology
         intra, inter = topo.intra_group, topo.inter_group
         prefix1, prefix2 = self._seed(4), self._seed(5)
-        runs, order, device = plan.runs, plan.order, x.device
-        n = len(runs)
-        stage1: list = [None] * n
-        stage2: list = [None] * n
-        for step in range(n + 2):
-            i = step
-            if i < n:
-                start = runs[i].start
-                send = torch.empty(plan.shape1[i], dtype=torch.uint8, device=device)
-                tk.quantize_into(x if start == 0 else x[start:], (send, send, send), launch=launches[i][0], seed=prefix1,
-                                 order=order)
-                recv = torch.empty_like(send)
-                stage1[i] = recv, all_to_all(recv, send, intra, async_op=True)
-                self.byte_meter.add(plan.meter1[runs[i]])
-            i = step - 1
-            if 0 <= i < n:
-                recv, work = stage1[i]
-                work.wait()
-                stage1[i] = None
-                send = torch.empty(plan.shape2[i], dtype=torch.uint8, device=device)
-                tk.dequantize_into((recv, recv, recv), launch=launches[i][1], dst=(send, send, send), seed=prefix2)
-                recv2 = torch.empty_like(send)
-                stage2[i] = recv2, all_to_all(recv2, send, inter, async_op=True)
-                self.byte_meter.add(plan.meter2[runs[i]])
-            i = step - 2
-            if 0 <= i < n:
-                recv2, work2 = stage2[i]
-                work2.wait()
-                stage2[i] = None
-                start = runs[i].start
-                tk.dequantize_into((recv2, recv2, recv2), launch=launches[i][2],
-                                   out=output if start == 0 else output[start:],
-                                   flag=flag)
+        runs, order, device, meter = plan.runs, plan.order, x.device, self.byte_meter
+
+        def hop1(i: int) -> tuple[torch.Tensor, Any]:
+            start = runs[i].start
+            send = torch.empty(plan.shape1[i], dtype=torch.uint8, device=device)
+            tk.quantize_into(x if start == 0 else x[start:], (send, send, send), launch=launches[i][0], seed=prefix1,
+                             order=order)
+            recv = torch.empty_like(send)
+            work = all_to_all(recv, send, intra, async_op=True)
+            meter.add(plan.meter1[runs[i]])
+            return recv, work
+
+        def hop2(i: int, recv: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            send = torch.empty(plan.shape2[i], dtype=torch.uint8, device=device)
+            tk.dequantize_into((recv, recv, recv), launch=launches[i][1], dst=(send, send, send), seed=prefix2)
+            recv2 = torch.empty_like(send)
+            work = all_to_all(recv2, send, inter, async_op=True)
+            meter.add(plan.meter2[runs[i]])
+            return recv2, work
+
+        def decode(i: int, recv2: torch.Tensor) -> None:
+            start = runs[i].start
+            tk.dequantize_into((recv2, recv2, recv2), launch=launches[i][2], out=output if start == 0 else output[start:],
+                               flag=flag)
+
+        _pipelined(len(runs), hop1, hop2, decode)
 
     def _intra_exchange(self, x: torch.Tensor, plan: "TwoHopPlan", run: SliceRun, order: torch.Tensor,
                         prefix: int) -> tuple[torch.Tensor, Any]:
@@ -298,6 +285,31 @@ class QuantizedReduceScatter(GradReduceScatter):
         work = all_to_all(recv2, send, topo.inter_group, async_op=True)
         self.byte_meter.add(plan.meter2[run])
         return recv2, work
+
+
+def _pipelined(n: int, hop1: Callable[[int], tuple], hop2: Callable[[int, torch.Tensor], tuple],
+               decode: Callable[[int, torch.Tensor], None]) -> None:
+    """The two-level exchanges of ``n`` runs of rounding slices, staggered: run ``i``'s hop 1
+    (``hop1(i)``: its receive buffer and the exchange's work) goes out while run ``i - 1``'s
+    hop 2 (``hop2(i - 1, received)``) and run ``i - 2``'s decoding (``decode(i - 2,
+    received)``) follow, each once the exchange before it is done."""
+    stage1: list = [None] * n
+    stage2: list = [None] * n
+    for step in range(n + 2):
+        if step < n:
+            stage1[step] = hop1(step)
+        i = step - 1
+        if 0 <= i < n:
+            recv, work = stage1[i]
+            work.wait()
+            stage1[i] = None
+            stage2[i] = hop2(i, recv)
+        i = step - 2
+        if 0 <= i < n:
+            recv2, work2 = stage2[i]
+            work2.wait()
+            stage2[i] = None
+            decode(i, recv2)
 
 
 @dataclass(frozen=True)
