@@ -945,6 +945,21 @@ def _dequantize_launch(src, groups, bits, group_size, symmetric, sources, output
     return Launch(_grids(-(-sg // gpp) * nch, outputs, count), head, (sg, sw, q_sw, first), kwargs, keying)
 
 
+# Where the requantized rows' code, scale and zero-point offsets sit in a dequantize launch's head.
+_Q_CODE_OFF, _Q_SCALE_OFF, _Q_ZERO_OFF = 13, 15, 16
+
+
+def requantized_further(launch: Launch, nbytes: int) -> Launch:
+    """``launch`` (a requantizing ``dequantize_into``'s, rows of :meth:`Packed.rows`) writing
+    its requantized rows ``nbytes`` bytes further into their buffer (a multiple of 4: the scales
+    and zero points move by ``nbytes // 4`` fp32 words)."""
+    head = list(launch.head)
+    head[_Q_CODE_OFF] += nbytes
+    head[_Q_SCALE_OFF] += nbytes // 4
+    head[_Q_ZERO_OFF] += nbytes // 4
+    return launch._replace(head=tuple(head))
+
+
 @functools.lru_cache(maxsize=4096)
 def _dequantize_template(sources: int, group_size: int, sg: int, hb: int, bits: int, symmetric: bool,
                          requantize: tuple | None, out_dtype: torch.dtype | None, add: bool, sliced: bool,

@@ -126,13 +126,8 @@ class ReplicaAllReduce:
             launches = [one_launch(encoded), one_launch(summed), one_launch(decoded)]
             if None not in launches:
                 # A later call requantizes into its own row of the gathered buffer and gathers in
-                # place: the requantized row's offsets moved to row ``rank``.
-                head = list(launches[1].head)
-                width = plan.width
-                head[13] += self.rank * width  # q code_off (bytes)
-                head[15] += self.rank * width // 4  # q scale_off, zero_off (fp32 words)
-                head[16] += self.rank * width // 4
-                launches[1] = launches[1]._replace(head=tuple(head))
+                # place: the requantized row moved to row ``rank`` of a buffer of such rows.
+                launches[1] = _tk().requantized_further(launches[1], self.rank * plan.width)
                 plan.launches[:] = launches
         return total[:plan.n] if plan.layout.identity else plan.layout.contract(total[:plan.n])
 
