@@ -206,21 +206,23 @@ def test_auto_on_gloo_gives_the_bits_and_bytes_of_eight_slices(shard, min_slice)
 
 
 def _all_to_alls(rank, world, slices):
-    counted = []
-    real = dist.all_to_all_single
+    from qsdp.comm import reduce_scatter
 
-    def counting(*args, **kwargs):  # the real collective still runs
-        counted.append(kwargs.get("group"))
-        return real(*args, **kwargs)
+    counted = []
+    real = reduce_scatter.all_to_all  # the process group's own all-to-all (qsdp.comm.collectives)
+
+    def counting(output, input_tensor, group, async_op=False):  # the real collective still runs
+        counted.append(group)
+        return real(output, input_tensor, group, async_op)
 
     cfg = qsdp.resolve_config("sdp4bit", {"grads.pipeline_slices": slices, "grads.pipeline_min_slice": 1})
     topo = build_topology()
     comm = QuantizedReduceScatter(cfg, topo, 0)
-    dist.all_to_all_single = counting
+    reduce_scatter.all_to_all = counting
     try:
         _reduce_scatter(comm, _grad(rank, world * 8 * 1024))
     finally:
-        dist.all_to_all_single = real
+        reduce_scatter.all_to_all = real
     return [g is topo.intra_group for g in counted], [g is topo.inter_group for g in counted]
 
 
@@ -266,11 +268,11 @@ def _grouped_by_bytes(rank, world, min_bytes):
     from qsdp.comm.meter import METER
 
     rs.pipelines_exchanges = lambda device_type, backend: True
-    real, calls = dist.all_to_all_single, []
+    real, calls = rs.all_to_all, []  # the process group's own all-to-all (qsdp.comm.collectives)
 
-    def counting(*args, **kwargs):  # the real collective still runs
-        calls.append(kwargs.get("group"))
-        return real(*args, **kwargs)
+    def counting(output, input_tensor, group, async_op=False):  # the real collective still runs
+        calls.append(group)
+        return real(output, input_tensor, group, async_op)
 
     results = []
     for slices in ("auto", 8):
@@ -280,11 +282,11 @@ def _grouped_by_bytes(rank, world, min_bytes):
         comm = QuantizedReduceScatter(cfg, topo, 3)
         METER.snapshot(reset=True)
         calls.clear()
-        dist.all_to_all_single = counting
+        rs.all_to_all = counting
         try:
             out = _reduce_scatter(comm, _grad(rank, world * 8 * 4096))
         finally:
-            dist.all_to_all_single = real
+            rs.all_to_all = real
         results.append((out, METER.snapshot()["grads"], sum(g is topo.inter_group for g in calls)))
     (auto, auto_bytes, auto_calls), (eight, eight_bytes, eight_calls) = results
     return torch.equal(auto, eight), auto_bytes == eight_bytes, auto_calls, eight_calls

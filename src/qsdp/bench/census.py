@@ -471,15 +471,26 @@ def _steady_calls(cfg: QuantConfig, collective: str, topo: Topology, shard: int,
     if collective == "gather_difference_step":
         comm.track([values], "group 1")
 
+    base_mine = base_out.view(world, shard)[topo.rank]
+    step = collective == "gather_difference_step"
+
     def gather() -> None:
-        if collective == "gather_difference_step":
+        if step:
             tracker.before_optimizer_step()
             values.add_(0)
             tracker.after_optimizer_step()
         mine.copy_(values)  # FSDP2 copies the shard into the gathered buffer before it calls
         comm(out, mine, topo.group)
 
-    return {"qsdp": gather, "fsdp2": lambda: all_gather_flat(base_out, values, topo.group)}
+    def fsdp2_gather() -> None:
+        # FSDP2's own step around its collective, as around qsdp's: the optimizer's step (the
+        # step's gathers), the copy of the shard into the gathered buffer, the gather in place
+        if step:
+            values.add_(0)
+        base_mine.copy_(values)
+        all_gather_flat(base_out, base_mine, topo.group)
+
+    return {"qsdp": gather, "fsdp2": fsdp2_gather}
 
 
 def host_floor(cfg: QuantConfig, collective: str, topo: Topology, shard: int, dtype: torch.dtype,

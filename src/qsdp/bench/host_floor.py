@@ -15,8 +15,10 @@ method, not a model of the kernels: their outputs are left as allocated.
   denormals flushed (the kernels' untouched outputs hold arbitrary bits, whose slow denormal
   arithmetic no GPU would do);
 * ``fsdp2_us``: the same for FSDP2's own collective of the same group, size and dtype
-  (``reduce_scatter_tensor``, ``all_gather_into_tensor``, or across HSDP replicas
-  ``all_reduce`` of a copy), measured in the same run, interleaved run by run;
+  (``reduce_scatter_tensor``; ``all_gather_into_tensor`` in place after the copy of the shard
+  into the gathered buffer, as FSDP2 gathers and as the qsdp gather's call is timed, with the
+  optimizer's step between two where the qsdp gathers are a training step's; or across HSDP
+  replicas ``all_reduce`` of a copy), measured in the same run, interleaved run by run;
 * ``py_calls``: Python function calls one steady call makes (``sys.setprofile``'s ``call``
   events: qsdp's and torch's Python alike), ``qsdp_calls`` those of qsdp's own functions. They
   do not depend on the machine: the tests hold them.

@@ -20,12 +20,27 @@ import torch
 
 _ON_CPU = os.environ.get("QSDP_TRITON_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 
+# QSDP_DISABLE_TRITON is read at every codec step (tests and users may set it at any time):
+# on POSIX from os.environ's own dict, which os.environ keeps current (os.environ.get costs
+# three Python calls, and a collective asks several times a call).
+_ENVIRON = getattr(os.environ, "_data", None)
+if os.name == "posix" and isinstance(_ENVIRON, dict):
+
+    def disabled() -> bool:
+        """Whether ``QSDP_DISABLE_TRITON=1`` is set now."""
+        return _ENVIRON.get(b"QSDP_DISABLE_TRITON") == b"1"
+else:  # pragma: no cover - other platforms
+
+    def disabled() -> bool:
+        """Whether ``QSDP_DISABLE_TRITON=1`` is set now."""
+        return os.environ.get("QSDP_DISABLE_TRITON") == "1"
+
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the codec step on tensor ``t`` should run the fused Triton kernel."""
     if not (t.is_cuda or _ON_CPU):
         return False
-    if os.environ.get("QSDP_DISABLE_TRITON") == "1":
+    if disabled():
         return False
     return triton_available()
 

@@ -94,6 +94,28 @@ def fold_seed(seed: int, part: int) -> int:
     return seed_key(int(part) ^ seed, stream=len(str(part)))
 
 
+def fold_seeds(seed: int, *parts: int) -> int:
+    """``fold_seed`` of each of ``parts`` in turn (``derive_seed(*before, *parts)`` from ``seed =
+    derive_seed(*before)``), in one call: every collective call derives its rounding seeds this
+    way. :func:`seed_key` written out in the loop (the same arithmetic)."""
+    m1, m2, mask = _M1, _M2, _MASK32
+    for part in parts:
+        part = int(part)
+        s = part ^ seed
+        x = (s & mask) ^ ((len(str(part)) * 0x9E3779B9) & mask)
+        x ^= x >> 16
+        x = (x * m1) & mask
+        x ^= x >> 15
+        x = (x * m2) & mask
+        x ^= (x >> 16) ^ ((s >> 32) & mask)
+        x ^= x >> 16
+        x = (x * m1) & mask
+        x ^= x >> 15
+        x = (x * m2) & mask
+        seed = x ^ (x >> 16)
+    return seed
+
+
 def fresh_seed() -> int:
     """A seed drawn from torch's global generator, for callers that did not pass one."""
     return int(torch.randint(0, 2**31 - 1, (1,)).item())

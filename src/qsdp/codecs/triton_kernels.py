@@ -143,6 +143,23 @@ def _widen(raw, KIND: tl.constexpr):
 
 
 @triton.jit
+def _kind_ptr(ptr, KIND: tl.constexpr):
+    # A pointer to values of KIND as the kernels read and write them: bf16 as its int16 bits
+    # (the host passes bf16 tensors as they are, no int16 view made a launch).
+    if KIND == 1:
+        return ptr.to(tl.pointer_type(tl.int16))
+    else:
+        return ptr
+
+
+@triton.jit
+def _f32_ptr(ptr):
+    # Scales and zero points: fp32 words inside the packed rows' uint8 buffer (the host passes
+    # the buffer itself, no fp32 view made a launch) or fp32 tensors of their own.
+    return ptr.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
 def _to_kind(v, KIND: tl.constexpr):
     # fp32 -> the stored dtype, rounding to nearest even as torch's .to(dtype).
     if KIND == 1:
@@ -401,6 +418,10 @@ def _quantize_kernel(
     codes) at byte k * SW of the packed row from code_off (scale_off, zero_off ignored), its
     random indices its own, its key _slice_key(key, slice0 + k, KEY_TERM). TAIL: row r is the
     x_rs elements of one vector of L from element r * x_rs, cut short by its end (_tail_row)."""
+    x_ptr = _kind_ptr(x_ptr, X_KIND)
+    y_ptr = _kind_ptr(y_ptr, Y_KIND)
+    scales_ptr = _f32_ptr(scales_ptr)
+    zeros_ptr = _f32_ptr(zeros_ptr)
     row = tl.program_id(1).to(tl.int64) + row0
     if PERMUTED:
         src = tl.load(order_ptr + row).to(tl.int64)
@@ -481,6 +502,12 @@ def _dequantize_kernel(
     MODE 1: requantized (Q_BITS, Q_SYMMETRIC, Q_ROUNDING, same groups) into the q_* layout.
     Output rows start at row0. SLICED: as _quantize_kernel's, the packed rows' slices at byte
     k * SW (the requantized ones' at k * Q_SW), the output's at element k * SG * GS."""
+    scales_ptr = _f32_ptr(scales_ptr)
+    zeros_ptr = _f32_ptr(zeros_ptr)
+    q_scales_ptr = _f32_ptr(q_scales_ptr)
+    q_zeros_ptr = _f32_ptr(q_zeros_ptr)
+    if MODE == 0:
+        out_ptr = _kind_ptr(out_ptr, OUT_KIND)
     o = tl.program_id(1).to(tl.int64) + row0
     if SLICED:
         k = tl.program_id(2)
@@ -537,9 +564,11 @@ def fuses_hadamard(group_size: int, block: int) -> bool:
 
 
 class Packed(NamedTuple):
-    """Where the packed rows live: codes (uint8), scales and zero points (fp32) of row ``r`` at
+    """Where the packed rows live: codes (uint8), scales and zero points (fp32 words: fp32 tensors,
+    or the packed rows' uint8 buffer itself, read as fp32 by the kernels) of row ``r`` at
     ``codes[code_off + r * code_rs:]``, ``scales[scale_off + r * scale_rs:]`` and
-    ``zeros[zero_off + r * scale_rs:]``; ``ncb`` code bytes per row. (A named tuple: built for
+    ``zeros[zero_off + r * scale_rs:]`` (offsets in elements, fp32 words for the scales and zero
+    points); ``ncb`` code bytes per row. (A named tuple: built for
     every launch, where a frozen dataclass's field-by-field ``__init__`` costs microseconds.)"""
 
     codes: torch.Tensor
@@ -563,8 +592,7 @@ class Packed(NamedTuple):
         min-max][packed codes][zero padding to 4 bytes]`` for ``padded`` elements."""
         if not buf.is_contiguous():
             raise ValueError("packed rows must be contiguous")
-        f = buf.view(torch.float32)
-        return cls(buf, f, f, *_rows_places(buf.shape[1], padded, bits, group_size, symmetric))
+        return cls(buf, buf, buf, *_rows_places(buf.shape[1], padded, bits, group_size, symmetric))
 
     @classmethod
     def sliced(cls, buf: torch.Tensor) -> "Packed":
@@ -573,8 +601,7 @@ class Packed(NamedTuple):
         if not buf.is_contiguous():
             raise ValueError("packed rows must be contiguous")
         width = buf.shape[1]
-        f = buf.view(torch.float32)
-        return cls(buf, f, f, 0, width, 0, 0, width // 4, 0)
+        return cls(buf, buf, buf, 0, width, 0, 0, width // 4, 0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -630,11 +657,6 @@ def _warps(elements: int) -> int:
     return 8 if elements >= 4096 else 4
 
 
-def _kernel_view(t: torch.Tensor) -> torch.Tensor:
-    """bf16 tensors are passed as their int16 bits (widened and rounded by hand in the kernels)."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 def _kind(t: torch.Tensor) -> int:
     return _kind_of(t.dtype)
 
@@ -674,24 +696,92 @@ def _rows_2d(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+class Launch(NamedTuple):
+    """One kernel launch as fixed by its shapes, strides, dtypes and codecs, without its tensors
+    and its key: ``grids`` (each grid with its first row: grids have at most
+    :data:`_MAX_GRID_ROWS` rows), the integer arguments before the key (``head``) and after the
+    first row (``tail``), the keyword arguments (constexprs and options, shared: never changed)
+    and ``keying``, how a call's ``seed`` becomes the key (:func:`_keying`). A collective's
+    plan keeps the launches of its first call (:func:`recording`) and gives each later call's
+    tensors and seed to ``quantize_into`` / ``dequantize_into`` with ``launch=``: the same
+    arguments, nothing derived again."""
+
+    grids: tuple
+    head: tuple
+    tail: tuple
+    kwargs: dict
+    keying: int
+
+
+# The Launch lists of the active recordings (recording()): every launch computed is appended.
+_RECORDINGS: list[list[Launch]] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Within it, the :class:`Launch` of every ``quantize_into`` / ``dequantize_into`` call that
+    derives one is appended to the yielded list (calls given ``launch=`` derive none)."""
+    launches: list[Launch] = []
+    _RECORDINGS.append(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDINGS.remove(launches)
+
+
+def _recorded(launch: Launch) -> None:
+    for launches in _RECORDINGS:
+        launches.append(launch)
+
+
+# Launch.keying: how a call's seed becomes the kernel's key (an int, tested at every launch).
+_NO_KEY = -1  # no random stream: 0
+_PREFIX_KEY = 0  # the seed is the slices' prefix: its int32 bits
+# (otherwise the rounding's stream: the int32 bits of rng.seed_key(seed, stream), _rounding_key)
+
+
+def _keying(rounding: str | None) -> int:
+    """:attr:`Launch.keying` of a launch rounding with ``rounding`` (``None``: a slices' prefix)."""
+    if rounding is None:
+        return _PREFIX_KEY
+    if rounding == "nearest":
+        return _NO_KEY
+    return rng.STREAM_GROUP if rounding == "shift" else rng.STREAM_ELEMENT
+
+
+def _launch_key(keying: int, seed: int | None) -> int:
+    """The kernel's key for ``seed`` (:func:`_keying`): what ``_rounding_key(seed, rounding)`` or
+    ``_key_arg(prefix)`` gives, in one call."""
+    if keying < 0:
+        return 0
+    v = (seed if keying == _PREFIX_KEY else rng.seed_key(seed, keying)) & 0xFFFFFFFF
+    return v - 0x100000000 if v >= 0x80000000 else v
+
+
+def _grids(blocks: int, rows: int, count: int) -> tuple:
+    """The grids of ``rows`` rows (at most :data:`_MAX_GRID_ROWS` each) with their first rows."""
+    return tuple(((blocks, min(_MAX_GRID_ROWS, rows - row0), count), row0) for row0 in range(0, rows, _MAX_GRID_ROWS))
+
+
 def quantize_into(
     x: torch.Tensor,
     dst: Packed,
     *,
-    length: int,
-    padded: int,
-    ncodes: int,
-    bits: int,
-    group_size: int,
-    symmetric: bool,
-    rounding: str,
-    seed: int | None,
+    length: int = 0,
+    padded: int = 0,
+    ncodes: int = 0,
+    bits: int = 0,
+    group_size: int = 0,
+    symmetric: bool = True,
+    rounding: str = "nearest",
+    seed: int | None = None,
     base: torch.Tensor | None = None,
     hadamard_block: int = 0,
     order: torch.Tensor | None = None,
     slices: Slices | None = None,
     tail: int = 0,
-) -> None:
+    launch: Launch | None = None,
+) -> Launch | None:
     """Quantize the rows of ``x`` (``[R, length]``; minus ``base`` if given) padded to ``padded``
     elements by repeating the last, Hadamard-transformed first if ``hadamard_block``, into
     ``dst``; the first ``ncodes`` codes of each row are stored. ``order`` (int64 ``[R']`` on the
@@ -699,33 +789,57 @@ def quantize_into(
     rounding slices quantized as rows of their own into ``dst`` (:meth:`Packed.sliced`), with
     their own seeds (``seed`` is ignored), in the same launch; ``ncodes`` must be ``padded``.
     ``tail`` rows: ``x`` is one vector (``[1, length]``) cut into ``tail`` rows of ``padded``
-    elements, the last ones (short of or past its end) padded by repeating its last element."""
-    x = _rows_2d(x)
+    elements, the last ones (short of or past its end) padded by repeating its last element.
+
+    Returns the :class:`Launch` (``None`` where nothing was launched). ``launch``: a launch an
+    earlier call returned, for tensors of the same shapes, strides and dtypes (``x``, ``base``
+    and ``order`` may then be any views with the same data pointers, ``dst`` any sequence whose
+    first three items are the codes, scales and zero points; the slices' prefix is ``seed``):
+    only the tensors and the key are new."""
+    if launch is None:
+        x = _rows_2d(x)
+        if base is not None:
+            base = _rows_2d(base)
+        launch = _quantize_launch(x, dst, length, padded, ncodes, bits, group_size, symmetric, rounding, base,
+                                  hadamard_block, order, slices, tail)
+        if launch is None:
+            return None
+        if slices is not None:
+            seed = slices.prefix
+        if _RECORDINGS:
+            _recorded(launch)
+    record_run("triton")
+    key = _launch_key(launch.keying, seed)
+    head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
+    for grid, row0 in launch.grids:
+        args = (x, x if base is None else base, dst[0], dst[1], dst[2], x if order is None else order,
+                *head, key, row0, *tail_args)
+        if launch_observers:
+            _launch(_quantize_kernel, grid, *args, **kwargs)
+        else:
+            _quantize_kernel[grid](*args, **kwargs)
+    return launch
+
+
+def _quantize_launch(x, dst, length, padded, ncodes, bits, group_size, symmetric, rounding, base, hadamard_block,
+                     order, slices, tail) -> Launch | None:
+    """:func:`quantize_into`'s launch (see there), ``None`` where it launches nothing."""
     rows = tail or (x.shape[0] if order is None else order.shape[0])
     groups = padded // group_size
     if rows == 0 or groups == 0:
-        return
-    record_run("triton")
+        return None
     if slices is None:
-        key, count, sg, sw, first = _rounding_key(seed, rounding), 1, groups, 0, 0
+        keying, count, sg, sw, first = _keying(rounding), 1, groups, 0, 0
     else:
-        key, count = _key_arg(slices.prefix), slices.count
+        keying, count = _PREFIX_KEY, slices.count
         sg, sw, first = slices.groups, slices.nbytes, slices.first
-    if base is not None:
-        base = _rows_2d(base)
     y = base if base is not None else x
     gpp, kwargs = _quantize_template(group_size, sg, hadamard_block, bits, symmetric, rounding, x.dtype,
                                      None if base is None else base.dtype, order is not None, slices is not None,
                                      bool(tail))
-    for row0 in range(0, rows, _MAX_GRID_ROWS):
-        grid = (triton.cdiv(sg, gpp), min(_MAX_GRID_ROWS, rows - row0), count)
-        _launch(
-            _quantize_kernel, grid,
-            _kernel_view(x), _kernel_view(y), dst.codes, dst.scales, dst.zeros, x if order is None else order,
-            length, groups, ncodes, dst.ncb, padded if tail else x.stride(0), y.stride(0),
-            dst.code_rs, dst.code_off, dst.scale_rs, dst.scale_off, dst.zero_off, key, row0, sg, sw, first,
-            **kwargs,
-        )
+    head = (length, groups, ncodes, dst.ncb, padded if tail else x.stride(0), y.stride(0),
+            dst.code_rs, dst.code_off, dst.scale_rs, dst.scale_off, dst.zero_off)
+    return Launch(_grids(-(-sg // gpp), rows, count), head, (sg, sw, first), kwargs, keying)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -749,10 +863,10 @@ def _quantize_template(group_size: int, sg: int, hb: int, bits: int, symmetric: 
 def dequantize_into(
     src: Packed,
     *,
-    groups: int,
-    bits: int,
-    group_size: int,
-    symmetric: bool,
+    groups: int = 0,
+    bits: int = 0,
+    group_size: int = 0,
+    symmetric: bool = True,
     sources: int = 1,
     outputs: int = 1,
     row_o: int = 1,
@@ -765,7 +879,10 @@ def dequantize_into(
     slices: Slices | None = None,
     divisor: int = 1,
     flag: torch.Tensor | None = None,
-) -> None:
+    launch: Launch | None = None,
+    dst: Packed | None = None,
+    seed: int | None = None,
+) -> Launch | None:
     """Output row ``o < outputs`` = sum over ``j < sources`` (left to right) of the dequantized
     packed rows ``o * row_o + j * row_j`` of ``src``. Either stored into ``out`` (``[outputs,
     >= length]``, unit column stride, fp32/bf16/fp16; first ``length`` columns; inverse Hadamard
@@ -773,32 +890,74 @@ def dequantize_into(
     symmetric, rounding, seed)``, quantized again with the same groups into ``dst``.
     ``slices``: the rows are rounding slices side by side (:meth:`Packed.sliced`, also ``dst``),
     each decoded (and requantized, with its own seed) as rows of their own in the same launch;
-    ``out``'s columns hold the slices one after another. ``divisor``, ``flag``: :func:`_watch_args`."""
-    if outputs == 0 or groups == 0:
-        return
+    ``out``'s columns hold the slices one after another. ``divisor``, ``flag``: :func:`_watch_args`.
+
+    Returns the :class:`Launch` (``None`` where nothing was launched). ``launch``: one an earlier
+    call returned, for tensors of the same shapes, strides and dtypes, given only ``src``, ``out``
+    or ``dst`` (the requantized rows; sequences whose first three items are the codes, scales and
+    zero points), ``seed`` (the requantization's seed or the slices' prefix) and ``flag``."""
+    if launch is None:
+        launch = _dequantize_launch(src, groups, bits, group_size, symmetric, sources, outputs, row_o, row_j, out,
+                                    length, add, inverse_block, requantize, slices, divisor, flag)
+        if launch is None:
+            return None
+        if requantize is not None:
+            dst, seed = requantize[0], requantize[4] if slices is None else slices.prefix
+        if _RECORDINGS:
+            _recorded(launch)
     record_run("triton")
+    key = _launch_key(launch.keying, seed)
+    if dst is None:
+        q, out_arg = src, out
+    else:
+        q, out_arg = dst, src[1]
+    head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
+    for grid, row0 in launch.grids:
+        args = (src[0], src[1], src[2], out_arg, q[0], q[1], q[2], *head, key, row0, *tail_args,
+                src[0] if flag is None else flag)
+        if launch_observers:
+            _launch(_dequantize_kernel, grid, *args, **kwargs)
+        else:
+            _dequantize_kernel[grid](*args, **kwargs)
+    return launch
+
+
+def _dequantize_launch(src, groups, bits, group_size, symmetric, sources, outputs, row_o, row_j, out, length, add,
+                       inverse_block, requantize, slices, divisor, flag) -> Launch | None:
+    """:func:`dequantize_into`'s launch (see there), ``None`` where it launches nothing."""
+    if outputs == 0 or groups == 0:
+        return None
     if requantize is None:
         if out.stride(-1) != 1:
             raise ValueError("out must have a unit column stride")
-        q, qshape, key, q_ncb = src, None, 0, 0
-        out_arg, out_rs, out_dtype = _kernel_view(out), out.stride(0) if out.dim() > 1 else 0, out.dtype
+        q, qshape, keying, q_ncb = src, None, _NO_KEY, 0
+        out_rs, out_dtype = out.stride(0) if out.dim() > 1 else 0, out.dtype
     else:
-        q, qbits, qsym, qround, seed = requantize
+        q, qbits, qsym, qround, _ = requantize
         qshape = (qbits, qsym, qround)
-        key = 0 if slices is not None else _rounding_key(seed, qround)
-        q_ncb, out_arg, out_rs, out_dtype = q.ncb, src.scales, 0, None
-    count, sg, sw, q_sw, first, key = _dequantize_slices(slices, groups, requantize, key)
+        keying = _keying(None if slices is not None else qround)
+        q_ncb, out_rs, out_dtype = q.ncb, 0, None
+    count, sg, sw, q_sw, first = _dequantize_slices(slices, groups)
     gpp, nch, kwargs = _dequantize_template(sources, group_size, sg, inverse_block, bits, symmetric, qshape,
                                             out_dtype, add, slices is not None, divisor, flag is not None)
-    for row0 in range(0, outputs, _MAX_GRID_ROWS):
-        grid = (triton.cdiv(sg, gpp) * nch, min(_MAX_GRID_ROWS, outputs - row0), count)
-        _launch(
-            _dequantize_kernel, grid,
-            src.codes, src.scales, src.zeros, out_arg, q.codes, q.scales, q.zeros,
-            row_o, row_j, groups, src.ncb, src.code_rs, src.code_off, src.scale_rs, src.scale_off,
-            src.zero_off, length, out_rs, q_ncb, q.code_rs, q.code_off, q.scale_rs, q.scale_off, q.zero_off,
-            key, row0, sg, sw, q_sw, first, src.codes if flag is None else flag, **kwargs,
-        )
+    head = (row_o, row_j, groups, src.ncb, src.code_rs, src.code_off, src.scale_rs, src.scale_off,
+            src.zero_off, length, out_rs, q_ncb, q.code_rs, q.code_off, q.scale_rs, q.scale_off, q.zero_off)
+    return Launch(_grids(-(-sg // gpp) * nch, outputs, count), head, (sg, sw, q_sw, first), kwargs, keying)
+
+
+# Where the requantized rows' code, scale and zero-point offsets sit in a dequantize launch's head.
+_Q_CODE_OFF, _Q_SCALE_OFF, _Q_ZERO_OFF = 13, 15, 16
+
+
+def requantized_further(launch: Launch, nbytes: int) -> Launch:
+    """``launch`` (a requantizing ``dequantize_into``'s, rows of :meth:`Packed.rows`) writing
+    its requantized rows ``nbytes`` bytes further into their buffer (a multiple of 4: the scales
+    and zero points move by ``nbytes // 4`` fp32 words)."""
+    head = list(launch.head)
+    head[_Q_CODE_OFF] += nbytes
+    head[_Q_SCALE_OFF] += nbytes // 4
+    head[_Q_ZERO_OFF] += nbytes // 4
+    return launch._replace(head=tuple(head))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -834,14 +993,12 @@ def _watch_args(divisor: int, watch: bool) -> dict:
     return {**({"DIV": divisor} if divisor != 1 else {}), **({"WATCH": True} if watch else {})}
 
 
-def _dequantize_slices(slices: Slices | None, groups: int, requantize: tuple | None, key: int):
+def _dequantize_slices(slices: Slices | None, groups: int):
     """``_dequantize_kernel``'s slice arguments: (slice count, groups a slice, packed bytes a
-    slice, requantized bytes a slice, first slice, key), the key the slices' prefix when they
-    requantize."""
+    slice, requantized bytes a slice, first slice)."""
     if slices is None:
-        return 1, groups, 0, 0, 0, key
-    key = _key_arg(slices.prefix) if requantize else 0
-    return slices.count, slices.groups, slices.nbytes, slices.q_nbytes, slices.first, key
+        return 1, groups, 0, 0, 0
+    return slices.count, slices.groups, slices.nbytes, slices.q_nbytes, slices.first
 
 
 # ----------------------------------------------------------------------------- codec entry points

@@ -25,6 +25,7 @@ from .gather_plan import GatherPlan
 from .topology import Topology
 from .versions import ChangeTracker, versions
 from .weight_codec import weight_codec
+from .wire import recording
 
 
 class PlainAllGather(WeightAllGather):
@@ -69,18 +70,27 @@ class QuantizedAllGather(WeightAllGather):
         if token != self._seen or self.tracker.assume_changed:
             self.version += 1
             self._seen = token
-        # Everything fixed by the shard's size and device, the group and the config is planned
-        # at the first call.
-        plan = self._plans.get((n, input_tensor.device))
+        # Everything fixed by the shard's size, dtype and device, the group and the config is
+        # planned at the first call; a steady call launches its first call's kernels again.
+        key = (n, input_tensor.dtype, input_tensor.device)
+        plan = self._plans.get(key)
         if plan is None:
             topo = self.topology
-            plan = self._plans[(n, input_tensor.device)] = GatherPlan.build(
+            plan = self._plans[key] = GatherPlan.build(
                 self, self.codec, n, input_tensor.device, topo.peers(), topo.world_size)
         seed = self.seed(self.version, self.topology.rank, 1)
-        send = plan.encode(self.codec, input_tensor.detach().view(1, n), seed)
+        if plan.again(input_tensor, output_tensor) and output_tensor.numel() == plan.rows * n:
+            plan.decode_again(plan.gather(self, plan.encode_again(input_tensor, seed), group), output_tensor)
+            return None
+        learn = plan.fused and not plan.launches
+        with recording(learn) as encoded:
+            send = plan.encode(self.codec, input_tensor.detach().view(1, n), seed)
         gathered = plan.gather(self, send, group)
-        self.codec.decode_into(gathered, plan.layout.wire_length, output_tensor.view(plan.rows, n),
-                               columns=plan.layout.position)
+        with recording(learn) as decoded:
+            self.codec.decode_into(gathered, plan.layout.wire_length, output_tensor.view(plan.rows, n),
+                                   columns=plan.layout.position)
+        if learn:
+            plan.keep(encoded, decoded)
         return None
 
     def state_dict(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.distributed as dist
 
-from ..codecs.rng import derive_seed, fold_seed
+from ..codecs.rng import derive_seed, fold_seeds
 from ..config import QuantConfig
 from .collectives import all_gather_flat, reduce_scatter_flat
 from .meter import METER, ByteMeter
@@ -72,6 +72,9 @@ class CommBase:
         # planned at its first call; forgotten when the rows are laid out anew.
         self._plans: dict[tuple, Any] = {}
         self._seed_prefix: int | None = None
+        # The last group check_group accepted: a group's size does not change, so a call with
+        # the same group object needs no new look (group.size() is a pybind call).
+        self._group_ok: dist.ProcessGroup | None = None
 
     def seed(self, *parts: int) -> int:
         """``derive_seed(config.seed, comm_id, *parts)``, the comm's own part derived once (every
@@ -79,9 +82,7 @@ class CommBase:
         key = self._seed_prefix
         if key is None:
             key = self._seed_prefix = derive_seed(self.config.seed, self.comm_id)
-        for p in parts:
-            key = fold_seed(key, p)
-        return key
+        return fold_seeds(key, *parts)
 
     def use_row_spans(self, spans: Spans | SpansOf, mixed: bool = False) -> None:
         """Lay out the group's shard rows by its parameters' ``(elements, TP-replicated)``
@@ -116,7 +117,10 @@ class CommBase:
     def check_group(self, group: dist.ProcessGroup) -> None:
         """Raise naming the group and the fix when FSDP2 calls with a group other than the one
         set up."""
+        if group is self._group_ok:
+            return
         if group.size() == self.topology.world_size:
+            self._group_ok = group
             return
         if self.post_forward_of is not None:
             raise RuntimeError(
@@ -357,8 +361,10 @@ class GradReduceScatter(CommBase, ReduceScatter):
                 "set_gradient_divide_factor before quantize_comms (or close() the handle and quantize again)")
 
     def check_group(self, group: dist.ProcessGroup) -> None:
-        self.check_settings()
-        super().check_group(group)
+        if self._divide_factor is not None:
+            self.check_settings()
+        if group is not self._group_ok:
+            super().check_group(group)
         if self.tracker is not None:
             self.tracker.gradients_reduced()
 

@@ -24,7 +24,7 @@ fills the output inside the node).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,11 +32,13 @@ import torch.distributed as dist
 
 from ..config import QuantConfig
 from .base import NUMBER_DTYPES, WeightAllGather
-from .collectives import all_gather_flat
+from .collectives import all_gather, all_gather_flat
 from .gather_plan import GatherPlan
+from .meter import peer_entries
 from .topology import Topology
 from .versions import ChangeTracker
 from .weight_codec import weight_codec
+from .wire import recording
 
 
 def replica_layout(choice: str, nodes: int, ranks_per_node: int) -> str:
@@ -65,6 +67,7 @@ class DifferenceAllGather(WeightAllGather):
         # checkpoint can be loaded into replica rows of the right shape (:meth:`replica_state`).
         self.row: tuple[int, torch.dtype | None, torch.device] | None = None
         self._peers = topology.peers()  # the change agreement's peers (intra, inter), for the meter
+        self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # _replica_rows
 
     @property
     def rows(self) -> list[int]:
@@ -83,6 +86,7 @@ class DifferenceAllGather(WeightAllGather):
     def reset(self) -> None:
         """Forget the replica: the next gather re-establishes it with exact values."""
         self.replica = None
+        self._views = None
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
@@ -93,11 +97,12 @@ class DifferenceAllGather(WeightAllGather):
             self.plain(output_tensor, input_tensor, group)
             return None
         self.gathers += 1
-        # Everything fixed by the shard's size and device, the groups and the config is planned
-        # at the first call.
-        plan = self._plans.get((n, input_tensor.device))
+        # Everything fixed by the shard's size, dtype and device, the groups and the config is
+        # planned at the first call.
+        key = (n, input_tensor.dtype, input_tensor.device)
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[(n, input_tensor.device)] = self._plan(n, input_tensor.device)
+            plan = self._plans[key] = self._plan(n, input_tensor.device)
         changed, stale = self.tracker.take(self.index, group, input_tensor.device,
                                            self._peers, self.byte_meter)
         r = self.replica
@@ -111,8 +116,8 @@ class DifferenceAllGather(WeightAllGather):
             self.replica = output_tensor.detach().view(-1, n)[self.rows]  # indexing copies
             return None
         if changed:
-            self._update(input_tensor.detach().view(1, n), group, plan)
-        self._fill(output_tensor, n)
+            self._update(input_tensor, group, plan)
+        self._fill(output_tensor, plan)
         return None
 
     def _plan(self, n: int, device: torch.device) -> "DifferencePlan":
@@ -121,35 +126,68 @@ class DifferenceAllGather(WeightAllGather):
         holders = (0, t.nodes - 1) if self.layout == "node" else self._peers  # the meter's peers
         own = t.inter_position if self.layout == "node" else t.rank
         gather = GatherPlan.build(self, self.codec, n, device, holders, len(rows))
-        return DifferencePlan(gather, torch.Size((len(rows), n)), own)
+        source = None
+        if self.layout == "node":
+            order = t.exchange_order()
+            source = torch.tensor(sorted(range(len(order)), key=order.__getitem__), dtype=torch.int64, device=device)
+        return DifferencePlan(gather, torch.Size((len(rows), n)), own, source)
+
+    def _replica_rows(self, plan: "DifferencePlan") -> tuple[torch.Tensor, torch.Tensor]:
+        """(the replica row this rank's shard is the value of, ``[1, n]``; the replica flat),
+        views made once for each replica."""
+        r = self.replica
+        views = self._views
+        if views is None or views[0] is not r:
+            views = self._views = (r, r[plan.own].view(1, -1), r.view(-1))
+        return views[1], views[2]
 
     def _update(self, shard: torch.Tensor, group: dist.ProcessGroup, plan: "DifferencePlan") -> None:
-        """Send this rank's quantized difference; add every holder's to the replica rows."""
+        """Send this rank's quantized difference (``shard``: FSDP2's, ``[n]``); add every
+        holder's to the replica rows."""
         self.version += 1
-        n, g = shard.shape[1], plan.gather
+        g = plan.gather
         seed = self.seed(self.version, self.topology.rank, 2)
-        # quantize(shard - replica[own row]) in one pass on CUDA
-        send = g.encode(self.codec, shard, seed, base=self.replica[plan.own].view(1, n))
-        gathered = g.gather(self, send, self.topology.inter_group if self.layout == "node" else group)
-        # replica += dequantize(every holder's difference), in the replica's dtype
-        self.codec.decode_into(gathered, g.layout.wire_length, self.replica, add=True, columns=g.layout.position)
+        base, _ = self._replica_rows(plan)
+        holders = self.topology.inter_group if self.layout == "node" else group
+        if g.again(shard, self.replica):
+            # the first call's launches again: quantize(shard - base), replica += the differences
+            g.decode_again(g.gather(self, g.encode_again(shard, seed, base=base), holders), self.replica)
+        else:
+            learn = g.fused and not g.launches
+            # quantize(shard - replica[own row]) in one pass on CUDA
+            with recording(learn) as encoded:
+                send = g.encode(self.codec, shard.detach().view(1, -1), seed, base=base)
+            gathered = g.gather(self, send, holders)
+            # replica += dequantize(every holder's difference), in the replica's dtype
+            with recording(learn) as decoded:
+                self.codec.decode_into(gathered, g.layout.wire_length, self.replica, add=True,
+                                       columns=g.layout.position)
+            if learn:
+                g.keep(encoded, decoded)
         every = self.config.verify_replicas_every
         if every and self.version % every == 0:
             self._verify(group)
 
-    def _fill(self, output: torch.Tensor, n: int) -> None:
+    def _fill(self, output: torch.Tensor, plan: "DifferencePlan") -> None:
         """The output from the replica; node replicas: every local rank's rows, exactly."""
         if self.layout == "full":
-            output.copy_(self.replica.view(-1))
+            output.copy_(self._replica_rows(plan)[1])
             return
         t = self.topology
-        mine = self.replica.view(-1)
+        replica = self.replica
+        n = plan.replica_shape[1]
         # One temporary of the group's size: rows arrive in the exchange order (local index
         # major), the output is in group-rank order.
-        buf = torch.empty(t.world_size, n, dtype=mine.dtype, device=mine.device)
-        all_gather_flat(buf.view(-1), mine, t.intra_group)
-        self.byte_meter.record_peers("weights", mine.numel() * mine.element_size(), mine.numel(), t.ranks_per_node - 1, 0)
-        output.view(t.world_size, n).index_copy_(0, t.exchange_index(buf.device), buf)
+        buf = torch.empty(t.world_size, n, dtype=replica.dtype, device=replica.device)
+        all_gather(buf, replica, t.intra_group)
+        entries = plan.fill_meter.get(replica.dtype)
+        if entries is None:
+            entries = plan.fill_meter[replica.dtype] = peer_entries(
+                "weights", replica.numel() * replica.element_size(), replica.numel(), t.ranks_per_node - 1, 0)
+        self.byte_meter.add(entries)
+        # Row k of the output is row source[k] of buf: a gather (index_copy_'s scatter costs
+        # several times more on a CPU, the same one launch on a GPU).
+        torch.index_select(buf, 0, plan.source, out=output.view(t.world_size, n))
 
     def _checksum(self, chunk: int = 1 << 20) -> torch.Tensor:
         """An exact integer checksum of the replica's bits (position-weighted and plain sums),
@@ -227,6 +265,7 @@ class DifferenceAllGather(WeightAllGather):
         """Restore the replica from ``{row: values}`` holding every row of :attr:`rows`;
         ``None``: re-establish it with exact values at the next gather."""
         self.replica = None if rows is None else torch.stack([rows[r] for r in self.rows])
+        self._views = None
 
 
 @dataclass(frozen=True)
@@ -238,3 +277,6 @@ class DifferencePlan:
     gather: GatherPlan
     replica_shape: torch.Size
     own: int
+    # Node replicas: the row of the intra-node gather (exchange order) each output row is.
+    source: torch.Tensor | None = None
+    fill_meter: dict = field(default_factory=dict)  # node replicas: the fill's meter entries by dtype

@@ -3,32 +3,41 @@
 A steady gather (FSDP2 calls one per group, twice a step) is its launches and collectives; what
 the config, the shard's size and dtype and the topology fix is worked out once here: the row
 layout, the sizes of the buffers, how many ranks the rows travel to and the meter's entries.
-The call adds only what changes: the version and the tensors.
+The call adds only what changes: the version and the tensors; where its first call's encoding
+and decoding were one kernel launch each, a later call launches those again with its own tensors
+(:attr:`GatherPlan.launches`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_flat
+from ..codecs.dispatch import disabled
+from .collectives import all_gather
+from .meter import peer_entries
 from .row_layout import RowLayout
-from .wire import RowCodec
+from .wire import RowCodec, _padding_from, _tk, one_launch
 
 
 @dataclass(frozen=True)
 class GatherPlan:
     """``layout``: the codec's row of the shard; ``rows``: rows of the gathered bytes (the
     ranks of the group the encoded rows travel over); ``width``: bytes of one encoded
-    row; ``meter``: the meter's entry of the encoded row (bytes, elements, intra and inter
-    peers)."""
+    row; ``meter``: the meter's entries of the encoded row (:meth:`ByteMeter.add`);
+    ``used``: where an encoded row's 4-byte padding starts (``None``: it has none);
+    ``launches``: the first call's (encoding, decoding) launches where each was one
+    (kernels.Launch), else empty; ``fused``: whether the codec takes the fused path."""
 
     layout: RowLayout
     rows: int
     width: int
-    meter: tuple[int, int, int, int]
+    meter: tuple
+    used: int | None = None
+    fused: bool = False
+    launches: list = field(default_factory=list)
 
     @classmethod
     def build(cls, comm, codec: RowCodec, n: int, device: torch.device, peers: tuple[int, int],
@@ -37,7 +46,16 @@ class GatherPlan:
         travel over a group of ``rows`` ranks to ``peers`` (intra, inter) of this one."""
         layout = comm.layouts.get(n, codec.unit, device)
         width = codec.row_nbytes(layout.wire_length)
-        return cls(layout, rows, width, (width, n, *peers))
+        fused = layout.identity and codec.fuses_rows(torch.empty(0, dtype=torch.uint8, device=device))
+        return cls(layout, rows, width, peer_entries("weights", width, n, *peers),
+                   _padding_from(codec, layout.wire_length), fused)
+
+    def again(self, *tensors: torch.Tensor) -> bool:
+        """Whether a call on ``tensors`` launches the first call's kernels again
+        (:meth:`encode_again`, :meth:`decode_again`)."""
+        if not self.launches or disabled():
+            return False
+        return all(t.is_contiguous() for t in tensors)
 
     def encode(self, codec: RowCodec, shard: torch.Tensor, seed: int, base: torch.Tensor | None = None) -> torch.Tensor:
         """The encoded row of ``shard`` (``[1, n]``; minus ``base`` where given, in one pass on
@@ -50,9 +68,28 @@ class GatherPlan:
             return codec.encode(shard, seed=seed)
         return codec.encode_difference(shard, base, seed=seed)
 
+    def encode_again(self, shard: torch.Tensor, seed: int, base: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`encode` by the first call's launch (``shard``, ``base``: contiguous, any shape)."""
+        send = torch.empty(1, self.width, dtype=torch.uint8, device=shard.device)
+        if self.used is not None:
+            send[:, self.used:].zero_()  # the row's 4-byte padding, as the encoding zeroes it
+        _tk().quantize_into(shard, (send, send, send), launch=self.launches[0], seed=seed, base=base)
+        return send
+
     def gather(self, comm, send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """Every rank's encoded row over ``group``, ``[rows, width]``, metered."""
         gathered = torch.empty(self.rows, self.width, dtype=torch.uint8, device=send.device)
-        all_gather_flat(gathered, send, group)
-        comm.byte_meter.record_peers("weights", *self.meter)
+        all_gather(gathered, send, group)
+        comm.byte_meter.add(self.meter)
         return gathered
+
+    def decode_again(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
+        """The first call's decoding launch into ``out`` (contiguous, any shape) from ``gathered``."""
+        _tk().dequantize_into((gathered, gathered, gathered), launch=self.launches[1], out=out)
+
+    def keep(self, encoded: list, decoded: list) -> None:
+        """Keep the first call's launches (:func:`~qsdp.comm.wire.recording` of its encoding and
+        its decoding) where each was one."""
+        launches = (one_launch(encoded), one_launch(decoded))
+        if self.fused and None not in launches:
+            self.launches[:] = launches

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .collectives import all_reduce
+
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -41,13 +43,13 @@ def all_reduce_values(values: Sequence[int], op: dist.ReduceOp, group: dist.Proc
     host. Collective. On CUDA the exchange runs on a side stream with pinned buffers and the host
     waits for its event only, not for the kernels already queued on the device's streams."""
     if device.type != "cuda":
-        flat = torch.tensor(list(values), dtype=torch.int32, device=device)
-        dist.all_reduce(flat, op=op, group=group)
+        flat = torch.tensor(values, dtype=torch.int32, device=device)
+        all_reduce(flat, group if group is not None else dist.group.WORLD, op)
         return flat.tolist()
     stream = _side_stream(device)
     with torch.cuda.stream(stream):
         flat = to_device(values, torch.int32, device)
-        dist.all_reduce(flat, op=op, group=group)
+        all_reduce(flat, group if group is not None else dist.group.WORLD, op)
         back = torch.empty(flat.shape, dtype=torch.int32, pin_memory=True)
         back.copy_(flat, non_blocking=True)
         done = torch.cuda.Event()

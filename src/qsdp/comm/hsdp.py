@@ -23,22 +23,23 @@ averaging over all ``M * D`` ranks happens once, on the fp32 sum, at the end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._fsdp2 import at_end_of_backward
-from ..codecs.rng import derive_seed, fold_seed
+from ..codecs.dispatch import disabled
+from ..codecs.rng import derive_seed, fold_seed, fold_seeds
 from ..config import HsdpComm, QuantConfig
-from .collectives import all_gather_flat
+from .collectives import all_gather, all_reduce, all_to_all
 from .base import GradReduceScatter
 from .meter import METER, ByteMeter
 from .reduce_scatter import _divisor
 from .rank_alone import RankAloneGroup
 from .row_layout import RowLayout, RowLayouts, Spans, SpansOf
-from .wire import RowCodec
+from .wire import RowCodec, _padding_from, _tk, one_launch, recording
 
 
 def hsdp_codec(h: HsdpComm) -> RowCodec:
@@ -87,7 +88,7 @@ class ReplicaAllReduce:
 
     def _plain(self, x: torch.Tensor, inplace: bool) -> torch.Tensor:
         total = x if inplace else x.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        all_reduce(total, self.group)
         # Metered as the direct algorithm the quantized path runs: a chunk to every peer, twice.
         d, n = self.replicas, x.numel()
         chunk = -(-n // d)
@@ -100,29 +101,65 @@ class ReplicaAllReduce:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = AllReducePlan.build(self, x)
+        seed = self._call_seed()
+        if plan.launches and x.is_contiguous() and not disabled():
+            return self._quantized_again(x, plan, seed)
         d, codec, length = self.replicas, plan.codec, plan.length
         if not plan.layout.identity:
             x = plan.layout.expand(x.view(1, -1)).view(-1)
+        learn = plan.fused and not plan.launches
         # Cut into the D chunks, the last padded by repeating the last element (which widens no
         # quantization group's range): on the fused path by the kernel, from x itself.
-        seed = self._call_seed()
-        send = codec.encode_cut(x, d, length, seed=fold_seed(seed, 1))
+        with recording(learn) as encoded:
+            send = codec.encode_cut(x, d, length, seed=fold_seed(seed, 1))
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        self.byte_meter.record("grads", "inter", *plan.meter1)
-        mine = codec.decode_sum_encode(recv, length, sources=d, codec=codec, seed=fold_seed(seed, 2))
+        all_to_all(recv, send, self.group)
+        self.byte_meter.add(plan.meter1)
+        with recording(learn) as summed:
+            mine = codec.decode_sum_encode(recv, length, sources=d, codec=codec, seed=fold_seed(seed, 2))
         gathered = torch.empty(d, mine.shape[1], dtype=torch.uint8, device=x.device)
-        all_gather_flat(gathered.view(-1), mine.view(-1), self.group)
-        self.byte_meter.record("grads", "inter", *plan.meter2)
-        total = codec.decode_finished(gathered, length).reshape(-1)
+        all_gather(gathered, mine, self.group)
+        self.byte_meter.add(plan.meter2)
+        with recording(learn) as decoded:
+            total = codec.decode_finished(gathered, length).reshape(-1)
+        if learn:
+            launches = [one_launch(encoded), one_launch(summed), one_launch(decoded)]
+            if None not in launches:
+                # A later call requantizes into its own row of the gathered buffer and gathers in
+                # place: the requantized row moved to row ``rank`` of a buffer of such rows.
+                launches[1] = _tk().requantized_further(launches[1], self.rank * plan.width)
+                plan.launches[:] = launches
         return total[:plan.n] if plan.layout.identity else plan.layout.contract(total[:plan.n])
+
+    def _quantized_again(self, x: torch.Tensor, plan: "AllReducePlan", seed: int) -> torch.Tensor:
+        """:meth:`_quantized` of a steady call: the first call's three launches with this call's
+        tensors and seeds, and both exchanges."""
+        tk = _tk()
+        d, width, device = self.replicas, plan.width, x.device
+        send = torch.empty(d, width, dtype=torch.uint8, device=device)
+        if plan.used is not None:
+            send[:, plan.used:].zero_()  # each row's 4-byte padding, as the encoding zeroes it
+        tk.quantize_into(x, (send, send, send), launch=plan.launches[0], seed=fold_seed(seed, 1))
+        recv = torch.empty_like(send)
+        all_to_all(recv, send, self.group)
+        gathered = torch.empty_like(send)  # [d, width], as send
+        mine = gathered[self.rank:self.rank + 1]  # requantized and gathered in place, as FSDP2 gathers
+        if plan.used is not None:
+            mine[:, plan.used:].zero_()
+        tk.dequantize_into((recv, recv, recv), launch=plan.launches[1], dst=(gathered, gathered, gathered),
+                           seed=fold_seed(seed, 2))
+        all_gather(gathered, mine, self.group)
+        self.byte_meter.add(plan.meter1 + plan.meter2)  # both exchanges', once
+        total = torch.empty(d * plan.length, dtype=torch.float32, device=device)
+        tk.dequantize_into((gathered, gathered, gathered), launch=plan.launches[2], out=total)
+        return total[:plan.n] if plan.n < total.numel() else total
 
     def _call_seed(self) -> int:
         """``derive_seed(seed, comm_id, calls, rank, 7)``: a phase's seed folds in the phase. The
         part fixed for the comm is derived once."""
         if self._prefix is None:
             self._prefix = derive_seed(self.config.seed, self.comm_id)
-        return fold_seed(fold_seed(fold_seed(self._prefix, self.calls), self.rank), 7)
+        return fold_seeds(self._prefix, self.calls, self.rank, 7)
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": self.calls}
@@ -141,8 +178,15 @@ class AllReducePlan:
     layout: RowLayout
     n: int
     length: int
-    meter1: tuple[int, int]
-    meter2: tuple[int, int]
+    meter1: tuple  # ByteMeter.add's entries
+    meter2: tuple
+    # An encoded chunk's bytes, where its 4-byte padding starts (None: it has none), whether
+    # the codec takes the fused path with the Hadamard transform inside, and the first call's
+    # three launches (encoding, requantization, decoding) where each was one (kernels.Launch).
+    width: int = 0
+    used: int | None = None
+    fused: bool = False
+    launches: list = field(default_factory=list)
 
     @classmethod
     def build(cls, reduce: ReplicaAllReduce, x: torch.Tensor) -> "AllReducePlan":
@@ -153,7 +197,10 @@ class AllReducePlan:
         length = chunk_len(n, d, codec)
         own = layout.real_elements(reduce.rank * length, (reduce.rank + 1) * length)
         nbytes = codec.row_nbytes(length)
-        return cls(codec, layout, n, length, ((d - 1) * nbytes, real - own), ((d - 1) * nbytes, (d - 1) * own))
+        fused = layout.identity and codec.fuses_rows(torch.empty(0, dtype=torch.uint8, device=x.device))
+        return cls(codec, layout, n, length, (((("grads", "inter")), (d - 1) * nbytes, real - own),),
+                   ((("grads", "inter"), (d - 1) * nbytes, (d - 1) * own),),
+                   nbytes, _padding_from(codec, length), fused)
 
 
 class _AcrossReplicas(GradReduceScatter):

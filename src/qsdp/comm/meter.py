@@ -84,6 +84,20 @@ class ByteMeter:
         if n_inter:
             self.record(kind, "inter", nbytes * n_inter, elements * n_inter)
 
+    def add(self, entries: tuple[tuple[tuple[str, str], int, int], ...]) -> None:
+        """Record ``entries`` (:func:`peer_entries`: ``((kind, level), bytes, elements)`` each, the
+        slots checked when they were made) here and in every parent, one lock each: a plan's
+        meter entries, made once, recorded at every call."""
+        meter = self
+        while meter is not None:
+            with meter._lock:
+                counts = meter._counts
+                for slot, nbytes, elements in entries:
+                    c = counts[slot]
+                    c.bytes += nbytes
+                    c.elements += elements
+            meter = meter.parent
+
     def snapshot(self, reset: bool = False) -> Stats:
         """``{kind: {level: {"bytes", "elements", "bits_per_element"}, "total": {...}}}``;
         ``reset`` zeroes this meter (not its parent)."""
@@ -95,6 +109,14 @@ class ByteMeter:
 
 
 METER = ByteMeter()
+
+
+def peer_entries(kind: str, nbytes: int, elements: int, n_intra: int, n_inter: int) -> tuple:
+    """:meth:`ByteMeter.record_peers`'s records as :meth:`ByteMeter.add`'s entries."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown meter kind {kind!r}")
+    return tuple(((kind, level), int(nbytes) * n, int(elements) * n)
+                 for level, n in (("intra", n_intra), ("inter", n_inter)) if n)
 
 
 def format_stats(stats: Stats) -> str:

@@ -19,10 +19,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..codecs.dispatch import disabled
 from ..config import GradComm
 from .base import GradReduceScatter
+from .collectives import all_to_all
+from .meter import peer_entries
 from .row_layout import RowLayout
-from .wire import RowCodec, SliceRun, _pad_cols
+from .wire import RowCodec, SliceRun, _pad_cols, _padding_from, _tk, one_launch, recording
 
 
 def _divisor(op: Any, world: int) -> int:
@@ -80,27 +83,44 @@ class QuantizedReduceScatter(GradReduceScatter):
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
         self.check_group(group)
         world, s = self.topology.world_size, output_tensor.numel()
-        divisor = _divisor(op, world)
+        if op is self._op:
+            divisor = self._op_divisor  # the op of the last call (ReduceOp's == is a pybind call)
+        else:
+            divisor = _divisor(op, world)
+            self._op, self._op_divisor = op, divisor
         if not self.config.quantizes_shard(s):
             self.plain(output_tensor, input_tensor, group, op)
             return None
         self.calls += 1
-        x = input_tensor.view(world, s)
         # Everything fixed by the shapes, dtypes, groups and config (and, in a row mixing TP's
         # kinds, by the spans as they are now) is planned at the first call.
         layouts = self.layouts
-        key = (s, x.dtype, output_tensor.dtype, x.device, layouts.plan_key() if layouts.mixed else ())
+        key = (s, input_tensor.dtype, output_tensor.dtype, input_tensor.device,
+               layouts.plan_key() if layouts.mixed else ())
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._plan(x, output_tensor)
+            plan = self._plans[key] = self._plan(input_tensor.view(world, s), output_tensor)
         # The last kernel divides, casts into FSDP2's output and watches for NaN/Inf itself
-        # (plan.direct); otherwise the fp32 sum is divided and watched by torch.
-        flag = self.kernel_flag(x.device) if plan.direct else None
-        if isinstance(plan, OneHopPlan):
-            total = self._one_hop(x, group, plan, output_tensor, divisor, flag)
+        # (direct: where the plan says so and the kernels were not switched off since, by
+        # QSDP_DISABLE_TRITON); otherwise the fp32 sum is divided and watched by torch.
+        direct = plan.direct and not disabled()
+        flag = self.kernel_flag(input_tensor.device) if direct else None
+        # A steady call launches its first call's kernels again with its own tensors and seeds
+        # (plan.launches: where every step took one launch and the tensors are contiguous).
+        launches = plan.launches.get(divisor)
+        if launches is not None and direct and input_tensor.is_contiguous() and output_tensor.is_contiguous() \
+                and input_tensor.numel() == world * s:
+            if plan.runs is None:
+                self._one_hop_again(input_tensor, group, plan, launches, output_tensor, flag)
+            else:
+                self._two_hops_again(input_tensor, plan, launches, output_tensor, flag)
+            return None
+        x = input_tensor.view(world, s)
+        if plan.runs is None:
+            total = self._one_hop(x, group, plan, direct, output_tensor, divisor, flag)
         else:
-            total = self._two_hops(x, plan, output_tensor, divisor, flag)
-        if plan.direct:
+            total = self._two_hops(x, plan, direct, output_tensor, divisor, flag)
+        if direct:
             return None
         if divisor != 1:
             # the fp32 quotient cast into FSDP2's output as copy_ would, in one kernel
@@ -109,6 +129,9 @@ class QuantizedReduceScatter(GradReduceScatter):
             output_tensor.copy_(total)
         self.watch(output_tensor)
         return None
+
+    _op: Any = None  # the last call's op and its divisor
+    _op_divisor: int = 1
 
     def _plan(self, x: torch.Tensor, output: torch.Tensor) -> "OneHopPlan | TwoHopPlan":
         topo, g = self.topology, self.config.grads
@@ -123,57 +146,117 @@ class QuantizedReduceScatter(GradReduceScatter):
     def _seed(self, *parts: int) -> int:
         return self.seed(self.calls, self.topology.rank, *parts)
 
-    def _one_hop(self, x: torch.Tensor, group, plan: "OneHopPlan", output: torch.Tensor, divisor: int,
-                 flag: torch.Tensor | None) -> torch.Tensor | None:
+    def _one_hop(self, x: torch.Tensor, group, plan: "OneHopPlan", direct: bool, output: torch.Tensor,
+                 divisor: int, flag: torch.Tensor | None) -> torch.Tensor | None:
         codec, layout = plan.codec, plan.layout
-        # A group mixing TP-replicated and TP-sharded parameters is encoded from a copy of its
-        # gradient in the codec's order (row_layout); any other group from the gradient itself.
-        send = codec.encode(x if layout.identity else layout.expand(x), seed=self._seed(3))
+        # The first call's launches are kept for the later calls where both steps are one
+        # launch each and the decoding writes FSDP2's output (direct).
+        with recording(direct) as encoded:
+            # A group mixing TP-replicated and TP-sharded parameters is encoded from a copy of its
+            # gradient in the codec's order (row_layout); any other group from the gradient itself.
+            send = codec.encode(x if layout.identity else layout.expand(x), seed=self._seed(3))
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        self.byte_meter.record_peers("grads", *plan.meter)
-        if plan.direct:
-            codec.decode_sum_finished_into(recv, layout.wire_length, output, divisor=divisor, flag=flag)
+        all_to_all(recv, send, group)
+        self.byte_meter.add(plan.meter)
+        if direct:
+            with recording(True) as decoded:
+                codec.decode_sum_finished_into(recv, layout.wire_length, output, divisor=divisor, flag=flag)
+            launches = (one_launch(encoded), one_launch(decoded))
+            if layout.identity and None not in launches:
+                plan.launches[divisor] = launches
             return None
         return layout.contract(codec.decode_sum(recv, layout.wire_length, finish=True))
 
-    def _two_hops(self, x: torch.Tensor, plan: "TwoHopPlan", output: torch.Tensor, divisor: int,
+    def _one_hop_again(self, x: torch.Tensor, group, plan: "OneHopPlan", launches: tuple, output: torch.Tensor,
+                       flag: torch.Tensor | None) -> None:
+        """:meth:`_one_hop` of a steady call: its two launches and its exchange (``x`` the flat
+        gradient, the kernels reading it by the rows the first call's launch was made for)."""
+        tk = _tk()
+        send = torch.empty(plan.send_shape, dtype=torch.uint8, device=x.device)
+        if plan.used is not None:
+            send[:, plan.used:].zero_()  # each row's 4-byte padding, as the encoding zeroes it
+        tk.quantize_into(x, (send, send, send), launch=launches[0], seed=self._seed(3))
+        recv = torch.empty_like(send)
+        all_to_all(recv, send, group)
+        self.byte_meter.add(plan.meter)
+        tk.dequantize_into((recv, recv, recv), launch=launches[1], out=output, flag=flag)
+
+    def _two_hops(self, x: torch.Tensor, plan: "TwoHopPlan", direct: bool, output: torch.Tensor, divisor: int,
                   flag: torch.Tensor | None) -> torch.Tensor | None:
         topo = self.topology
-        layout, hop2 = plan.layout, plan.hop2
+        layout = plan.layout
         order = topo.exchange_index(x.device)
         # The rounding slices (their bounds and seeds fix the result) travel in runs, one
         # exchange per hop each: one per slice when pipelined, else all of them in one. Each
         # codec step of a run is one launch on the fused path (the slices a grid axis, each with
         # its own seed); the Hadamard transform (blockwise, and every slice is whole blocks) is
         # fused into hop 1's quantization, its inverse into hop 2's decoding, and with
-        # plan.direct the division, the cast into FSDP2's output and the watch too.
-        out = output if plan.direct else torch.empty(plan.lp, dtype=torch.float32, device=x.device)
+        # direct the division, the cast into FSDP2's output and the watch too. Those
+        # launches are kept for the later calls (:meth:`_two_hops_again`).
+        out = output if direct else torch.empty(plan.lp, dtype=torch.float32, device=x.device)
         prefix1, prefix2 = self._seed(4), self._seed(5)
         runs = plan.runs
-        n = len(runs)
-        stage1: list[tuple[torch.Tensor, Any] | None] = [None] * n
-        stage2: list[tuple[torch.Tensor, Any] | None] = [None] * n
-        for step in range(n + 2):
-            i = step
-            if i < n:
-                stage1[i] = self._intra_exchange(x, plan, runs[i], order, prefix1)
-            i = step - 1
-            if 0 <= i < n:
-                recv, work = stage1[i]
-                work.wait()
-                stage1[i] = None
-                stage2[i] = self._inter_exchange(recv, plan, runs[i], prefix2)
-            i = step - 2
-            if 0 <= i < n:
-                recv2, work2 = stage2[i]
-                work2.wait()
-                stage2[i] = None
-                if plan.direct:
-                    hop2.decode_sum_slices(recv2, runs[i], out, divisor=divisor, flag=flag)
-                else:
-                    hop2.decode_sum_slices(recv2, runs[i], out)
-        return None if plan.direct else layout.contract(out)
+        learned: list[list] = [[None, None, None] for _ in runs]
+
+        def hop1(i: int) -> tuple[torch.Tensor, Any]:
+            with recording(direct) as launches:
+                sent = self._intra_exchange(x, plan, runs[i], order, prefix1)
+            learned[i][0] = one_launch(launches)
+            return sent
+
+        def hop2(i: int, recv: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            with recording(direct) as launches:
+                sent = self._inter_exchange(recv, plan, runs[i], prefix2)
+            learned[i][1] = one_launch(launches)
+            return sent
+
+        def decode(i: int, recv2: torch.Tensor) -> None:
+            if not direct:
+                plan.hop2.decode_sum_slices(recv2, runs[i], out)
+                return
+            with recording(True) as launches:
+                plan.hop2.decode_sum_slices(recv2, runs[i], out, divisor=divisor, flag=flag)
+            learned[i][2] = one_launch(launches)
+
+        _pipelined(len(runs), hop1, hop2, decode)
+        if direct and all(None not in run for run in learned):
+            plan.launches[divisor] = tuple(tuple(run) for run in learned)
+        return None if direct else layout.contract(out)
+
+    def _two_hops_again(self, x: torch.Tensor, plan: "TwoHopPlan", launches: tuple, output: torch.Tensor,
+                        flag: torch.Tensor | None) -> None:
+        """:meth:`_two_hops` of a steady call: each run's three launches and two exchanges in the
+        same order (``x`` the flat gradient; each run's kernels read from its first column on)."""
+        tk = _tk()
+        topo = self.topology
+        intra, inter = topo.intra_group, topo.inter_group
+        prefix1, prefix2 = self._seed(4), self._seed(5)
+        runs, order, device, meter = plan.runs, plan.order, x.device, self.byte_meter
+
+        def hop1(i: int) -> tuple[torch.Tensor, Any]:
+            start = runs[i].start
+            send = torch.empty(plan.shape1[i], dtype=torch.uint8, device=device)
+            tk.quantize_into(x if start == 0 else x[start:], (send, send, send), launch=launches[i][0], seed=prefix1,
+                             order=order)
+            recv = torch.empty_like(send)
+            work = all_to_all(recv, send, intra, async_op=True)
+            meter.add(plan.meter1[runs[i]])
+            return recv, work
+
+        def hop2(i: int, recv: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            send = torch.empty(plan.shape2[i], dtype=torch.uint8, device=device)
+            tk.dequantize_into((recv, recv, recv), launch=launches[i][1], dst=(send, send, send), seed=prefix2)
+            recv2 = torch.empty_like(send)
+            work = all_to_all(recv2, send, inter, async_op=True)
+            meter.add(plan.meter2[runs[i]])
+            return recv2, work
+
+        def decode(i: int, recv2: torch.Tensor) -> None:
+            start = runs[i].start
+            tk.dequantize_into((recv2, recv2, recv2), launch=launches[i][2], out=output if start == 0 else output[start:],
+                               flag=flag)
+
+        _pipelined(len(runs), hop1, hop2, decode)
 
     def _intra_exchange(self, x: torch.Tensor, plan: "TwoHopPlan", run: SliceRun, order: torch.Tensor,
                         prefix: int) -> tuple[torch.Tensor, Any]:
@@ -181,13 +264,12 @@ class QuantizedReduceScatter(GradReduceScatter):
         send buffer (rows in destination-major order: :func:`destination_major`), one
         asynchronous all-to-all inside the node."""
         topo = self.topology
-        m, d = topo.ranks_per_node, topo.nodes
         send = torch.empty(x.shape[0], plan.nbytes1[run], dtype=torch.uint8, device=x.device)
         plan.hop1.encode_slices(x, run, prefix=prefix, out=send, order=order,
                                 layout=None if plan.layout.identity else plan.layout)
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
-        self.byte_meter.record_peers("grads", *plan.meter1[run])
+        work = all_to_all(recv, send, topo.intra_group, async_op=True)
+        self.byte_meter.add(plan.meter1[run])
         return recv, work
 
     def _inter_exchange(self, recv: torch.Tensor, plan: "TwoHopPlan", run: SliceRun,
@@ -200,9 +282,34 @@ class QuantizedReduceScatter(GradReduceScatter):
         send = torch.empty(d, plan.nbytes2[run], dtype=torch.uint8, device=recv.device)
         plan.hop1.decode_sum_encode_slices(recv, run, sources=m, codec=plan.hop2, prefix=prefix, out=send)
         recv2 = torch.empty_like(send)
-        work = dist.all_to_all_single(recv2, send, group=topo.inter_group, async_op=True)
-        self.byte_meter.record_peers("grads", *plan.meter2[run])
+        work = all_to_all(recv2, send, topo.inter_group, async_op=True)
+        self.byte_meter.add(plan.meter2[run])
         return recv2, work
+
+
+def _pipelined(n: int, hop1: Callable[[int], tuple], hop2: Callable[[int, torch.Tensor], tuple],
+               decode: Callable[[int, torch.Tensor], None]) -> None:
+    """The two-level exchanges of ``n`` runs of rounding slices, staggered: run ``i``'s hop 1
+    (``hop1(i)``: its receive buffer and the exchange's work) goes out while run ``i - 1``'s
+    hop 2 (``hop2(i - 1, received)``) and run ``i - 2``'s decoding (``decode(i - 2,
+    received)``) follow, each once the exchange before it is done."""
+    stage1: list = [None] * n
+    stage2: list = [None] * n
+    for step in range(n + 2):
+        if step < n:
+            stage1[step] = hop1(step)
+        i = step - 1
+        if 0 <= i < n:
+            recv, work = stage1[i]
+            work.wait()
+            stage1[i] = None
+            stage2[i] = hop2(i, recv)
+        i = step - 2
+        if 0 <= i < n:
+            recv2, work2 = stage2[i]
+            work2.wait()
+            stage2[i] = None
+            decode(i, recv2)
 
 
 @dataclass(frozen=True)
@@ -213,8 +320,15 @@ class OneHopPlan:
 
     codec: RowCodec
     layout: RowLayout
-    meter: tuple[int, int, int, int]
+    meter: tuple  # the meter's entries (ByteMeter.add)
     direct: bool
+    # The send buffer's shape, and where each row's 4-byte padding starts (None: there is none).
+    send_shape: tuple[int, int] = (0, 0)
+    used: int | None = None
+    # {divisor: (encoding, decoding)}: the launches of the first call with that divisor, where
+    # both were one launch (kernels.Launch); the later calls launch them again.
+    launches: dict = dataclasses.field(default_factory=dict)
+    runs: None = None  # (a two-hop plan's rounding slices)
 
     @classmethod
     def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor, output: torch.Tensor, codec: RowCodec,
@@ -227,7 +341,8 @@ class OneHopPlan:
         direct = (layout.identity and codec._fused(probe) and output.is_contiguous()
                   and output.dtype in (torch.float32, torch.bfloat16, torch.float16)
                   and (not codec.hadamard_block or _fuses_hadamard(codec)))
-        return cls(codec, layout, (nbytes, s, 0 if inter_only else intra, inter), direct)
+        meter = peer_entries("grads", nbytes, s, 0 if inter_only else intra, inter)
+        return cls(codec, layout, meter, direct, (world, nbytes), _padding_from(codec, layout.wire_length))
 
 
 def _fuses_hadamard(codec: RowCodec) -> bool:
@@ -255,6 +370,13 @@ class TwoHopPlan:
     meter1: dict = dataclasses.field(default_factory=dict)
     meter2: dict = dataclasses.field(default_factory=dict)
     direct: bool = False
+    # Per run (in order): both send buffers' shapes; the exchange order's index on the device.
+    shape1: tuple = ()
+    shape2: tuple = ()
+    order: torch.Tensor | None = None
+    # {divisor: ((hop 1's encoding, hop 2's requantization, the decoding) per run)}: the launches
+    # of the first call with that divisor, where each step was one launch (kernels.Launch).
+    launches: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor, output: torch.Tensor) -> "TwoHopPlan":
@@ -265,13 +387,15 @@ class TwoHopPlan:
         m, d = topo.ranks_per_node, topo.nodes
         for run in plan.runs:
             plan.nbytes1[run], plan.nbytes2[run] = run.nbytes(plan.hop1), run.nbytes(plan.hop2)
-            plan.meter1[run] = (d * plan.nbytes1[run], d * plan.real[run], m - 1, 0)
-            plan.meter2[run] = (plan.nbytes2[run], plan.real[run], 0, d - 1)
+            plan.meter1[run] = peer_entries("grads", d * plan.nbytes1[run], d * plan.real[run], m - 1, 0)
+            plan.meter2[run] = peer_entries("grads", plan.nbytes2[run], plan.real[run], 0, d - 1)
         probe = torch.empty(0, dtype=torch.uint8, device=x.device)
         direct = (plan.layout.identity and output.is_contiguous()
                   and output.dtype in (torch.float32, torch.bfloat16, torch.float16)
                   and all(plan.hop2.fuses_slices(run, probe) for run in plan.runs))
-        return dataclasses.replace(plan, direct=direct)
+        return dataclasses.replace(
+            plan, direct=direct, shape1=tuple((x.shape[0], plan.nbytes1[run]) for run in plan.runs),
+            shape2=tuple((d, plan.nbytes2[run]) for run in plan.runs), order=topo.exchange_index(x.device))
 
     @classmethod
     def of(cls, g: GradComm, x: torch.Tensor, nodes: int, layout_of: Callable[..., RowLayout],

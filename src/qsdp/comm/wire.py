@@ -18,6 +18,7 @@ unlike ``torch.sum``'s, which depends on the device, the sizes and the CPU's vec
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -569,6 +570,12 @@ class RowCodec:
     def _fused(self, t: torch.Tensor) -> bool:
         return not self.exact and use_triton(t) and _supported(self.bits, self.group_size)
 
+    def fuses_rows(self, t: torch.Tensor) -> bool:
+        """Whether rows on tensors like ``t`` are encoded (and decoded, finished) by one kernel
+        launch each, reading the rows themselves: the fused path, the Hadamard transform inside."""
+        hb = self.hadamard_block
+        return self._fused(t) and (not hb or _tk().fuses_hadamard(self.group_size, hb))
+
     def _alloc(self, rows: int, lp: int, device, out: torch.Tensor | None = None) -> torch.Tensor:
         """Packed rows for ``lp`` elements (``out``, checked, where given), the 4-byte padding
         zeroed."""
@@ -647,6 +654,34 @@ def _tk():
 
         _TK = triton_kernels
     return _TK
+
+
+@contextlib.contextmanager
+def recording(fused: bool):
+    """The kernel launches (:class:`qsdp.codecs.triton_kernels.Launch`) the codec steps inside
+    make, in order, for a plan to launch again with a later call's tensors; with ``fused``
+    false (the torch reference), an empty list."""
+    if not fused:
+        yield []
+        return
+    with _tk().recording() as launches:
+        yield launches
+
+
+def _padding_from(codec: RowCodec, length: int) -> int | None:
+    """Where the 4-byte padding of ``codec``'s encoded row of ``length`` elements starts (``None``:
+    it has none): :meth:`RowCodec._alloc` zeroes it."""
+    if codec.exact:
+        return None
+    lp = codec.padded_len(length)
+    used = (lp // codec.group_size) * 4 * (1 if codec.symmetric else 2) + lp * codec.bits // 8
+    return used if codec.row_nbytes(lp) > used else None
+
+
+def one_launch(launches: list):
+    """The one launch of ``launches`` (a step's :func:`recording`) in one grid, else ``None``:
+    what a plan can launch again."""
+    return launches[0] if len(launches) == 1 and len(launches[0].grids) == 1 else None
 
 
 # Fixed by the codecs and the run alone: computed once for each (a steady call asks again and again).

@@ -20,16 +20,16 @@ HOST_US_SOURCE = "qsdp bench census --world 2x4 --shard 6922 (benchmarks/results
 # host_us of every quantized collective (rank 0 of 2 x 4, 6922 elements a rank): microseconds a
 # steady call, the minimum over runs of 25 calls (benchmarks/results/census-host.json says how many).
 HOST_US: dict[tuple[str, str], float] = {
-    ("qsdp", "reduce_scatter"): 61.5,
-    ("qsdp", "gather_direct"): 64.0,
-    ("qsdp", "hsdp_all_reduce"): 101.5,
-    ("sdp4bit", "reduce_scatter"): 124.8,
-    ("sdp4bit", "gather_difference"): 123.9,
-    ("sdp4bit", "gather_difference_step"): 165.0,
-    ("sdp4bit", "hsdp_all_reduce"): 101.8,
-    ("zeropp", "reduce_scatter"): 126.4,
-    ("zeropp", "gather_direct"): 61.7,
-    ("zeropp", "hsdp_all_reduce"): 98.5,
+    ("qsdp", "reduce_scatter"): 22.6,
+    ("qsdp", "gather_direct"): 27.0,
+    ("qsdp", "hsdp_all_reduce"): 42.6,
+    ("sdp4bit", "reduce_scatter"): 39.9,
+    ("sdp4bit", "gather_difference"): 49.0,
+    ("sdp4bit", "gather_difference_step"): 85.8,
+    ("sdp4bit", "hsdp_all_reduce"): 42.9,
+    ("zeropp", "reduce_scatter"): 40.3,
+    ("zeropp", "gather_direct"): 25.6,
+    ("zeropp", "hsdp_all_reduce"): 42.6,
 }
 
 # qsdp.perfmodel.host_cost.host_factor() of the H200 measurement, rounded to 0.1 (a test
