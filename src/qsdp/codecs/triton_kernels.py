@@ -418,15 +418,10 @@ def _quantize_kernel(
     codes) at byte k * SW of the packed row from code_off (scale_off, zero_off ignored), its
     random indices its own, its key _slice_key(key, slice0 + k, KEY_TERM). TAIL: row r is the
     x_rs elements of one vector of L from element r * x_rs, cut short by its end (_tail_row)."""
-    x_ptr = _kind_ptr(x_ptr, X_KIND)
-    y_ptr = _kind_ptr(y_ptr, Y_KIND)
-    scales_ptr = _f32_ptr(scales_ptr)
-    zeros_ptr = _f32_ptr(zeros_ptr)
+    x_ptr, y_ptr = _kind_ptr(x_ptr, X_KIND), _kind_ptr(y_ptr, Y_KIND)
+    scales_ptr, zeros_ptr = _f32_ptr(scales_ptr), _f32_ptr(zeros_ptr)
     row = tl.program_id(1).to(tl.int64) + row0
-    if PERMUTED:
-        src = tl.load(order_ptr + row).to(tl.int64)
-    else:
-        src = row
+    src = tl.load(order_ptr + row).to(tl.int64) if PERMUTED else row
     if SLICED:
         # Rebind the row's bounds and places to the slice's: the code below is the unsliced one.
         k = tl.program_id(2)
@@ -502,10 +497,8 @@ def _dequantize_kernel(
     MODE 1: requantized (Q_BITS, Q_SYMMETRIC, Q_ROUNDING, same groups) into the q_* layout.
     Output rows start at row0. SLICED: as _quantize_kernel's, the packed rows' slices at byte
     k * SW (the requantized ones' at k * Q_SW), the output's at element k * SG * GS."""
-    scales_ptr = _f32_ptr(scales_ptr)
-    zeros_ptr = _f32_ptr(zeros_ptr)
-    q_scales_ptr = _f32_ptr(q_scales_ptr)
-    q_zeros_ptr = _f32_ptr(q_zeros_ptr)
+    scales_ptr, zeros_ptr = _f32_ptr(scales_ptr), _f32_ptr(zeros_ptr)
+    q_scales_ptr, q_zeros_ptr = _f32_ptr(q_scales_ptr), _f32_ptr(q_zeros_ptr)
     if MODE == 0:
         out_ptr = _kind_ptr(out_ptr, OUT_KIND)
     o = tl.program_id(1).to(tl.int64) + row0
