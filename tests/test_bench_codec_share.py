@@ -21,6 +21,7 @@ from qsdp.cli import BENCHMARKS
 from qsdp.comm.all_gather import DifferenceAllGather
 from qsdp.comm.reduce_scatter import QuantizedReduceScatter
 from qsdp.train.model import make_gpt, transformer_blocks
+from in_child import in_child
 
 D, M = 2, 2
 TINY = ShareSpec(model="tiny", nodes=D, ranks_per_node=M, batch_size=2, seq_len=32, param_dtype="float32",
@@ -54,6 +55,7 @@ def _calls_on(objects: list, fn) -> Counter:
 # --------------------------------------------------------------------------- the step
 
 
+@in_child
 def test_a_step_calls_the_comm_objects_quantize_comms_attached_and_they_meter_the_presets_bits():
     with OneRankStep(TINY, "sdp4bit") as state:
         h = state.handle
@@ -74,6 +76,7 @@ def test_a_step_calls_the_comm_objects_quantize_comms_attached_and_they_meter_th
     assert not dist.is_initialized()  # the world it made ended with it
 
 
+@in_child
 def test_the_profiles_comm_ranges_wrap_the_comm_objects_and_go_away_after():
     with OneRankStep(TINY, "qsdp") as state:
         h = state.handle
@@ -85,6 +88,7 @@ def test_the_profiles_comm_ranges_wrap_the_comm_objects_and_go_away_after():
     assert calls == {"QuantizedAllGather": 2 * GROUPS, "QuantizedReduceScatter": GROUPS}
 
 
+@in_child
 def test_a_world_is_one_per_process():
     with one_process_world(D, M):
         with pytest.raises(RuntimeError, match="without a default process group"):
@@ -98,6 +102,7 @@ def test_a_world_is_one_per_process():
 # --------------------------------------------------------------------------- the measurement
 
 
+@in_child
 def test_sdp4bits_comm_objects_take_a_share_of_a_cpu_step():
     row = codec_share.measure(TINY, "sdp4bit")
     assert 0 < row["share"] < 1 and row["qsdp_ms"] < row["step_ms"]
@@ -109,10 +114,12 @@ def test_sdp4bits_comm_objects_take_a_share_of_a_cpu_step():
     assert row["wall_over_step"] == pytest.approx(row["wall_step_ms"] / row["step_ms"])
 
 
-def test_the_command_measures_every_preset_against_fsdp_on_a_tiny_gpt_by_default_on_the_cpu(capsys):
+@in_child
+def test_the_command_measures_every_preset_against_fsdp_on_a_tiny_gpt_by_default_on_the_cpu(tmp_path):
+    saved = tmp_path / "share.json"
     assert codec_share.main(["--device", "cpu", "--nodes", "2", "--ranks-per-node", "2", "--presets", "fsdp",
-                             "zeropp", "--warmup", "1", "--steps", "1", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+                             "zeropp", "--warmup", "1", "--steps", "1", "--save", str(saved)]) == 0
+    result = json.loads(saved.read_text())
     assert (result["model"], result["batch_size"], result["seq_len"], result["param_dtype"]) == \
         ("tiny", 2, 64, "float32")
     fsdp, zeropp = result["presets"]["fsdp"], result["presets"]["zeropp"]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from benchmarks import host_profile
+from in_child import in_child
 
 
+@in_child
 def test_each_preset_gets_its_syncs_its_operators_and_its_python_profile(tmp_path):
     assert host_profile.main(["sdp4bit", "--model", "tiny", "--batch-size", "1", "--seq-len", "32",
                               "--device", "cpu", "--out", str(tmp_path)]) == 0
