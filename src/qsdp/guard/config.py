@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError
+from ..config import ConfigError, is_int
 from ..noise_limits import GRAD_RATIO_LIMIT, WEIGHT_RATIO_LIMIT
 
 # Every 50 optimizer steps: a round adds one exact (fp32) reduce-scatter of every quantized group,
@@ -48,11 +48,11 @@ class GuardConfig:
 
     def validate(self) -> None:
         """Raise :class:`qsdp.ConfigError` naming the first bad field."""
-        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+        if not is_int(self.every) or self.every < 1:
             raise ConfigError(f"guard.every={self.every!r} must be a whole number of steps, at least 1")
-        if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 1:
+        if not is_int(self.start) or self.start < 1:
             raise ConfigError(f"guard.start={self.start!r} must be at least 1 (step 0 has no update to compare with)")
-        if not isinstance(self.grad_start, int) or isinstance(self.grad_start, bool) or self.grad_start < 0:
+        if not is_int(self.grad_start) or self.grad_start < 0:
             raise ConfigError(f"guard.grad_start={self.grad_start!r} must be a whole number of steps, at least 0")
         for name in ("weight_limit", "grad_limit"):
             value = getattr(self, name)

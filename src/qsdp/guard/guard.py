@@ -109,15 +109,16 @@ class AccuracyGuard:
         self._armed_at = -1
         self._stats: torch.Tensor | None = None
         self._before: dict[int, list[torch.Tensor]] = {}  # the shards before a guarded optimizer step
-        self._weights = [handle.config.weights.mode != "plain" for _ in range(groups)]
-        self._grads = [handle.config.grads.mode != "plain" for _ in range(groups)]
+        # What a round measures: the config's quantized parts (the same for every group).
+        self._weights = handle.config.weights.mode != "plain"
+        self._grads = handle.config.grads.mode != "plain"
 
     # What the process-wide optimizer hooks call (qsdp.fsdp._TRACKERS).
     def before_optimizer_step(self) -> None:
         """In a round, keep this rank's shards of the weight-quantized groups until the step ends."""
-        if self.phase == GRADIENTS and self.steps == self._armed_at:
+        if self._weights and self.phase == GRADIENTS and self.steps == self._armed_at:
             self._before = {i: [_local(p).detach().clone() for p in params]
-                            for i, params in enumerate(self.handle.group_parameters) if self._weights[i]}
+                            for i, params in enumerate(self.handle.group_parameters) if params}
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Count a step of an optimizer holding this model's parameters (any other is ignored);
@@ -129,7 +130,7 @@ class AccuracyGuard:
                 self._before = before  # another optimizer's step: the round waits for this model's
                 return
         for i, copies in before.items():
-            row = self._row(i)(copies[0].device) if copies else None
+            row = self._row(i)(copies[0].device)
             for p, old in zip(self.handle.group_parameters[i], copies):
                 row[UPDATE_SQ] += sum_sq_diff(_local(p), old)
         self.step()
@@ -175,26 +176,32 @@ class AccuracyGuard:
     def _due(self) -> bool:
         first, every = self.config.start, self.config.every
         return self.steps >= first and (self.steps - first) % every == 0 and self.steps != self._armed_at \
-            and any(self._weights + self._grads)
+            and (self._weights or self._grads)
 
     def _row(self, i: int) -> Callable[[torch.device], torch.Tensor]:
         def row(device: torch.device) -> torch.Tensor:
             if self._stats is None:
-                self._stats = torch.zeros(len(self.levels), len(FIELDS), dtype=torch.float64, device=device)
+                self._stats = self._zeros(device)
             return self._stats[i]
         return row
 
+    def _zeros(self, device: torch.device) -> torch.Tensor:
+        """The round's statistics before anything is added: float64 ``[groups, FIELDS]``."""
+        return torch.zeros(len(self.levels), len(FIELDS), dtype=torch.float64, device=device)
+
     def _probe_reductions(self, on: bool) -> None:
+        if not self._grads:
+            return
         for i, (module, rs) in enumerate(zip(self.handle.modules, self.handle.reduce_scatters)):
-            if self._grads[i]:
-                module.set_custom_reduce_scatter(ReductionProbe(rs, self._row(i)) if on else rs)
+            module.set_custom_reduce_scatter(ReductionProbe(rs, self._row(i)) if on else rs)
 
     def _probe_gathers(self) -> None:
+        if not self._weights:
+            return
         for i, (module, ag) in enumerate(zip(self.handle.modules, self.handle.all_gathers)):
-            if self._weights[i]:
-                def restore(module=module, ag=ag) -> None:
-                    module.set_custom_all_gather(ag)
-                module.set_custom_all_gather(GatherProbe(ag, restore, self._row(i)))
+            def restore(module=module, ag=ag) -> None:
+                module.set_custom_all_gather(ag)
+            module.set_custom_all_gather(GatherProbe(ag, restore, self._row(i)))
 
     def _device(self) -> torch.device:
         """The device of the model's parameters (where the sums are taken: NCCL's for CUDA)."""
@@ -218,8 +225,7 @@ class AccuracyGuard:
         self.phase = IDLE
         stats, self._stats = self._stats, None
         if stats is None:  # nothing measured on this rank (every rank joins the sums all the same)
-            stats = self._row(0)(self._device())
-            stats, self._stats = self._stats, None
+            stats = self._zeros(self._device())
         for group in self.mesh:
             dist.all_reduce(stats, group=group)
             self.handle.meter.record_peers("guard", stats.numel() * stats.element_size(), 0,
