@@ -514,11 +514,8 @@ def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Mo
     """Give FSDP group ``i`` (the modules of one ``fully_shard`` call) its all-gather and
     reduce-scatter, and record them on ``handle``."""
     cfg, topology, m = handle.config, handle.topology, members[0]
-    ag = _ALL_GATHERS[cfg.weights.mode](cfg, topology, i, handle.tracker)
     params = [p for x in members for p in managed_parameters(x, layout.fsdp_modules)]
-    ag.track(params, f"group {i} ({label})")
-    if isinstance(ag, DifferenceAllGather):
-        ag.expect_row(*all_gather_row(m), params[0].device if params else torch.device("cpu"))
+    ag = _weight_gather(handle, cfg, i, m, params, f"group {i} ({label})")
     mesh = layout.meshes[i]
     if mesh is not None and mesh[1] is not None:
         ag.post_forward = _post_forward_gather(cfg, post_topology[id(mesh[1])], i, f"{ag.name} after forward")
@@ -552,16 +549,24 @@ def _attach(handle: QuantizedComms, layout: _Layout, i: int, members: list[nn.Mo
     handle.group_parameters.append(params)
 
 
+def _weight_gather(handle: QuantizedComms, cfg: QuantConfig, i: int, m: nn.Module, params: list[nn.Parameter],
+                   name: str) -> WeightAllGather:
+    """FSDP group ``i``'s weight all-gather of ``cfg``'s mode, watching ``params`` (a difference
+    gather also knows FSDP2's row of ``m``, so that a checkpoint can be loaded before it runs)."""
+    ag = _ALL_GATHERS[cfg.weights.mode](cfg, handle.topology, i, handle.tracker)
+    ag.track(params, name)
+    if isinstance(ag, DifferenceAllGather):
+        ag.expect_row(*all_gather_row(m), params[0].device if params else torch.device("cpu"))
+    return ag
+
+
 def _new_all_gather(handle: QuantizedComms, i: int, cfg: QuantConfig) -> WeightAllGather:
     """Give FSDP group ``i`` a new weight all-gather of ``cfg``'s mode in place of its own (the
     guard moving direct weights to differences, on every rank at the same step): it watches the
     same parameters and lays out the same rows; a difference gather's first call sends exact
     values, as at the start of a run."""
-    old, m, params = handle.all_gathers[i], handle.modules[i], handle.group_parameters[i]
-    new = _ALL_GATHERS[cfg.weights.mode](cfg, handle.topology, i, handle.tracker)
-    new.track(params, old.name)
-    if isinstance(new, DifferenceAllGather):
-        new.expect_row(*all_gather_row(m), params[0].device if params else torch.device("cpu"))
+    old, m = handle.all_gathers[i], handle.modules[i]
+    new = _weight_gather(handle, cfg, i, m, handle.group_parameters[i], old.name)
     new.post_forward = old.post_forward
     new.use_row_spans(shard_row_spans(m))
     new.bind_meter(handle.meter)
