@@ -14,7 +14,7 @@ DEFAULT_EVERY = 50
 # The first round right after the first update: a weight quantizer that drowns the updates does
 # its lasting damage in the first steps (the tiny GPT's convergence setting, seed 0: zeropp's
 # 4-bit direct weights for the first 12 steps, then 4-bit differences, ended +2.2% above fsdp's
-# loss; for the first 3 steps, within noise of it; differences throughout, -0.3%).
+# loss; for the first 3 steps, +0.3%; differences throughout, -0.3%: benchmarks/results/guard_ladder_runs.json).
 DEFAULT_START = 1
 # Gradients move from this step on: before it the micro-batches' gradients agree so well that
 # q/SGD overstates the risk (qsdp check's calibration, docs/check.md "How many warm-up steps":

@@ -3,9 +3,10 @@
 Weights: direct quantization first becomes SDP4Bit's weight differences at the same bits (what
 ``qsdp check`` advises first: a direct quantizer's error does not shrink with the updates, so a
 finer one alone leaves it; 8-bit direct weights with round-to-nearest, zeropp's quantizer, still
-ended 0.7-1.0% above fsdp's loss at 150-200 steps of the tiny GPT); differences then take 8 bits,
-then the weights travel exact (the parameter dtype). Gradients: one-level ``bits`` then 8, two-level ``bits_inter`` (and ``bits_intra``) then 8, then
-exact fp32 along the same route (``grads.quantize=False``). A config already at a rung starts
+ended 0.76% above fsdp's loss after 300 steps of the tiny GPT, seed 0:
+benchmarks/results/guard_ladder_runs.json); differences then take 8 bits, then the weights travel
+exact (the parameter dtype). Gradients: one-level ``bits`` then 8, two-level ``bits_inter`` (and
+``bits_intra``) then 8, then exact fp32 along the same route (``grads.quantize=False``). A config already at a rung starts
 there (8-bit weights go straight to exact). The rung is a function of the start config and a
 level, equal on every rank, so every rank builds the same config from the same agreed level.
 """
