@@ -6,8 +6,8 @@ finer one alone leaves it; 8-bit direct weights with round-to-nearest, zeropp's 
 ended 0.76% above fsdp's loss after 300 steps of the tiny GPT, seed 0:
 benchmarks/results/guard_ladder_runs.json); differences then take 8 bits, then the weights travel
 exact (the parameter dtype). Gradients: one-level ``bits`` then 8, two-level ``bits_inter`` (and
-``bits_intra``) then 8, then exact fp32 along the same route (``grads.quantize=False``). A config already at a rung starts
-there (8-bit weights go straight to exact). The rung is a function of the start config and a
+``bits_intra``) then 8, then exact fp32 along the same route (``grads.quantize=False``). A config
+already at a rung starts there (8-bit weights go straight to exact). The rung is a function of the start config and a
 level, equal on every rank, so every rank builds the same config from the same agreed level.
 """
 
