@@ -122,6 +122,7 @@ def run_world(
                 results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
+                errors += _late_errors(queue, world_size - len(results) - 1)
                 break
     finally:
         released.set()
@@ -131,8 +132,33 @@ def run_world(
                 p.kill()
                 p.join()
     if errors:
-        raise RuntimeError("a rank failed:\n" + errors[0])
+        raise RuntimeError("a rank failed:\n" + "\n".join(sorted(errors, key=_is_echo)))
     return [results[r] for r in range(world_size)]
+
+
+def _late_errors(queue, pending: int, report=lambda item: item, grace_s: float = 5.0) -> list[str]:
+    """The errors other ranks report within ``grace_s`` of the first: a rank that fails makes its
+    peers fail too (a closed connection), and the first to arrive is often such an echo.
+    ``report`` turns a queued item into ``(rank, ok, value)``, or None for one to skip."""
+    errors = []
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=grace_s)
+    while pending > 0 and (remaining := (deadline - datetime.datetime.now()).total_seconds()) > 0:
+        try:
+            item = report(queue.get(timeout=remaining))
+        except Exception:  # queue.Empty: the others are still working or hung
+            break
+        if item is None:
+            continue
+        rank, ok, value = item
+        pending -= 1
+        if not ok:
+            errors.append(f"rank {rank}:\n{value}")
+    return errors
+
+
+def _is_echo(error: str) -> bool:
+    """Whether ``error`` is a rank losing its peers (sorted after the error that caused it)."""
+    return any(s in error for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +283,10 @@ class _Pool:
             if got_serial != serial:
                 continue
             if not ok:
-                raise RuntimeError(f"a rank failed:\nrank {rank}:\n{value}")
+                errors = [f"rank {rank}:\n{value}"] + _late_errors(
+                    self.results, self.world_size - len(results) - 1,
+                    lambda item: item[1:4] if item[0] == serial else None)
+                raise RuntimeError("a rank failed:\n" + "\n".join(sorted(errors, key=_is_echo)))
             results[rank] = pickle.loads(value)
             reusable = reusable and rank_reusable
         return [results[r] for r in range(self.world_size)], reusable

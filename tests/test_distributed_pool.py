@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_pooled
+from distributed import run_pooled, run_world
 
 
 def _pid(rank, world):
@@ -25,6 +25,13 @@ def _fail_on_rank_1(rank, world):
     if rank == 1:
         raise ValueError("planted on rank 1")
     dist.barrier()
+
+
+def _fail_on_rank_1_and_echo_on_rank_0(rank, world):
+    if rank == 1:
+        time.sleep(0.5)  # rank 0's echo of the lost peer arrives first
+        raise ValueError("planted on rank 1")
+    raise RuntimeError("Connection reset by peer")
 
 
 def _sum_of_ranks(rank, world):
@@ -106,3 +113,11 @@ def test_each_test_starts_from_a_fresh_world_state_in_qsdp():
     first = run_pooled(_setup_bytes, 2, pg_timeout=64)
     assert run_pooled(_setup_bytes, 2, pg_timeout=64) == first
     assert all(before == 0 < after for before, after in first)
+
+
+@pytest.mark.parametrize("run", [run_pooled, run_world], ids=["pooled", "fresh"])
+def test_a_rank_error_is_reported_before_the_lost_connections_of_its_peers(run):
+    with pytest.raises(RuntimeError) as failed:
+        run(_fail_on_rank_1_and_echo_on_rank_0, 2)
+    report = str(failed.value)
+    assert report.index("planted on rank 1") < report.index("Connection reset by peer")
