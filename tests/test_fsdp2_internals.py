@@ -1,5 +1,6 @@
 """The private FSDP2 state that qsdp reads (``qsdp._fsdp2``) is still there in this torch."""
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -178,3 +179,18 @@ def test_the_all_gather_row_is_known_before_the_first_forward():
     for param_dtype in (None, torch.bfloat16):
         for before, seen in run_pooled(_row_before_the_first_forward, 2, param_dtype):
             assert before == seen, (param_dtype, before, seen)
+
+
+def _padding(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 7), nn.Linear(7, 8))
+    model[0].bias.requires_grad_(False)  # frozen: not in the reduce-scatter's row
+    fully_shard(model)
+    return _fsdp2.reduce_scatter_padding(model)
+
+
+def test_the_reduce_scatter_rows_padding_is_read_parameter_by_parameter():
+    # Over 4 ranks: Linear(6, 7)'s [7, 6] weight is 2 rows a rank (12 elements), of which the last
+    # rank holds 1; Linear(7, 8)'s [8, 7] weight and [8] bias split evenly.
+    last = [(12, 6), (14, 14), (2, 2)]
+    assert run_pooled(_padding, 4, local_world_size=2) == [[(12, 12), (14, 14), (2, 2)]] * 3 + [last]

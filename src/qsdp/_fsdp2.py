@@ -116,6 +116,20 @@ def shard_row_spans(module: nn.Module, with_gradients: bool = False) -> list[tup
     return spans
 
 
+def reduce_scatter_padding(module: nn.Module) -> list[tuple[int, int]]:
+    """``(elements, real)`` of each parameter in the flat shard row FSDP2 reduce-scatters into
+    for ``module``'s ``fully_shard`` call (:func:`shard_row_spans` with ``with_gradients``): its
+    padded shard and how many of those elements, the first ones, are this rank's part of the
+    parameter (``sharded_size``); the rest is padding, which the optimizer never sees."""
+    rows = []
+    for group in param_groups(module):
+        for fsdp_param in field(group, "fsdp_params"):
+            if field(fsdp_param, "sharded_param").requires_grad:
+                rows.append((field(fsdp_param, "padded_sharded_param_size").numel(),
+                             field(fsdp_param, "sharded_size").numel()))
+    return rows
+
+
 def all_gather_row(module: nn.Module) -> tuple[int, torch.dtype | None]:
     """``(elements, dtype)`` of the flat row FSDP2 all-gathers from on each rank for ``module``'s
     ``fully_shard`` call, known before its first forward: the parameters' padded shards, in the

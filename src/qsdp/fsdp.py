@@ -349,8 +349,8 @@ def quantize_comms(
             inside a node: one spanning nodes is refused for ``hsdp4``/``hsdp8`` and warned
             about for configs that quantize the shard group's traffic too.
         guard: the accuracy guard (:class:`qsdp.GuardConfig`, or ``K``: every ``K`` steps): a group
-            whose measured noise outgrows SGD's takes more bits, on every rank alike (docs/check.md,
-            "The guard while training"). Not with HSDP yet.
+            whose measured noise outgrows SGD's (HSDP's across the replicas included) takes more
+            bits, on every rank alike (docs/check.md, "The guard while training").
 
     The config is validated first and then compared across ranks with one collective; both
     raise :class:`qsdp.ConfigError` naming the problem before any data moves. A model whose comms
@@ -361,7 +361,7 @@ def quantize_comms(
     """
     cfg = resolve_config(config, overrides)
     layout = _read_layout(module, group, replicate_group)
-    guard_cfg = _guard_config(guard, layout)
+    guard_cfg = as_guard_config(guard)
     _agree_on_config(module, cfg, layout, guard_cfg)
     _refuse_uneven_splits(module, cfg, layout)
     topology, post_topology = _node_topologies(cfg, layout)
@@ -376,15 +376,6 @@ def quantize_comms(
     return handle
 
 
-def _guard_config(guard: GuardConfig | int | None, layout: "_Layout") -> GuardConfig | None:
-    """``guard=`` validated (local, before any collective); refused beside HSDP."""
-    cfg = as_guard_config(guard)
-    if cfg is not None and layout.replicas is not None:
-        raise ConfigError("guard= is not supported with HSDP yet (its measurements cover the shard group's "
-                          "reduce-scatter, not the all-reduce across replicas): leave guard= out")
-    return cfg
-
-
 def _attach_all(handle: QuantizedComms, module: nn.Module, layout: "_Layout", post_topology: dict[int, Topology],
                 guard: GuardConfig | None) -> None:
     """Every FSDP group's comms, the handle's meter and change tracking, and the guard."""
@@ -396,7 +387,10 @@ def _attach_all(handle: QuantizedComms, module: nn.Module, layout: "_Layout", po
     if handle.config.weights.mode != "plain":
         _watch_parameter_changes(handle, module)
     if guard is not None:
-        _start_guard(handle, module, guard, _mesh_groups(module, layout.group), labels)
+        mesh = _mesh_groups(module, layout.group)
+        if layout.replicate_group is not None:  # qsdp's HSDP recipe: the replicas are no mesh dimension
+            mesh.append(layout.replicate_group)
+        _start_guard(handle, module, guard, mesh, labels)
 
 
 def _start_guard(handle: QuantizedComms, root: nn.Module, cfg: GuardConfig, mesh: list[dist.ProcessGroup],

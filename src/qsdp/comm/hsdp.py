@@ -23,6 +23,7 @@ averaging over all ``M * D`` ranks happens once, on the fp32 sum, at the end.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,6 +168,12 @@ class ReplicaAllReduce:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.calls = int(state.get("calls", 0))
 
+    def reconfigure(self, config: QuantConfig) -> None:
+        """Use ``config.hsdp`` from the next call on (the accuracy guard's move, on every replica
+        at the same step); the calls, and so the rounding streams, go on."""
+        self.config = config
+        self._plans.clear()
+
 
 @dataclass(frozen=True)
 class AllReducePlan:
@@ -203,20 +210,30 @@ class AllReducePlan:
                    nbytes, _padding_from(codec, length), fused)
 
 
-class _AcrossReplicas(GradReduceScatter):
+class AcrossReplicas(GradReduceScatter):
     """What both HSDP reduce-scatters share: ``inner``, the reduce-scatter over the shard group,
     and ``all_reduce`` across the replicas (in FSDP2's all-reduce hook); one meter, one flag
     (the replicated result's), one state."""
 
-    def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce) -> None:
+    def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce, divide_replicas: bool) -> None:
         super().__init__(inner.config, inner.topology, inner.comm_id)
         self.inner = inner
         self.all_reduce = all_reduce
+        # What the all-reduce hook divides the sum across the replicas by (1: FSDP2 divides by a
+        # custom factor itself).
+        self.divide_replicas = divide_replicas
+        self.replica_divisor = all_reduce.replicas if divide_replicas else 1
 
     def bind_meter(self, byte_meter: ByteMeter) -> None:
         super().bind_meter(byte_meter)
         self.inner.bind_meter(byte_meter)
         self.all_reduce.byte_meter = byte_meter
+
+    def reconfigure(self, config: QuantConfig) -> None:
+        super().reconfigure(config)
+        # The shard group's reduction keeps its own rounding seed (see hsdp_reduce_scatter).
+        self.inner.reconfigure(dataclasses.replace(config, seed=self.inner.config.seed))
+        self.all_reduce.reconfigure(config)
 
     def use_row_spans(self, spans: Spans | SpansOf, mixed: bool = False) -> None:
         super().use_row_spans(spans, mixed)
@@ -242,7 +259,7 @@ class _AcrossReplicas(GradReduceScatter):
         self.inner.reset()
 
 
-class HsdpReduceScatter(_AcrossReplicas):
+class HsdpReduceScatter(AcrossReplicas):
     """FSDP2's custom reduce-scatter and all-reduce hook for HSDP: ``inner`` (a reduce-scatter
     over the shard group) sums inside the node when FSDP2 calls the reduce-scatter;
     :class:`ReplicaAllReduce` sums across the replicas when FSDP2 calls :meth:`hook` with that
@@ -259,8 +276,7 @@ class HsdpReduceScatter(_AcrossReplicas):
 
     def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce,
                  divide_replicas: bool = True) -> None:
-        super().__init__(inner, all_reduce)
-        self.replica_divisor = all_reduce.replicas if divide_replicas else 1
+        super().__init__(inner, all_reduce, divide_replicas)
         # The reduce-scatter's output and the divisor its op asked for, until the hook takes them.
         self._pending: tuple[torch.Tensor, int] | None = None
 
@@ -316,7 +332,7 @@ class HsdpReduceScatter(_AcrossReplicas):
         self._pending = None
 
 
-class NativeHsdpReduceScatter(_AcrossReplicas):
+class NativeHsdpReduceScatter(AcrossReplicas):
     """FSDP2's custom reduce-scatter and all-reduce hook on FSDP2's native HSDP mesh.
 
     ``inner`` (a reduce-scatter over the mesh's shard dimension) is called by FSDP2 with the op
@@ -346,8 +362,7 @@ class NativeHsdpReduceScatter(_AcrossReplicas):
 
     def __init__(self, inner: GradReduceScatter, all_reduce: ReplicaAllReduce,
                  divide_replicas: bool = True) -> None:
-        super().__init__(inner, all_reduce)
-        self.divide_replicas = divide_replicas
+        super().__init__(inner, all_reduce, divide_replicas)
         self.rank_alone = RankAloneGroup(on_all_reduce=self._all_reduce_routed)
         self.name = f"group {inner.comm_id}"
         self._awaiting_hook = False  # FSDP2 all-reduced over rank_alone; its hook is next

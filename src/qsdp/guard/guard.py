@@ -33,8 +33,10 @@ import torch.distributed as dist
 
 from .config import GuardConfig
 from .ladder import config_at, grad_rungs, weight_rungs
+from .._fsdp2 import reduce_scatter_padding
+from ..comm.hsdp import AcrossReplicas
 from .probes import EXACT_SQ, FIELDS, GRAD_ERR, SCALED_LOCAL, UPDATE_SQ, WEIGHT_ERR, GatherProbe, ReductionProbe, \
-    sum_sq_diff
+    ReplicasProbe, real_mask, sum_sq_diff
 
 if TYPE_CHECKING:
     from ..comm.base import WeightAllGather
@@ -109,9 +111,11 @@ class AccuracyGuard:
         self._armed_at = -1
         self._stats: torch.Tensor | None = None
         self._before: dict[int, list[torch.Tensor]] = {}  # the shards before a guarded optimizer step
-        # What a round measures: the config's quantized parts (the same for every group).
+        # What a round measures: the config's quantized parts (the same for every group); under
+        # HSDP the gradients' path also sums across the replicas.
+        self._replicas = handle.replicas > 1
         self._weights = handle.config.weights.mode != "plain"
-        self._grads = handle.config.grads.mode != "plain"
+        self._grads = handle.config.grads.mode != "plain" or (self._replicas and handle.config.hsdp.mode != "plain")
 
     # What the process-wide optimizer hooks call (qsdp.fsdp._TRACKERS).
     def before_optimizer_step(self) -> None:
@@ -145,8 +149,12 @@ class AccuracyGuard:
     def rungs(self, i: int) -> tuple[str, str]:
         """Group ``i``'s current (weights, gradients) rungs, e.g. ``("8-bit direct", "exact")``."""
         cfg = self.handle.config
-        w, g = weight_rungs(cfg.weights), grad_rungs(cfg.grads)
+        w, g = weight_rungs(cfg.weights), self._grad_rungs()
         return w[min(self.levels[i][0], len(w) - 1)], g[min(self.levels[i][1], len(g) - 1)]
+
+    def _grad_rungs(self) -> list[str]:
+        cfg = self.handle.config
+        return grad_rungs(cfg.grads, cfg.hsdp if self._replicas else None)
 
     def at_forward(self) -> None:
         """A forward of the root begins (every rank runs it): move the round on (module doc)."""
@@ -193,7 +201,19 @@ class AccuracyGuard:
         if not self._grads:
             return
         for i, (module, rs) in enumerate(zip(self.handle.modules, self.handle.reduce_scatters)):
-            module.set_custom_reduce_scatter(ReductionProbe(rs, self._row(i)) if on else rs)
+            mask = self._mask(module)
+            if isinstance(rs, AcrossReplicas):  # HSDP: the all-reduce hook ends the reduction
+                probe = ReplicasProbe(rs, self._row(i), mask)
+                module.set_custom_reduce_scatter(probe if on else rs)
+                module.set_all_reduce_hook(probe.hook if on else rs.hook)
+            else:
+                module.set_custom_reduce_scatter(ReductionProbe(rs, self._row(i), mask) if on else rs)
+
+    @staticmethod
+    def _mask(module: torch.nn.Module) -> Callable[[torch.device], torch.Tensor | None]:
+        """Where ``module``'s reduce-scatter row holds parameter elements, read when a guarded
+        reduction runs (the parameters requiring a gradient then)."""
+        return lambda device: real_mask(reduce_scatter_padding(module), device)
 
     def _probe_gathers(self) -> None:
         if not self._weights:
@@ -216,6 +236,8 @@ class AccuracyGuard:
         for module, ag, rs in zip(self.handle.modules, self.handle.all_gathers, self.handle.reduce_scatters):
             module.set_custom_all_gather(ag)
             module.set_custom_reduce_scatter(rs)
+            if isinstance(rs, AcrossReplicas):
+                module.set_all_reduce_hook(rs.hook)
         self._before = {}
 
     def _decide(self) -> None:
@@ -230,7 +252,7 @@ class AccuracyGuard:
             dist.all_reduce(stats, group=group)
             self.handle.meter.record_peers("guard", stats.numel() * stats.element_size(), 0,
                                            *self.handle.topology.peers())
-        world = self.handle.topology.world_size
+        world = self.handle.topology.world_size * self.handle.replicas
         readings = [_ratios(row, world) for row in stats.tolist()]
         self.readings.append((self._armed_at, readings))
         moves: list[Escalation] = []
@@ -243,7 +265,7 @@ class AccuracyGuard:
                                         reading.weight_ratio, self.config.weight_limit))
             if reading.grad_ratio is not None and reading.grad_ratio > self.config.grad_limit \
                     and self._armed_at >= self.config.grad_start \
-                    and self.levels[i][1] < len(grad_rungs(self.handle.config.grads)) - 1:
+                    and self.levels[i][1] < len(self._grad_rungs()) - 1:
                 self.levels[i][1] += 1
                 moves.append(Escalation(self.steps, i, self.names[i], "gradients", g, self.rungs(i)[1],
                                         reading.grad_ratio, self.config.grad_limit))
@@ -257,7 +279,7 @@ class AccuracyGuard:
 
     def _apply(self, i: int) -> None:
         """Give group ``i``'s comms the config of its levels (every rank, at the same step)."""
-        cfg, exact = config_at(self.handle.config, *self.levels[i])
+        cfg, exact = config_at(self.handle.config, *self.levels[i], replicas=self._replicas)
         ag, rs = self.handle.all_gathers[i], self.handle.reduce_scatters[i]
         if ag.config.weights.mode != cfg.weights.mode:
             ag = self._new_all_gather(i, cfg)

@@ -9,13 +9,17 @@ exact (the parameter dtype). Gradients: one-level ``bits`` then 8, two-level ``b
 ``bits_intra``) then 8, then exact fp32 along the same route (``grads.quantize=False``). A config
 already at a rung starts there (8-bit weights go straight to exact). The rung is a function of the start config and a
 level, equal on every rank, so every rank builds the same config from the same agreed level.
+
+Under HSDP the gradients' path is two reductions, inside the shard group and across the
+replicas: they climb together, the all-reduce across the replicas ``bits`` -> 8 -> exact (the
+reduce dtype, as FSDP2's native HSDP sends it) beside the shard group's own ladder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from ..config import PRESETS, GradComm, QuantConfig, WeightComm
+from ..config import PRESETS, GradComm, HsdpComm, QuantConfig, WeightComm
 
 EXACT = "exact"
 
@@ -39,8 +43,8 @@ def weight_rungs(w: WeightComm) -> list[str]:
     return [f"{s.bits}-bit {s.mode}" for s in _weight_steps(w)] + [EXACT]
 
 
-def grad_rungs(g: GradComm) -> list[str]:
-    """The gradients' rungs from ``g`` up; one (nothing to climb) for exact gradients."""
+def _reduction_rungs(g: GradComm) -> list[str]:
+    """The shard group's reduction's rungs from ``g`` up; one (nothing to climb) when exact."""
     if g.mode == "plain" or not g.quantize:
         return [EXACT]
     if g.mode == "one_level":
@@ -48,6 +52,28 @@ def grad_rungs(g: GradComm) -> list[str]:
     start = (g.bits_intra, g.bits_inter)
     top = (max(g.bits_intra, 8), 8)
     return [f"{a}/{b}-bit" for a, b in sorted({start, top})] + [EXACT]
+
+
+def _replica_rungs(h: HsdpComm) -> list[str]:
+    """The all-reduce across the replicas' rungs from ``h`` up (``[]``: exact, not climbed)."""
+    if h.mode == "plain":
+        return []
+    return [f"{b}-bit" for b in sorted({h.bits, 8}) if b >= h.bits] + [EXACT]
+
+
+def grad_rungs(g: GradComm, hsdp: HsdpComm | None = None) -> list[str]:
+    """The gradients' rungs from ``g`` up, and from ``hsdp`` up where the gradients are also
+    summed across replicas (HSDP); one (nothing to climb) for exact gradients."""
+    inner = _reduction_rungs(g)
+    across = _replica_rungs(hsdp) if hsdp is not None else []
+    if not across:
+        return inner
+    rungs = []
+    for level in range(max(len(inner), len(across))):
+        i, a = inner[min(level, len(inner) - 1)], across[min(level, len(across) - 1)]
+        rungs.append(EXACT if a == i == EXACT else f"{a} across replicas" if i == EXACT
+                     else f"{i}, {a} across replicas")
+    return rungs
 
 
 def weights_at(w: WeightComm, level: int) -> tuple[WeightComm, bool]:
@@ -59,8 +85,8 @@ def weights_at(w: WeightComm, level: int) -> tuple[WeightComm, bool]:
 
 
 def grads_at(g: GradComm, level: int) -> GradComm:
-    """The gradient config at ``level`` of :func:`grad_rungs`."""
-    rungs = grad_rungs(g)
+    """The shard group's gradient config at ``level`` of its rungs."""
+    rungs = _reduction_rungs(g)
     if level == 0 or len(rungs) == 1:
         return g
     if rungs[min(level, len(rungs) - 1)] == EXACT:
@@ -70,8 +96,20 @@ def grads_at(g: GradComm, level: int) -> GradComm:
     return dataclasses.replace(g, bits_intra=max(g.bits_intra, 8), bits_inter=8)
 
 
-def config_at(cfg: QuantConfig, weight_level: int, grad_level: int) -> tuple[QuantConfig, bool]:
-    """``cfg`` with its weights and gradients moved up to the given levels, and whether the
-    weights travel exactly."""
+def hsdp_at(h: HsdpComm, level: int) -> HsdpComm:
+    """The all-reduce across the replicas' config at ``level`` of its rungs."""
+    rungs = _replica_rungs(h)
+    if level == 0 or not rungs:
+        return h
+    if rungs[min(level, len(rungs) - 1)] == EXACT:
+        return dataclasses.replace(h, mode="plain")
+    return dataclasses.replace(h, bits=8)
+
+
+def config_at(cfg: QuantConfig, weight_level: int, grad_level: int,
+              replicas: bool = False) -> tuple[QuantConfig, bool]:
+    """``cfg`` with its weights and gradients (with ``replicas``, HSDP's, also the all-reduce
+    across the replicas) moved up to the given levels, and whether the weights travel exactly."""
     weights, exact = weights_at(cfg.weights, weight_level)
-    return dataclasses.replace(cfg, weights=weights, grads=grads_at(cfg.grads, grad_level)), exact
+    hsdp = hsdp_at(cfg.hsdp, grad_level) if replicas else cfg.hsdp
+    return dataclasses.replace(cfg, weights=weights, grads=grads_at(cfg.grads, grad_level), hsdp=hsdp), exact

@@ -16,7 +16,14 @@ work in its input's place), with ``R = a * sum_r x_r`` the reduction of the rank
   ``sum_r ||g_r - g||^2 / (W (W - 1))``, in the units of ``R``);
 * ``exact_sq``: ``||R_shard||^2`` of an exact fp32 reduce-scatter of the same input (metered
   as ``guard`` bytes);
-* ``grad_err``: ``||Q(R)_shard - R_shard||^2``, the group's own result against it.
+* ``grad_err``: ``||Q(R)_shard - R_shard||^2``, the group's own result against it, over the
+  shard's parameter elements (FSDP2's padding, which the optimizer never sees, left out).
+
+Under HSDP (:class:`ReplicasProbe`) the reduction ends in FSDP2's all-reduce hook, across the
+``D`` replicas: the exact shard-group sums of the step's reduce-scatters are summed across the
+replicas there (one exact fp32 all-reduce, also ``guard`` bytes), beside the group's own hook.
+``W`` is then every rank of the model (``M D``); each replica holds the same shard, so its
+``exact_sq`` and ``grad_err`` count ``1/D``.
 
 Around the guarded step's optimizer step (the guard's hooks), ``update_sq``:
 ``||w_new - w_old||^2`` of this rank's shard. Per weight gather (:class:`GatherProbe`), the
@@ -33,7 +40,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm.base import AllGather, GradReduceScatter, ReduceScatter, WeightAllGather
-from ..comm.collectives import reduce_scatter_flat
+from ..comm.collectives import all_reduce, reduce_scatter_flat
+from ..comm.hsdp import AcrossReplicas
+from ..comm.reduce_scatter import _divisor
 
 FIELDS = ("scaled_local", "exact_sq", "grad_err", "update_sq", "weight_err")
 SCALED_LOCAL, EXACT_SQ, GRAD_ERR, UPDATE_SQ, WEIGHT_ERR = range(len(FIELDS))
@@ -48,13 +57,39 @@ def sum_sq_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _sq(a.detach().float() - b.float())
 
 
+Mask = Callable[[torch.device], "torch.Tensor | None"]
+
+
+def real_mask(rows: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor | None:
+    """float64 ``[sum of elements]``: 1 where a reduce-scatter's shard row holds a parameter's
+    element, 0 on FSDP2's padding (``rows``: :func:`qsdp._fsdp2.reduce_scatter_padding`);
+    ``None`` where nothing is padding."""
+    if all(n == real for n, real in rows):
+        return None
+    mask = torch.zeros(sum(n for n, _ in rows), dtype=torch.float64)
+    offset = 0
+    for n, real in rows:
+        mask[offset:offset + real] = 1
+        offset += n
+    return mask.to(device)
+
+
+def _error(output: torch.Tensor, exact: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``||output - exact||^2`` over the elements ``mask`` keeps (all where it does not fit)."""
+    sq = (output.detach().float() - exact).double().square().view(-1)
+    if mask is not None and mask.numel() == sq.numel():
+        sq = sq * mask
+    return sq.sum()
+
+
 class ReductionProbe(ReduceScatter):
     """Stands in for ``comm`` during a guarded step: every reduction adds its statistics to
     ``row`` (float64 ``[FIELDS]`` on the gradients' device), then ``comm`` reduces as always."""
 
-    def __init__(self, comm: GradReduceScatter, row: Callable[[torch.device], torch.Tensor]) -> None:
+    def __init__(self, comm: GradReduceScatter, row: Callable[[torch.device], torch.Tensor], mask: Mask) -> None:
         self.comm = comm
         self.row = row
+        self.mask = mask  # the shard row's parameter elements (real_mask), on a device
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.comm.allocate(size, dtype=dtype, device=device)
@@ -72,8 +107,61 @@ class ReductionProbe(ReduceScatter):
         work = self.comm(output_tensor, input_tensor, group, op, async_op)
         if work is not None:
             work.wait()
-        row[GRAD_ERR] += _sq(output_tensor.detach().float() - exact)
+        row[GRAD_ERR] += _error(output_tensor, exact, self.mask(exact.device))
         return work
+
+
+class ReplicasProbe(ReductionProbe):
+    """:class:`ReductionProbe` of an HSDP group (``comm`` sums inside the shard group when FSDP2
+    reduce-scatters and across the replicas in FSDP2's all-reduce hook): stands in for both,
+    :meth:`hook` as the module's all-reduce hook. The reduce-scatters before a hook (one, or
+    one per micro-batch where FSDP2 all-reduces only the last) are summed exactly until it."""
+
+    def __init__(self, comm: AcrossReplicas, row: Callable[[torch.device], torch.Tensor], mask: Mask) -> None:
+        super().__init__(comm, row, mask)
+        self.comm: AcrossReplicas = comm
+        self._exact: torch.Tensor | None = None  # the exact shard-group sum so far
+        self._local: torch.Tensor | None = None  # sum of ||x||^2 of this rank's inputs
+        self._inputs = 0
+        self._shard_divisor = 1
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> Any:
+        exact = torch.empty(output_tensor.shape, dtype=torch.float32, device=output_tensor.device)
+        reduce_scatter_flat(exact, input_tensor.detach().float(), dist.ReduceOp.SUM, group)
+        self.comm.meter("guard", exact.numel() * exact.element_size(), exact.numel())
+        self._add(exact, _sq(input_tensor.detach()))
+        self._shard_divisor = _divisor(op, group.size())
+        return self.comm(output_tensor, input_tensor, group, op, async_op)
+
+    def _add(self, exact: torch.Tensor, local: torch.Tensor) -> None:
+        self._exact = exact if self._exact is None else self._exact.add_(exact)
+        self._local = local if self._local is None else self._local + local
+        self._inputs += 1
+
+    def hook(self, output: torch.Tensor) -> None:
+        if self._exact is None:  # a shard group of one rank: FSDP2 hands over the local shard
+            self._add(output.detach().float().clone(), _sq(output.detach()))
+            self._shard_divisor = 1
+        exact, local, inputs = self._exact, self._local, self._inputs
+        self._exact, self._local, self._inputs = None, None, 0
+        replicas = self.comm.all_reduce
+        d, world = replicas.replicas, self.comm.topology.world_size * replicas.replicas
+        all_reduce(exact, replicas.group)
+        # Metered as ReplicaAllReduce meters its exact route: a chunk to every peer, twice.
+        chunk = -(-exact.numel() // d)
+        replicas.byte_meter.record("guard", "inter", 2 * (d - 1) * chunk * exact.element_size(), 2 * (d - 1) * chunk)
+        exact.div_(self._shard_divisor * self.comm.replica_divisor)
+        scale = 1.0 / (self._shard_divisor * self.comm.replica_divisor)
+        # ``inputs`` micro-batches a rank: ``n = W inputs`` samples of the gradient, written in
+        # the units of the guard's variance over ``W`` samples (a factor (W - 1) / (n - 1)).
+        n = world * inputs
+        units = (world - 1) / (n - 1) if n > 1 else 1.0
+        row = self.row(output.device)
+        row[SCALED_LOCAL] += local * (scale * scale * n * units)
+        row[EXACT_SQ] += _sq(exact) * (units / d)
+        self.comm.hook(output)
+        row[GRAD_ERR] += _error(output, exact, self.mask(exact.device)) / d
 
 
 class GatherProbe(AllGather):

@@ -243,8 +243,6 @@ def _check_choices(args: TrainArgs) -> None:
     _need(isinstance(args.hsdp, bool), f"hsdp must be a bool, got {args.hsdp!r}")
     _need(is_int(args.guard_every) and 0 <= args.guard_every <= MAX_COUNT,
           f"guard_every must be a non-negative number of steps (0 = off), got {args.guard_every!r}")
-    _need(not (args.hsdp and args.guard_every), "guard_every is not supported with hsdp yet (the guard measures the "
-          "shard group's reduce-scatter, not the all-reduce across replicas): leave --guard-every out")
 
 
 def validate_args(args: TrainArgs) -> QuantConfig:

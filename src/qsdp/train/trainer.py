@@ -152,7 +152,8 @@ def shard_and_quantize(
     # FSDP2's native HSDP mesh: placements, state dict and checkpoints are FSDP2's own, and
     # quantize_comms replaces only its all-reduce across the replicas.
     model, dtype_name = build_model(args, vocab_size, device, groups.mesh)
-    return model, dtype_name, qsdp.quantize_comms(model, plan.config), (nodes, per_node)
+    comms = qsdp.quantize_comms(model, plan.config, guard=args.guard_every or None)
+    return model, dtype_name, comms, (nodes, per_node)
 
 
 def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
