@@ -251,12 +251,16 @@ class MergeError(ValueError):
     """Saved results that are not parts of one comparison."""
 
 
-def merge(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def merge(parts: dict[str, dict[str, Any]], variants: list[str] | None = None) -> dict[str, Any]:
     """One paired report from results saved by separate sweeps over disjoint seeds (for example
     one seed per machine). ``parts`` maps a name (the file) to its saved result; the plots are
-    those of the part with the lowest seed, and ``meta.parts`` keeps what produced each part."""
+    those of the part with the lowest seed, and ``meta.parts`` keeps what produced each part.
+    ``variants``: only these (with ``fsdp``), which every part must hold; the parts may then
+    hold others besides (a sweep extended by more seeds of some of its variants)."""
     if len(parts) < 2:
         raise MergeError("merging needs at least two results")
+    if variants is not None:
+        parts = {name: _only(part, name, variants) for name, part in parts.items()}
     names = sorted(parts, key=lambda n: min(parts[n]["seeds"]))
     first = parts[names[0]]
     for name in names[1:]:
@@ -279,6 +283,15 @@ def merge(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     result["setting"] = first.get("setting")
     result["meta"] = {"parts": {n: parts[n].get("meta") for n in names}}
     return result
+
+
+def _only(part: dict[str, Any], name: str, variants: list[str]) -> dict[str, Any]:
+    """``part`` with only ``fsdp`` and ``variants``, in that order."""
+    keep = ["fsdp", *(v for v in variants if v != "fsdp")]
+    missing = [v for v in keep if v not in part["presets"]]
+    if missing:
+        raise MergeError(f"{name} holds no {', '.join(missing)} (it holds {', '.join(part['presets'])})")
+    return {**part, "presets": {v: part["presets"][v] for v in keep}}
 
 
 def check_targets(presets: dict[str, Any]) -> dict[str, Any]:
@@ -360,7 +373,8 @@ def _parser() -> argparse.ArgumentParser:
                             f"{k}: {v['model']} model, {v['steps']} steps of {v['batch_size']} sequences "
                             f"per rank, {v['seeds']} seeds, "
                             f"{len(v['variants'])} variants" for k, v in SETTINGS.items()))
-    parser.add_argument("--variants", nargs="+", default=None, help="presets or variants to compare")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="presets or variants to compare (with --merge: only these, of the parts)")
     parser.add_argument("--seeds", type=int, default=None, metavar="N", help="number of paired seeds")
     parser.add_argument("--seed", type=int, default=0, help="first seed (seeds are SEED .. SEED+N-1)")
     parser.add_argument("--steps", type=int, default=None)
@@ -391,7 +405,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _merge_files(paths: list[str], argv: list[str] | None, out: str, plots: str | None) -> dict[str, Any]:
+def _merge_files(paths: list[str], argv: list[str] | None, out: str, plots: str | None,
+                 variants: list[str] | None = None) -> dict[str, Any]:
     parts = {}
     for path in paths:
         try:
@@ -401,7 +416,7 @@ def _merge_files(paths: list[str], argv: list[str] | None, out: str, plots: str 
             raise MergeError(f"cannot read {path}: {e}") from e
         if not {"seeds", "presets", "plots"} <= parts[path].keys():
             raise MergeError(f"{path} is not a result of the convergence benchmark")
-    result = merge(parts)
+    result = merge(parts, variants)
     if plots:
         try:
             result["plots"] = _plot_seed(out, result["seeds"][0], tuple(result["presets"]), plots)
@@ -417,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.merge:
         try:
-            result = _merge_files(args.merge, argv, args.out, args.plots)
+            result = _merge_files(args.merge, argv, args.out, args.plots, args.variants)
         except MergeError as e:
             parser.error(str(e))
         return emit(result, as_json=args.json, save=args.save, format_text=format_table)

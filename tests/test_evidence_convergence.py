@@ -139,6 +139,16 @@ def test_parts_of_different_comparisons_are_not_merged():
         merge({"a.json": _part([0], {"fsdp": [2.0]}), "b.json": _part([1], {"fsdp": [2.0], "qsdp": [2.0]})})
 
 
+def test_parts_sharing_some_variants_merge_those_named():
+    wide = _part([0], {"fsdp": [2.0], "qw4": [2.1], "zeropp": [2.02]})
+    more = _part([1], {"fsdp": [2.0], "zeropp": [2.04]})
+    merged = merge({"a.json": wide, "b.json": more}, ["zeropp"])
+    assert list(merged["presets"]) == ["fsdp", "zeropp"]
+    assert merged["presets"]["zeropp"]["rel_gap_vs_fsdp"]["per_seed"] == pytest.approx([0.01, 0.02])
+    with pytest.raises(MergeError, match="b.json holds no qw4"):
+        merge({"a.json": wide, "b.json": more}, ["qw4"])
+
+
 def test_parts_trained_on_different_devices_are_not_merged():
     # A result saved before the device was recorded counts as a CPU one.
     merged = merge({"a.json": _part([0], {"fsdp": [2.0]}), "b.json": _part([1], {"fsdp": [2.0]}, device="cpu")})
