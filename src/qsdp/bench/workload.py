@@ -26,10 +26,10 @@ from qsdp.train.model import MODEL_SIZES, count_params, default_vocab, make_gpt,
 from .step_phases import phase_times
 
 
-def _sharded_gpt(model_name: str, vocab: int, seq_len: int, dev: torch.device, param_dtype: str
-                 ) -> tuple[torch.nn.Module, int]:
-    """The GPT on ``dev``, every block and the root under FSDP2, in ``param_dtype`` (gradients
-    reduced in fp32), and its parameter count."""
+def _sharded_gpt(model_name: str, vocab: int, seq_len: int, dev: torch.device, param_dtype: str,
+                 mesh: Any = None) -> tuple[torch.nn.Module, int]:
+    """The GPT on ``dev``, every block and the root under FSDP2 (on ``mesh``: a 2-D one is
+    FSDP2's native HSDP), in ``param_dtype`` (gradients reduced in fp32), and its parameter count."""
     torch.manual_seed(0)
     model = make_gpt(model_name, vocab, seq_len).to(dev)
     n_params = count_params(model)
@@ -37,8 +37,8 @@ def _sharded_gpt(model_name: str, vocab: int, seq_len: int, dev: torch.device, p
     policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
               if dtype != torch.float32 else MixedPrecisionPolicy())
     for block in transformer_blocks(model):
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model, n_params
 
 

@@ -15,7 +15,8 @@ work in its input's place), with ``R = a * sum_r x_r`` the reduction of the rank
   ``var(R) = (sum scaled_local - sum exact_sq) / (W - 1)`` (SGD's own noise, as ``qsdp check``'s
   ``sum_r ||g_r - g||^2 / (W (W - 1))``, in the units of ``R``);
 * ``exact_sq``: ``||R_shard||^2`` of an exact fp32 reduce-scatter of the same input (metered
-  as ``guard`` bytes);
+  as ``guard`` bytes; over two nodes or more, in two levels as the two-level gradients travel:
+  inside the node, then across nodes the node's sums, ``1/M`` of what a flat one sends there);
 * ``grad_err``: ``||Q(R)_shard - R_shard||^2``, the group's own result against it, over the
   shard's parameter elements (FSDP2's padding, which the optimizer never sees, left out).
 
@@ -98,9 +99,9 @@ class ReductionProbe(ReduceScatter):
                  op: Any, async_op: bool = False) -> Any:
         world = group.size()
         scale = 1.0 if op == dist.ReduceOp.SUM else 1.0 / world
-        exact = torch.empty(output_tensor.shape, dtype=torch.float32, device=output_tensor.device)
-        reduce_scatter_flat(exact, input_tensor.detach().float(), op, group)
-        self.comm.meter("guard", exact.numel() * exact.element_size(), exact.numel())
+        exact = self._exact_sum(output_tensor, input_tensor, group)
+        if scale != 1.0:
+            exact.mul_(scale)
         row = self.row(output_tensor.device)
         row[SCALED_LOCAL] += _sq(input_tensor.detach()) * (scale * scale * world)
         row[EXACT_SQ] += _sq(exact)
@@ -109,6 +110,26 @@ class ReductionProbe(ReduceScatter):
             work.wait()
         row[GRAD_ERR] += _error(output_tensor, exact, self.mask(exact.device))
         return work
+
+    def _exact_sum(self, output: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """float32 like ``output``: this rank's shard of the exact sum of every rank's ``x``."""
+        exact = torch.empty(output.shape, dtype=torch.float32, device=output.device)
+        x, topo, meter = x.detach().float(), self.comm.topology, self.comm.byte_meter
+        s = exact.numel()
+        if topo.intra_group is None or topo.inter_group is None or group.size() != topo.world_size:
+            reduce_scatter_flat(exact, x, dist.ReduceOp.SUM, group)
+            meter.record_peers("guard", 4 * s, s, *topo.peers())
+            return exact
+        m, d = topo.ranks_per_node, topo.nodes
+        # Rows by local index, then by node (the two-level exchanges' order): the node sums the
+        # rows of each local index, then each local index's ranks sum across the nodes.
+        rows = x.view(topo.world_size, s).index_select(0, topo.exchange_index(x.device))
+        node_sums = torch.empty(d * s, dtype=torch.float32, device=x.device)
+        reduce_scatter_flat(node_sums, rows.view(-1), dist.ReduceOp.SUM, topo.intra_group)
+        reduce_scatter_flat(exact, node_sums, dist.ReduceOp.SUM, topo.inter_group)
+        meter.record_peers("guard", 4 * d * s, d * s, m - 1, 0)
+        meter.record_peers("guard", 4 * s, s, 0, d - 1)
+        return exact
 
 
 class ReplicasProbe(ReductionProbe):
@@ -127,10 +148,7 @@ class ReplicasProbe(ReductionProbe):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> Any:
-        exact = torch.empty(output_tensor.shape, dtype=torch.float32, device=output_tensor.device)
-        reduce_scatter_flat(exact, input_tensor.detach().float(), dist.ReduceOp.SUM, group)
-        self.comm.meter("guard", exact.numel() * exact.element_size(), exact.numel())
-        self._add(exact, _sq(input_tensor.detach()))
+        self._add(self._exact_sum(output_tensor, input_tensor, group), _sq(input_tensor.detach()))
         self._shard_divisor = _divisor(op, group.size())
         return self.comm(output_tensor, input_tensor, group, op, async_op)
 
