@@ -130,3 +130,23 @@ def test_the_hsdp_gradient_ratio_is_the_one_every_ranks_own_gradient_gives(nativ
     for measured, expected in run_pooled(_ratio_against_every_ranks_gradient, 4, native, local_world_size=2):
         assert measured == pytest.approx(expected, rel=1e-3)
 
+
+
+def _beside_tp(rank, world, guard):
+    built = layouts.build("3d")
+    handle = qsdp.quantize_comms(built.model, "hsdp4", overrides={"local_world_size": 4},
+                                 replicate_group=built.replicate_group, guard=guard)
+    losses = layouts.train(built, 5)
+    g = handle.guard
+    return losses, None if g is None else [(s, [r.grad_ratio for r in rs]) for s, rs in g.readings]
+
+
+def test_beside_tensor_parallelism_an_unmoved_guard_changes_nothing_and_every_rank_reads_the_same():
+    # 2 replicas x 2 shard ranks x 2 TP ranks (qsdp's recipe on a 3-D mesh): TP peers hold
+    # different parts of a group, the sums add them up.
+    guarded = run_pooled(_beside_tp, 8, GuardConfig(every=2, start=1), local_world_size=4, timeout=300)
+    plain = run_pooled(_beside_tp, 8, None, local_world_size=4, timeout=300)
+    assert [losses for losses, _ in guarded] == [losses for losses, _ in plain]
+    readings = guarded[0][1]
+    assert [s for s, _ in readings] == [1] and all(0 < g < 1 for g in readings[0][1])
+    assert all(r == readings for _, r in guarded)

@@ -111,6 +111,7 @@ class AccuracyGuard:
         self._armed_at = -1
         self._stats: torch.Tensor | None = None
         self._before: dict[int, list[torch.Tensor]] = {}  # the shards before a guarded optimizer step
+        self._masks: dict[tuple, torch.Tensor | None] = {}  # by (reduce-scatter row layout, device)
         # What a round measures: the config's quantized parts (the same for every group); under
         # HSDP the gradients' path also sums across the replicas.
         self._replicas = handle.replicas > 1
@@ -209,11 +210,17 @@ class AccuracyGuard:
             else:
                 module.set_custom_reduce_scatter(ReductionProbe(rs, self._row(i), mask) if on else rs)
 
-    @staticmethod
-    def _mask(module: torch.nn.Module) -> Callable[[torch.device], torch.Tensor | None]:
+    def _mask(self, module: torch.nn.Module) -> Callable[[torch.device], torch.Tensor | None]:
         """Where ``module``'s reduce-scatter row holds parameter elements, read when a guarded
-        reduction runs (the parameters requiring a gradient then)."""
-        return lambda device: real_mask(reduce_scatter_padding(module), device)
+        reduction runs (the parameters requiring a gradient then); each layout's mask is built
+        once (a copy to the device)."""
+        def mask(device: torch.device) -> torch.Tensor | None:
+            rows = tuple(reduce_scatter_padding(module))
+            key = (rows, str(device))
+            if key not in self._masks:
+                self._masks[key] = real_mask(rows, device)
+            return self._masks[key]
+        return mask
 
     def _probe_gathers(self) -> None:
         if not self._weights:
