@@ -202,13 +202,20 @@ class AccuracyGuard:
         if not self._grads:
             return
         for i, (module, rs) in enumerate(zip(self.handle.modules, self.handle.reduce_scatters)):
-            mask = self._mask(module)
-            if isinstance(rs, AcrossReplicas):  # HSDP: the all-reduce hook ends the reduction
-                probe = ReplicasProbe(rs, self._row(i), mask)
-                module.set_custom_reduce_scatter(probe if on else rs)
-                module.set_all_reduce_hook(probe.hook if on else rs.hook)
+            if not on:
+                self._restore_reductions(module, rs)
+            elif isinstance(rs, AcrossReplicas):  # HSDP: the all-reduce hook ends the reduction
+                probe = ReplicasProbe(rs, self._row(i), self._mask(module))
+                module.set_custom_reduce_scatter(probe)
+                module.set_all_reduce_hook(probe.hook)
             else:
-                module.set_custom_reduce_scatter(ReductionProbe(rs, self._row(i), mask) if on else rs)
+                module.set_custom_reduce_scatter(ReductionProbe(rs, self._row(i), self._mask(module)))
+
+    @staticmethod
+    def _restore_reductions(module: torch.nn.Module, rs: Any) -> None:
+        module.set_custom_reduce_scatter(rs)
+        if isinstance(rs, AcrossReplicas):
+            module.set_all_reduce_hook(rs.hook)
 
     def _mask(self, module: torch.nn.Module) -> Callable[[torch.device], torch.Tensor | None]:
         """Where ``module``'s reduce-scatter row holds parameter elements, read when a guarded
@@ -242,9 +249,7 @@ class AccuracyGuard:
     def _restore_all(self) -> None:
         for module, ag, rs in zip(self.handle.modules, self.handle.all_gathers, self.handle.reduce_scatters):
             module.set_custom_all_gather(ag)
-            module.set_custom_reduce_scatter(rs)
-            if isinstance(rs, AcrossReplicas):
-                module.set_all_reduce_hook(rs.hook)
+            self._restore_reductions(module, rs)
         self._before = {}
 
     def _decide(self) -> None:
