@@ -90,11 +90,16 @@ class ReplicaAllReduce:
     def _plain(self, x: torch.Tensor, inplace: bool) -> torch.Tensor:
         total = x if inplace else x.clone()
         all_reduce(total, self.group)
-        # Metered as the direct algorithm the quantized path runs: a chunk to every peer, twice.
-        d, n = self.replicas, x.numel()
-        chunk = -(-n // d)
-        self.byte_meter.record("grads", "inter", 2 * (d - 1) * chunk * x.element_size(), 2 * (d - 1) * chunk)
+        self.meter_exact(x)
         return total
+
+    def meter_exact(self, x: torch.Tensor, kind: str = "grads") -> None:
+        """Record an exact all-reduce of ``x`` across the replicas as ``kind`` bytes between the
+        nodes, metered as the direct algorithm the quantized path runs: a chunk to every peer,
+        twice."""
+        d = self.replicas
+        chunk = -(-x.numel() // d)
+        self.byte_meter.record(kind, "inter", 2 * (d - 1) * chunk * x.element_size(), 2 * (d - 1) * chunk)
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         # Everything fixed by the size, the device and the config is planned at the first call.
@@ -427,10 +432,7 @@ class NativeHsdpReduceScatter(AcrossReplicas):
         reduce.calls += 1
         op = dist.ReduceOp.AVG if self.divide_replicas else dist.ReduceOp.SUM
         dist.all_reduce(output, op=op, group=reduce.group)
-        d, n = reduce.replicas, output.numel()
-        chunk = -(-n // d)
-        # Metered as the direct algorithm the quantized path runs: a chunk to every peer, twice.
-        reduce.byte_meter.record("grads", "inter", 2 * (d - 1) * chunk * output.element_size(), 2 * (d - 1) * chunk)
+        reduce.meter_exact(output)
 
     def reset(self) -> None:
         super().reset()

@@ -138,9 +138,10 @@ class ReplicasProbe(ReductionProbe):
     :meth:`hook` as the module's all-reduce hook. The reduce-scatters before a hook (one, or
     one per micro-batch where FSDP2 all-reduces only the last) are summed exactly until it."""
 
+    comm: AcrossReplicas
+
     def __init__(self, comm: AcrossReplicas, row: Callable[[torch.device], torch.Tensor], mask: Mask) -> None:
         super().__init__(comm, row, mask)
-        self.comm: AcrossReplicas = comm
         self._exact: torch.Tensor | None = None  # the exact shard-group sum so far
         self._local: torch.Tensor | None = None  # sum of ||x||^2 of this rank's inputs
         self._inputs = 0
@@ -166,11 +167,10 @@ class ReplicasProbe(ReductionProbe):
         replicas = self.comm.all_reduce
         d, world = replicas.replicas, self.comm.topology.world_size * replicas.replicas
         all_reduce(exact, replicas.group)
-        # Metered as ReplicaAllReduce meters its exact route: a chunk to every peer, twice.
-        chunk = -(-exact.numel() // d)
-        replicas.byte_meter.record("guard", "inter", 2 * (d - 1) * chunk * exact.element_size(), 2 * (d - 1) * chunk)
-        exact.div_(self._shard_divisor * self.comm.replica_divisor)
-        scale = 1.0 / (self._shard_divisor * self.comm.replica_divisor)
+        replicas.meter_exact(exact, "guard")
+        divisor = self._shard_divisor * self.comm.replica_divisor
+        exact.div_(divisor)
+        scale = 1.0 / divisor
         # ``inputs`` micro-batches a rank: ``n = W inputs`` samples of the gradient, written in
         # the units of the guard's variance over ``W`` samples (a factor (W - 1) / (n - 1)).
         n = world * inputs
