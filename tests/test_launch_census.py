@@ -239,6 +239,24 @@ def test_a_launch_that_does_nothing_is_what_the_host_floor_measures():
 
 
 @interpret_only
+def test_the_emulated_collectives_move_no_bytes_while_a_floor_is_timed():
+    # a GPU host only enqueues a collective: its bytes are the device's work, like a kernel's
+    from qsdp.bench.census import CensusGroup, emulated_world
+    from qsdp.bench.host_floor import collectives_move_nothing
+    from qsdp.comm.collectives import all_gather, all_to_all
+
+    with emulated_world(1, 2) as topo:
+        send, recv, gathered = torch.ones(2, 4), torch.zeros(2, 4), torch.zeros(2, 4)
+        with collectives_move_nothing(CensusGroup):
+            all_to_all(recv, send, topo.group)
+            all_gather(gathered, send[0], topo.group)
+        assert not recv.any() and not gathered.any()
+        all_to_all(recv, send, topo.group)
+        all_gather(gathered, send[0], topo.group)
+        assert recv.eq(1).all() and gathered.eq(1).all()
+
+
+@interpret_only
 @pytest.mark.parametrize("preset", ["qsdp", "sdp4bit"])
 def test_the_reduce_scatters_last_kernel_divides_casts_and_watches_for_nan(preset):
     import torch.distributed as dist

@@ -184,6 +184,10 @@ class CensusGroup(dist.ProcessGroup):
     """Rank ``rank`` of a group of ``size`` whose peers all send what this rank sends; each call
     is counted in the active :class:`Tally` and its send buffer hashed into ``wire``."""
 
+    # False while the host's floor is timed (qsdp.bench.host_floor.collectives_move_nothing): a
+    # collective is then only its call, as a launch is, and its bytes are the device's work.
+    moves_data = True
+
     def __init__(self, rank: int, size: int) -> None:
         super().__init__(rank, size)
 
@@ -204,19 +208,22 @@ class CensusGroup(dist.ProcessGroup):
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         with self._wire("all_to_all", input):
-            output.copy_(input)
+            if CensusGroup.moves_data:
+                output.copy_(input)
         return CompletedWork([output])
 
     def all_gather_single(self, output, input, opts=None):
         with self._wire("all_gather", input):
-            output.view(self.size(), -1).copy_(input.reshape(1, -1).clone())
+            if CensusGroup.moves_data:
+                output.view(self.size(), -1).copy_(input.reshape(1, -1).clone())
         return CompletedWork([output])
 
     _allgather_base = all_gather_single
 
     def reduce_scatter_single(self, output, input, opts=None):
         with self._wire("reduce_scatter", input):
-            output.copy_(input.view(self.size(), -1)[self.rank()])
+            if CensusGroup.moves_data:
+                output.copy_(input.view(self.size(), -1)[self.rank()])
         return CompletedWork([output])
 
     _reduce_scatter_base = reduce_scatter_single
@@ -500,7 +507,7 @@ def host_floor(cfg: QuantConfig, collective: str, topo: Topology, shard: int, dt
     ``py_calls`` and ``qsdp_calls``."""
     from . import host_floor as hf
 
-    with hf.quiet_cpu(), hf.launches_do_nothing():
+    with hf.quiet_cpu(), hf.launches_do_nothing(), hf.collectives_move_nothing(CensusGroup):
         fns = _steady_calls(cfg, collective, topo, shard, dtype)
         us = hf.min_us(fns, repeats=repeats)
         calls, ours = hf.python_calls(fns["qsdp"])

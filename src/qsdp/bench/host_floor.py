@@ -7,8 +7,11 @@ CPU (:mod:`qsdp.bench.census`'s emulated world, whose collectives only copy): th
 the fused path (``QSDP_TRITON_ON_CPU=1 TRITON_INTERPRET=1``) and every Triton kernel object of
 :mod:`qsdp.codecs.triton_kernels` is replaced by one whose launch does nothing
 (:func:`launches_do_nothing`), so qsdp's launch wrappers run and the kernels do not: what the
-host does on a GPU, less the driver's launch itself. This replacement is the measurement's
-method, not a model of the kernels: their outputs are left as allocated.
+host does on a GPU, less the driver's launch itself. The emulated collectives likewise move no
+bytes while a floor is timed (:func:`collectives_move_nothing`): a GPU host only enqueues a
+collective, whatever its size, so each is its process-group call alone, for qsdp's collectives
+and FSDP2's alike (the emulated all-reduce never moved any). These replacements are the
+measurement's method, not a model of the kernels: their outputs are left as allocated.
 
 * ``host_us``: microseconds a call, the minimum over ``repeats`` runs of ``calls`` calls (the
   minimum: a loaded machine only ever adds time), after two warm-up calls; one torch thread,
@@ -33,7 +36,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["launches_do_nothing", "min_us", "python_calls", "REPEATS", "CALLS"]
+__all__ = ["collectives_move_nothing", "launches_do_nothing", "min_us", "python_calls", "REPEATS", "CALLS"]
 
 REPEATS = 5
 CALLS = 25
@@ -76,6 +79,19 @@ def launches_do_nothing() -> Iterator[list[str]]:
     finally:
         for name, kernel in saved.items():
             setattr(tk, name, kernel)
+
+
+@contextlib.contextmanager
+def collectives_move_nothing(group_class: type) -> Iterator[None]:
+    """Within it, the emulated collectives of ``group_class`` (a process group class with a
+    ``moves_data`` attribute, :class:`qsdp.bench.census.CensusGroup`) copy no bytes: each is its
+    call alone, as every launch is (see the module doc); restored after."""
+    saved = group_class.moves_data
+    group_class.moves_data = False
+    try:
+        yield
+    finally:
+        group_class.moves_data = saved
 
 
 @contextlib.contextmanager
