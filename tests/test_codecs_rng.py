@@ -178,3 +178,33 @@ def test_derived_seeds_of_neighbouring_steps_are_independent():
     assert ((bits.sum(0).double() - 2048).abs() < 5 * math.sqrt(1024)).all()
     first = torch.cat([rng.uniform(int(s), 1) for s in seeds])
     assert abs(histogram_z(first, bins=16)) < 5
+
+
+# ----------------------------------------------------------------------------- a comm's call seeds
+
+
+TAILS = ((0, 7, 1), (5, 7, 2), (123456789012,), ())
+
+
+@pytest.mark.parametrize("calls", [range(0, 2100), [0, 9, 10, 99, 100, 10**6 - 1, 10**6, 2**32 - 1, 2**32, 2**40 + 3]],
+                         ids=["consecutive", "digit-boundaries"])
+def test_a_call_seeds_table_gives_fold_seeds_integers(calls):
+    # across batch boundaries, and where a part gains a decimal digit (fold_seed's stream)
+    prefix = rng.derive_seed(3, 1)
+    table = rng.CallSeeds(prefix, TAILS)
+    for call in calls:
+        assert table(call) == tuple(rng.fold_seeds(prefix, call, *tail) for tail in TAILS), call
+
+
+def test_a_call_seeds_table_follows_a_resumed_or_repeated_call():
+    prefix = rng.derive_seed(9)
+    table = rng.CallSeeds(prefix, ((2, 4),))
+    order = [5000, 5001, 17, 18, 5000, 5000, 3 * rng.CallSeeds.BATCH, 0]
+    assert [table(c) for c in order] == [(rng.fold_seeds(prefix, c, 2, 4),) for c in order]
+
+
+def test_a_call_seeds_table_takes_32_bit_prefixes_and_non_negative_parts():
+    with pytest.raises(ValueError, match="prefix"):
+        rng.CallSeeds(2**32, ((1,),))
+    with pytest.raises(ValueError, match="parts"):
+        rng.CallSeeds(1, ((1, -1),))

@@ -116,6 +116,80 @@ def fold_seeds(seed: int, *parts: int) -> int:
     return seed
 
 
+# 10**1 .. 10**19: a part's decimal digits (fold_seed's stream) are 1 + how many it reaches.
+_POW10 = np.array([10**k for k in range(1, 20)], dtype=np.uint64)
+
+
+def _mix32_np(x: np.ndarray) -> np.ndarray:
+    """:func:`_mix32_int` elementwise on uint64 arrays of values below 2**32 (the products stay
+    below 2**64)."""
+    mask = np.uint64(_MASK32)
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(_M1)) & mask
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(_M2)) & mask
+    return x ^ (x >> np.uint64(16))
+
+
+def _fold_seed_np(seed: np.ndarray, part: np.ndarray, digits: int = 0) -> np.ndarray:
+    """:func:`fold_seed` elementwise: ``seed`` and ``part`` uint64 arrays (or scalars);
+    ``digits``: ``part``'s decimal digits where it is one number (0: counted here)."""
+    mask = np.uint64(_MASK32)
+    s = seed ^ part
+    if digits:
+        stream = np.uint64(digits)
+    else:
+        stream = np.searchsorted(_POW10, part, side="right").astype(np.uint64) + np.uint64(1)
+    x = (s & mask) ^ ((stream * np.uint64(0x9E3779B9)) & mask)
+    x = _mix32_np(x) ^ ((s >> np.uint64(32)) & mask)
+    return _mix32_np(x)
+
+
+class CallSeeds:
+    """The rounding seeds of a comm's calls: ``table(call)`` is, for each of ``tails``,
+    ``fold_seeds(prefix, call, *tail)``, the same integers.
+
+    A collective call derives its seeds by folding its call number and a few constants into the
+    comm's prefix: about 0.7 us of Python arithmetic a fold, four to eight folds a call. The
+    table derives them for :attr:`BATCH` consecutive calls at once in numpy (a few microseconds
+    for all of them), so a steady call only looks its seeds up; a call outside the batch (the
+    first, a resumed run's, a gap) starts a new one there.
+    """
+
+    BATCH = 1024
+
+    def __init__(self, prefix: int, tails: tuple[tuple[int, ...], ...]) -> None:
+        if not 0 <= prefix <= _MASK32:
+            raise ValueError(f"prefix={prefix} must be a 32-bit seed (derive_seed's)")
+        if any(not 0 <= p < 1 << 63 for tail in tails for p in tail):
+            raise ValueError(f"the parts of {tails} must be integers in [0, 2**63)")
+        self.prefix = prefix
+        self.tails = tuple(tuple(int(p) for p in tail) for tail in tails)
+        self._first = 0
+        self._rows: list[tuple[int, ...]] = []
+
+    def __call__(self, call: int) -> tuple[int, ...]:
+        rows = self._rows
+        i = call - self._first
+        if 0 <= i < len(rows):
+            return rows[i]
+        return self._fill(call)
+
+    def _fill(self, call: int) -> tuple[int, ...]:
+        if not 0 <= call < (1 << 63) - self.BATCH:
+            return tuple(fold_seeds(self.prefix, call, *tail) for tail in self.tails)
+        calls = np.arange(call, call + self.BATCH, dtype=np.uint64)
+        head = _fold_seed_np(np.full_like(calls, self.prefix), calls)
+        columns = []
+        for tail in self.tails:
+            x = head
+            for part in tail:
+                x = _fold_seed_np(x, np.uint64(part), len(str(part)))
+            columns.append(x.tolist())
+        self._rows, self._first = list(zip(*columns)), call
+        return self._rows[0]
+
+
 def fresh_seed() -> int:
     """A seed drawn from torch's global generator, for callers that did not pass one."""
     return int(torch.randint(0, 2**31 - 1, (1,)).item())

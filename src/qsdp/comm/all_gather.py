@@ -77,8 +77,8 @@ class QuantizedAllGather(WeightAllGather):
         if plan is None:
             topo = self.topology
             plan = self._plans[key] = GatherPlan.build(
-                self, self.codec, n, input_tensor.device, topo.peers(), topo.world_size)
-        seed = self.seed(self.version, self.topology.rank, 1)
+                self, self.codec, n, input_tensor.device, topo.peers(), topo.world_size, (topo.rank, 1))
+        seed = plan.seeds(self.version)[0]
         if plan.again(input_tensor, output_tensor) and output_tensor.numel() == plan.rows * n:
             plan.decode_again(plan.gather(self, plan.encode_again(input_tensor, seed), group), output_tensor)
             return None

@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.distributed as dist
 
-from ..codecs.rng import derive_seed, fold_seeds
+from ..codecs.rng import CallSeeds, derive_seed, fold_seeds
 from ..config import QuantConfig
 from .collectives import all_gather_flat, reduce_scatter_flat
 from .meter import METER, ByteMeter
@@ -83,6 +83,11 @@ class CommBase:
         if key is None:
             key = self._seed_prefix = derive_seed(self.config.seed, self.comm_id)
         return fold_seeds(key, *parts)
+
+    def call_seeds(self, *tails: tuple[int, ...]) -> CallSeeds:
+        """``table(call)``: ``seed(call, *tail)`` for each of ``tails``, looked up in a table
+        derived for many calls at once (:class:`~qsdp.codecs.rng.CallSeeds`; a plan keeps it)."""
+        return CallSeeds(self.seed(), tails)
 
     def use_row_spans(self, spans: Spans | SpansOf, mixed: bool = False) -> None:
         """Lay out the group's shard rows by its parameters' ``(elements, TP-replicated)``

@@ -125,7 +125,7 @@ class DifferenceAllGather(WeightAllGather):
         rows = self.rows
         holders = (0, t.nodes - 1) if self.layout == "node" else self._peers  # the meter's peers
         own = t.inter_position if self.layout == "node" else t.rank
-        gather = GatherPlan.build(self, self.codec, n, device, holders, len(rows))
+        gather = GatherPlan.build(self, self.codec, n, device, holders, len(rows), (t.rank, 2))
         source = None
         if self.layout == "node":
             order = t.exchange_order()
@@ -146,7 +146,7 @@ class DifferenceAllGather(WeightAllGather):
         holder's to the replica rows."""
         self.version += 1
         g = plan.gather
-        seed = self.seed(self.version, self.topology.rank, 2)
+        seed = g.seeds(self.version)[0]
         base, _ = self._replica_rows(plan)
         holders = self.topology.inter_group if self.layout == "node" else group
         if g.again(shard, self.replica):

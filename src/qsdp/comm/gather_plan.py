@@ -11,6 +11,7 @@ and decoding were one kernel launch each, a later call launches those again with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,8 @@ class GatherPlan:
     row; ``meter``: the meter's entries of the encoded row (:meth:`ByteMeter.add`);
     ``used``: where an encoded row's 4-byte padding starts (``None``: it has none);
     ``launches``: the first call's (encoding, decoding) launches where each was one
-    (kernels.Launch), else empty; ``fused``: whether the codec takes the fused path."""
+    (kernels.Launch), else empty; ``fused``: whether the codec takes the fused path;
+    ``seeds``: the encoding's seed of each version (rng.CallSeeds)."""
 
     layout: RowLayout
     rows: int
@@ -38,17 +40,19 @@ class GatherPlan:
     used: int | None = None
     fused: bool = False
     launches: list = field(default_factory=list)
+    seeds: Any = None
 
     @classmethod
     def build(cls, comm, codec: RowCodec, n: int, device: torch.device, peers: tuple[int, int],
-              rows: int) -> "GatherPlan":
+              rows: int, seed_tail: tuple[int, ...]) -> "GatherPlan":
         """The plan of ``comm``'s gather of an ``n``-element shard on ``device`` whose encoded rows
-        travel over a group of ``rows`` ranks to ``peers`` (intra, inter) of this one."""
+        travel over a group of ``rows`` ranks to ``peers`` (intra, inter) of this one; a
+        version's seed is ``comm.seed(version, *seed_tail)``."""
         layout = comm.layouts.get(n, codec.unit, device)
         width = codec.row_nbytes(layout.wire_length)
         fused = layout.identity and codec.fuses_rows(torch.empty(0, dtype=torch.uint8, device=device))
         return cls(layout, rows, width, peer_entries("weights", width, n, *peers),
-                   _padding_from(codec, layout.wire_length), fused)
+                   _padding_from(codec, layout.wire_length), fused, seeds=comm.call_seeds(seed_tail))
 
     def again(self, *tensors: torch.Tensor) -> bool:
         """Whether a call on ``tensors`` launches the first call's kernels again

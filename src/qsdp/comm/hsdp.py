@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .._fsdp2 import at_end_of_backward
 from ..codecs.dispatch import disabled
-from ..codecs.rng import derive_seed, fold_seed, fold_seeds
+from ..codecs.rng import CallSeeds, derive_seed
 from ..config import HsdpComm, QuantConfig
 from .collectives import all_gather, all_reduce, all_to_all
 from .base import GradReduceScatter
@@ -73,7 +73,6 @@ class ReplicaAllReduce:
         self.byte_meter: ByteMeter = METER
         self.layouts = RowLayouts()
         self._plans: dict[tuple, AllReducePlan] = {}
-        self._prefix: int | None = None
 
     def __call__(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """``x``: float32 ``[n]``, this replica's value. Returns float32 ``[n]``: the sum over the
@@ -107,9 +106,9 @@ class ReplicaAllReduce:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = AllReducePlan.build(self, x)
-        seed = self._call_seed()
+        seed1, seed2 = plan.seeds(self.calls)
         if plan.launches and x.is_contiguous() and not disabled():
-            return self._quantized_again(x, plan, seed)
+            return self._quantized_again(x, plan, seed1, seed2)
         d, codec, length = self.replicas, plan.codec, plan.length
         if not plan.layout.identity:
             x = plan.layout.expand(x.view(1, -1)).view(-1)
@@ -117,12 +116,12 @@ class ReplicaAllReduce:
         # Cut into the D chunks, the last padded by repeating the last element (which widens no
         # quantization group's range): on the fused path by the kernel, from x itself.
         with recording(learn) as encoded:
-            send = codec.encode_cut(x, d, length, seed=fold_seed(seed, 1))
+            send = codec.encode_cut(x, d, length, seed=seed1)
         recv = torch.empty_like(send)
         all_to_all(recv, send, self.group)
         self.byte_meter.add(plan.meter1)
         with recording(learn) as summed:
-            mine = codec.decode_sum_encode(recv, length, sources=d, codec=codec, seed=fold_seed(seed, 2))
+            mine = codec.decode_sum_encode(recv, length, sources=d, codec=codec, seed=seed2)
         gathered = torch.empty(d, mine.shape[1], dtype=torch.uint8, device=x.device)
         all_gather(gathered, mine, self.group)
         self.byte_meter.add(plan.meter2)
@@ -137,7 +136,7 @@ class ReplicaAllReduce:
                 plan.launches[:] = launches
         return total[:plan.n] if plan.layout.identity else plan.layout.contract(total[:plan.n])
 
-    def _quantized_again(self, x: torch.Tensor, plan: "AllReducePlan", seed: int) -> torch.Tensor:
+    def _quantized_again(self, x: torch.Tensor, plan: "AllReducePlan", seed1: int, seed2: int) -> torch.Tensor:
         """:meth:`_quantized` of a steady call: the first call's three launches with this call's
         tensors and seeds, and both exchanges."""
         tk = _tk()
@@ -145,7 +144,7 @@ class ReplicaAllReduce:
         send = torch.empty(d, width, dtype=torch.uint8, device=device)
         if plan.used is not None:
             send[:, plan.used:].zero_()  # each row's 4-byte padding, as the encoding zeroes it
-        tk.quantize_into(x, (send, send, send), launch=plan.launches[0], seed=fold_seed(seed, 1))
+        tk.quantize_into(x, (send, send, send), launch=plan.launches[0], seed=seed1)
         recv = torch.empty_like(send)
         all_to_all(recv, send, self.group)
         gathered = torch.empty_like(send)  # [d, width], as send
@@ -153,19 +152,17 @@ class ReplicaAllReduce:
         if plan.used is not None:
             mine[:, plan.used:].zero_()
         tk.dequantize_into((recv, recv, recv), launch=plan.launches[1], dst=(gathered, gathered, gathered),
-                           seed=fold_seed(seed, 2))
+                           seed=seed2)
         all_gather(gathered, mine, self.group)
-        self.byte_meter.add(plan.meter1 + plan.meter2)  # both exchanges', once
+        self.byte_meter.add(plan.meters)  # both exchanges', once
         total = torch.empty(d * plan.length, dtype=torch.float32, device=device)
         tk.dequantize_into((gathered, gathered, gathered), launch=plan.launches[2], out=total)
         return total[:plan.n] if plan.n < total.numel() else total
 
-    def _call_seed(self) -> int:
-        """``derive_seed(seed, comm_id, calls, rank, 7)``: a phase's seed folds in the phase. The
-        part fixed for the comm is derived once."""
-        if self._prefix is None:
-            self._prefix = derive_seed(self.config.seed, self.comm_id)
-        return fold_seeds(self._prefix, self.calls, self.rank, 7)
+    def call_seeds(self) -> CallSeeds:
+        """Both phases' seeds of each call: ``derive_seed(seed, comm_id, calls, rank, 7, phase)``
+        for the phases 1 and 2 (:class:`~qsdp.codecs.rng.CallSeeds`)."""
+        return CallSeeds(derive_seed(self.config.seed, self.comm_id), ((self.rank, 7, 1), (self.rank, 7, 2)))
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": self.calls}
@@ -184,7 +181,8 @@ class ReplicaAllReduce:
 class AllReducePlan:
     """What a quantized all-reduce of one size does, fixed by its config, size and group: the
     codec, the row layout, the elements ``n`` of the (laid out) vector, its chunk ``length`` and
-    the meter's entries of both exchanges (bytes, elements)."""
+    the meter's entries of both exchanges (bytes, elements), ``meters`` both together, and
+    ``seeds`` both phases' seeds of each call (:meth:`ReplicaAllReduce.call_seeds`)."""
 
     codec: RowCodec
     layout: RowLayout
@@ -192,6 +190,8 @@ class AllReducePlan:
     length: int
     meter1: tuple  # ByteMeter.add's entries
     meter2: tuple
+    meters: tuple
+    seeds: CallSeeds
     # An encoded chunk's bytes, where its 4-byte padding starts (None: it has none), whether
     # the codec takes the fused path with the Hadamard transform inside, and the first call's
     # three launches (encoding, requantization, decoding) where each was one (kernels.Launch).
@@ -210,8 +210,9 @@ class AllReducePlan:
         own = layout.real_elements(reduce.rank * length, (reduce.rank + 1) * length)
         nbytes = codec.row_nbytes(length)
         fused = layout.identity and codec.fuses_rows(torch.empty(0, dtype=torch.uint8, device=x.device))
-        return cls(codec, layout, n, length, (((("grads", "inter")), (d - 1) * nbytes, real - own),),
-                   ((("grads", "inter"), (d - 1) * nbytes, (d - 1) * own),),
+        meter1 = ((("grads", "inter"), (d - 1) * nbytes, real - own),)
+        meter2 = ((("grads", "inter"), (d - 1) * nbytes, (d - 1) * own),)
+        return cls(codec, layout, n, length, meter1, meter2, meter1 + meter2, reduce.call_seeds(),
                    nbytes, _padding_from(codec, length), fused)
 
 

@@ -175,7 +175,7 @@ class QuantizedReduceScatter(GradReduceScatter):
         send = torch.empty(plan.send_shape, dtype=torch.uint8, device=x.device)
         if plan.used is not None:
             send[:, plan.used:].zero_()  # each row's 4-byte padding, as the encoding zeroes it
-        tk.quantize_into(x, (send, send, send), launch=launches[0], seed=self._seed(3))
+        tk.quantize_into(x, (send, send, send), launch=launches[0], seed=plan.seeds(self.calls)[0])
         recv = torch.empty_like(send)
         all_to_all(recv, send, group)
         self.byte_meter.add(plan.meter)
@@ -230,7 +230,21 @@ class QuantizedReduceScatter(GradReduceScatter):
         tk = _tk()
         topo = self.topology
         intra, inter = topo.intra_group, topo.inter_group
-        prefix1, prefix2 = self._seed(4), self._seed(5)
+        prefix1, prefix2 = plan.seeds(self.calls)
+        if len(launches) == 1:
+            # One run (every slice in one exchange a hop): nothing to stagger, one step after another.
+            encode, requantize, decode_out = launches[0]
+            send = torch.empty(plan.shape1[0], dtype=torch.uint8, device=x.device)
+            tk.quantize_into(x, (send, send, send), launch=encode, seed=prefix1, order=plan.order)
+            recv = torch.empty_like(send)
+            all_to_all(recv, send, intra)
+            send = torch.empty(plan.shape2[0], dtype=torch.uint8, device=x.device)
+            tk.dequantize_into((recv, recv, recv), launch=requantize, dst=(send, send, send), seed=prefix2)
+            recv = torch.empty_like(send)
+            all_to_all(recv, send, inter)
+            self.byte_meter.add(plan.meter12)
+            tk.dequantize_into((recv, recv, recv), launch=decode_out, out=output, flag=flag)
+            return
         runs, order, device, meter = plan.runs, plan.order, x.device, self.byte_meter
 
         def hop1(i: int) -> tuple[torch.Tensor, Any]:
@@ -329,6 +343,7 @@ class OneHopPlan:
     # both were one launch (kernels.Launch); the later calls launch them again.
     launches: dict = dataclasses.field(default_factory=dict)
     runs: None = None  # (a two-hop plan's rounding slices)
+    seeds: Any = None  # the encoding's seed of each call (rng.CallSeeds)
 
     @classmethod
     def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor, output: torch.Tensor, codec: RowCodec,
@@ -342,7 +357,8 @@ class OneHopPlan:
                   and output.dtype in (torch.float32, torch.bfloat16, torch.float16)
                   and (not codec.hadamard_block or _fuses_hadamard(codec)))
         meter = peer_entries("grads", nbytes, s, 0 if inter_only else intra, inter)
-        return cls(codec, layout, meter, direct, (world, nbytes), _padding_from(codec, layout.wire_length))
+        return cls(codec, layout, meter, direct, (world, nbytes), _padding_from(codec, layout.wire_length),
+                   seeds=comm.call_seeds((comm.topology.rank, 3)))
 
 
 def _fuses_hadamard(codec: RowCodec) -> bool:
@@ -377,6 +393,8 @@ class TwoHopPlan:
     # {divisor: ((hop 1's encoding, hop 2's requantization, the decoding) per run)}: the launches
     # of the first call with that divisor, where each step was one launch (kernels.Launch).
     launches: dict = dataclasses.field(default_factory=dict)
+    seeds: Any = None  # both hops' slice prefixes of each call (rng.CallSeeds)
+    meter12: tuple = ()  # both hops' meter entries where there is one run
 
     @classmethod
     def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor, output: torch.Tensor) -> "TwoHopPlan":
@@ -395,7 +413,9 @@ class TwoHopPlan:
                   and all(plan.hop2.fuses_slices(run, probe) for run in plan.runs))
         return dataclasses.replace(
             plan, direct=direct, shape1=tuple((x.shape[0], plan.nbytes1[run]) for run in plan.runs),
-            shape2=tuple((d, plan.nbytes2[run]) for run in plan.runs), order=topo.exchange_index(x.device))
+            shape2=tuple((d, plan.nbytes2[run]) for run in plan.runs), order=topo.exchange_index(x.device),
+            seeds=comm.call_seeds((topo.rank, 4), (topo.rank, 5)),
+            meter12=plan.meter1[plan.runs[0]] + plan.meter2[plan.runs[0]] if len(plan.runs) == 1 else ())
 
     @classmethod
     def of(cls, g: GradComm, x: torch.Tensor, nodes: int, layout_of: Callable[..., RowLayout],
