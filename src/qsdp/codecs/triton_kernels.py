@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import rng
+from . import kernel_handles, rng
 from .pack import SUPPORTED_BITS, packed_nbytes
 from .usage import record_run
 
@@ -66,6 +66,21 @@ _MAX_GRID_ROWS = 65535
 # kwargs)``: the launch census (:mod:`qsdp.bench.census`) counts launches where no GPU profiler
 # runs, and leaves out what Triton's interpreter does on the host to run one. Empty in training.
 launch_observers: list = []
+
+
+def _steady(kernel, handles: list, k: int, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """Launch ``kernel`` on grid ``k`` of a :class:`Launch` (``handles``: its handles): through
+    the compiled kernel its first launch found where it fits, else through Triton's dispatch
+    (and the first time, keep what that found)."""
+    if launch_observers:
+        _launch(kernel, grid, *args, **kwargs)
+        return
+    handle = handles[k]
+    if handle and kernel_handles.launched(handle, args):
+        return
+    compiled = kernel[grid](*args, **kwargs)
+    if handle is None:
+        handles[k] = kernel_handles.found(compiled, kernel, grid, args, kwargs) or False
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
@@ -697,13 +712,16 @@ class Launch(NamedTuple):
     and ``keying``, how a call's ``seed`` becomes the key (:func:`_keying`). A collective's
     plan keeps the launches of its first call (:func:`recording`) and gives each later call's
     tensors and seed to ``quantize_into`` / ``dequantize_into`` with ``launch=``: the same
-    arguments, nothing derived again."""
+    arguments, nothing derived again. ``handles``: per grid, the compiled kernel its first
+    launch found (:class:`~qsdp.codecs.kernel_handles.Handle`; ``False``: none serves, ``None``:
+    not launched yet), which later launches use instead of Triton's dispatch."""
 
     grids: tuple
     head: tuple
     tail: tuple
     kwargs: dict
     keying: int
+    handles: list
 
 
 # The Launch lists of the active recordings (recording()): every launch computed is appended.
@@ -804,13 +822,10 @@ def quantize_into(
     record_run("triton")
     key = _launch_key(launch.keying, seed)
     head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
-    for grid, row0 in launch.grids:
+    for k, (grid, row0) in enumerate(launch.grids):
         args = (x, x if base is None else base, dst[0], dst[1], dst[2], x if order is None else order,
                 *head, key, row0, *tail_args)
-        if launch_observers:
-            _launch(_quantize_kernel, grid, *args, **kwargs)
-        else:
-            _quantize_kernel[grid](*args, **kwargs)
+        _steady(_quantize_kernel, launch.handles, k, grid, args, kwargs)
     return launch
 
 
@@ -832,7 +847,8 @@ def _quantize_launch(x, dst, length, padded, ncodes, bits, group_size, symmetric
                                      bool(tail))
     head = (length, groups, ncodes, dst.ncb, padded if tail else x.stride(0), y.stride(0),
             dst.code_rs, dst.code_off, dst.scale_rs, dst.scale_off, dst.zero_off)
-    return Launch(_grids(-(-sg // gpp), rows, count), head, (sg, sw, first), kwargs, keying)
+    grids = _grids(-(-sg // gpp), rows, count)
+    return Launch(grids, head, (sg, sw, first), kwargs, keying, [None] * len(grids))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -905,13 +921,10 @@ def dequantize_into(
     else:
         q, out_arg = dst, src[1]
     head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
-    for grid, row0 in launch.grids:
+    for k, (grid, row0) in enumerate(launch.grids):
         args = (src[0], src[1], src[2], out_arg, q[0], q[1], q[2], *head, key, row0, *tail_args,
                 src[0] if flag is None else flag)
-        if launch_observers:
-            _launch(_dequantize_kernel, grid, *args, **kwargs)
-        else:
-            _dequantize_kernel[grid](*args, **kwargs)
+        _steady(_dequantize_kernel, launch.handles, k, grid, args, kwargs)
     return launch
 
 
@@ -935,7 +948,8 @@ def _dequantize_launch(src, groups, bits, group_size, symmetric, sources, output
                                             out_dtype, add, slices is not None, divisor, flag is not None)
     head = (row_o, row_j, groups, src.ncb, src.code_rs, src.code_off, src.scale_rs, src.scale_off,
             src.zero_off, length, out_rs, q_ncb, q.code_rs, q.code_off, q.scale_rs, q.scale_off, q.zero_off)
-    return Launch(_grids(-(-sg // gpp) * nch, outputs, count), head, (sg, sw, q_sw, first), kwargs, keying)
+    grids = _grids(-(-sg // gpp) * nch, outputs, count)
+    return Launch(grids, head, (sg, sw, q_sw, first), kwargs, keying, [None] * len(grids))
 
 
 # Where the requantized rows' code, scale and zero-point offsets sit in a dequantize launch's head.
@@ -950,7 +964,7 @@ def requantized_further(launch: Launch, nbytes: int) -> Launch:
     head[_Q_CODE_OFF] += nbytes
     head[_Q_SCALE_OFF] += nbytes // 4
     head[_Q_ZERO_OFF] += nbytes // 4
-    return launch._replace(head=tuple(head))
+    return launch._replace(head=tuple(head), handles=[None] * len(launch.grids))
 
 
 @functools.lru_cache(maxsize=4096)
