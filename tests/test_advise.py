@@ -256,7 +256,7 @@ def test_at_400_gbit_on_the_h200s_host_sdp4bit_pays_for_its_host_time():
 
 
 def test_on_a_host_slow_enough_quantization_costs_more_than_it_saves():
-    r = adv.advise(int(7e9), 4, gpu="h200", link_gbit_per_gpu=400, host_factor=30)
+    r = adv.advise(int(7e9), 4, gpu="h200", link_gbit_per_gpu=400, host_factor=60)
     rows = _rows(r)
     sdp, fsdp = rows["fsdp", "sdp4bit"], rows["fsdp", "fsdp"]
     assert sdp["step_ms"] > fsdp["step_ms"] and sdp["limit"] == "host"
