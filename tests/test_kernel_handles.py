@@ -136,6 +136,7 @@ def test_gpu_a_launch_through_its_handle_gives_the_bytes_of_tritons_dispatch(sch
     out1, out2 = (torch.zeros(4, 10_000, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     with tk.recording() as made:
         codec.decode_into(expected, 10_000, out1)
+    assert len(made) == 1
     tk.dequantize_into((expected, expected, expected), launch=made[0], out=out2)
     assert isinstance(made[0].handles[0], Handle)
     assert torch.equal(out1.view(torch.int16), out2.view(torch.int16))
