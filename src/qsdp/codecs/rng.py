@@ -168,12 +168,17 @@ class CallSeeds:
         self.prefix = prefix
         self.tails = tuple(tuple(int(p) for p in tail) for tail in tails)
         self._first = self._size = 0
-        self._row: Callable[[int], tuple[int, ...]] = tuple
+        self._columns: list = []  # one array("Q") a tail
+        self._a = self._b = None  # the first two, read without a loop
 
     def __call__(self, call: int) -> tuple[int, ...]:
         i = call - self._first
         if 0 <= i < self._size:
-            return self._row(i)
+            if self._b is not None and len(self.tails) == 2:
+                return (self._a[i], self._b[i])
+            if len(self.tails) == 1:
+                return (self._a[i],)
+            return tuple(c[i] for c in self._columns)
         return self._fill(call)
 
     def _fill(self, call: int) -> tuple[int, ...]:
@@ -189,20 +194,10 @@ class CallSeeds:
             column = array.array("Q")
             column.frombytes(x.tobytes())
             columns.append(column)
-        self._row = _row_of(columns)
+        self._columns = columns
+        self._a, self._b = (columns + [None, None])[:2]
         self._first, self._size = call, self.BATCH
-        return self._row(0)
-
-
-def _row_of(columns: list) -> Callable[[int], tuple[int, ...]]:
-    """``row(i)``: item ``i`` of each of ``columns``, as a tuple (one and two columns written out)."""
-    if len(columns) == 1:
-        (a,) = columns
-        return lambda i: (a[i],)
-    if len(columns) == 2:
-        a, b = columns
-        return lambda i: (a[i], b[i])
-    return lambda i: tuple([c[i] for c in columns])
+        return self(call)
 
 
 def fresh_seed() -> int:
