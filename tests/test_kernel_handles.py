@@ -1,4 +1,4 @@
-"""A steady launch goes through the compiled kernel its first launch found, with Triton's own
+"""A steady launch goes through the compiled kernel its first replay found, with Triton's own
 arguments, and only where that variant fits (qsdp.codecs.kernel_handles).
 
 On CPU: the constexprs a handle appends are the ones Triton binds, in its order, for the
@@ -106,13 +106,22 @@ def gpu(fn):
 
 
 def _encoded_with_launch(codec, x: torch.Tensor, seed: int):
-    """codec.encode of ``x`` (Triton's dispatch: a new launch) and the Launch it made."""
+    """codec.encode of ``x`` (Triton's dispatch: a new launch, which keeps no handle) and the
+    Launch it made."""
     from qsdp.codecs import triton_kernels as tk
 
     with tk.recording() as made:
         buf = codec.encode(x, seed=seed)
-    assert len(made) == 1
+    assert len(made) == 1 and made[0].handles == [None]
     return buf, made[0]
+
+
+def _replayed(launch, x: torch.Tensor, like: torch.Tensor, seed: int) -> torch.Tensor:
+    from qsdp.codecs import triton_kernels as tk
+
+    got = torch.zeros_like(like)
+    tk.quantize_into(x, (got, got, got), launch=launch, seed=seed)
+    return got
 
 
 @gpu
@@ -124,38 +133,37 @@ def test_gpu_a_launch_through_its_handle_gives_the_bytes_of_tritons_dispatch(sch
 
     bits, symmetric, rounding, hb = scheme
     codec = RowCodec(bits=bits, group_size=128, symmetric=symmetric, rounding=rounding, hadamard_block=hb)
-    x = torch.randn(4, 10_000, device="cuda")
-    _, launch = _encoded_with_launch(codec, x, 11)
+    x, y = (torch.randn(4, 10_000, device="cuda") for _ in range(2))
+    expected_x, launch = _encoded_with_launch(codec, x, 11)
+    expected_y, _ = _encoded_with_launch(codec, y, 12)  # a new launch: through the dispatch
+    # the first replay goes through the dispatch and keeps its handle, the second through the handle
+    assert torch.equal(_replayed(launch, x, expected_x, 11), expected_x)
     assert isinstance(launch.handles[0], Handle)
-    y = torch.randn(4, 10_000, device="cuda")
-    expected, _ = _encoded_with_launch(codec, y, 12)  # a new launch: through the dispatch
-    got = torch.zeros_like(expected)
-    tk.quantize_into(y, (got, got, got), launch=launch, seed=12)
-    assert torch.equal(got, expected)
-    # decoding: its first launch finds a handle, the second goes through it
-    out1, out2 = (torch.zeros(4, 10_000, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    assert torch.equal(_replayed(launch, y, expected_y, 12), expected_y)
+    # decoding, likewise
+    out1, out2, out3 = (torch.zeros(4, 10_000, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     with tk.recording() as made:
-        codec.decode_into(expected, 10_000, out1)
+        codec.decode_into(expected_y, 10_000, out1)
     assert len(made) == 1
-    tk.dequantize_into((expected, expected, expected), launch=made[0], out=out2)
-    assert isinstance(made[0].handles[0], Handle)
-    assert torch.equal(out1.view(torch.int16), out2.view(torch.int16))
+    for out in (out2, out3):
+        tk.dequantize_into((expected_y, expected_y, expected_y), launch=made[0], out=out)
+        assert isinstance(made[0].handles[0], Handle)
+        assert torch.equal(out1.view(torch.int16), out.view(torch.int16))
 
 
 @gpu
 def test_gpu_a_tensor_off_its_boundary_goes_through_tritons_dispatch():
-    from qsdp.codecs import triton_kernels as tk
     from qsdp.codecs.kernel_handles import Handle, launched
     from qsdp.comm.wire import RowCodec
 
     codec = RowCodec(bits=4, group_size=128, symmetric=True, rounding="stochastic", hadamard_block=32)
-    _, launch = _encoded_with_launch(codec, torch.randn(4, 10_000, device="cuda"), 11)
+    x = torch.randn(4, 10_000, device="cuda")
+    expected_x, launch = _encoded_with_launch(codec, x, 11)
+    _replayed(launch, x, expected_x, 11)
     handle = launch.handles[0]
     assert isinstance(handle, Handle)
     shifted = torch.randn(4 * 10_000 + 1, device="cuda")[1:].view(4, 10_000)  # 4 bytes off
     expected, _ = _encoded_with_launch(codec, shifted.contiguous(), 13)
-    got = torch.zeros_like(expected)
     assert not launched(handle, (shifted,) * (max(handle.tensors) + 1))
-    tk.quantize_into(shifted, (got, got, got), launch=launch, seed=13)
-    assert torch.equal(got, expected)
+    assert torch.equal(_replayed(launch, shifted, expected, 13), expected)
     assert launch.handles[0] is handle  # kept for the calls that fit it

@@ -1,15 +1,16 @@
-"""A steady launch of a Triton kernel through the compiled variant its first launch found.
+"""A steady launch of a Triton kernel through the compiled variant its first replay found.
 
 ``kernel[grid](*args, **kwargs)`` binds its arguments, works out their specialization and looks
 the compiled variant up, in Python, at every launch: tens of microseconds of a GPU host's time,
 more than a collective's small kernels take to run. A collective's plan launches one kernel with
 the same integers, dtypes and constexprs again and again (:class:`~qsdp.codecs.triton_kernels.Launch`),
-only its tensors and its rounding key new, so the compiled kernel its first launch returned can
-be launched directly: a :class:`Handle` holds that kernel's launcher for the grid
-(``CompiledKernel[grid]``) and the constexpr values that follow the positional arguments, and
-:func:`launched` launches it where the tensors are as Triton specialized them (every one on a
-16-byte boundary, as at the first launch) and the current device is the first launch's; anything
-else goes through ``kernel[grid]`` again, which compiles or finds the variant that fits.
+only its tensors and its rounding key new. So the compiled kernel its first replay returned (the
+first launch of a plan's kept Launch after the call that derived it; a launch derived at every
+call keeps none) can be launched directly: a :class:`Handle` holds that kernel's launcher for the
+grid (``CompiledKernel[grid]``) and the constexpr values that follow the positional arguments,
+and :func:`launched` launches it where the tensors are as Triton specialized them (every one on a
+16-byte boundary, as then) and the current device is the same; anything else goes through
+``kernel[grid]`` again, which compiles or finds the variant that fits.
 
 Handles are made only where this Triton launches a compiled kernel as they do: its
 ``JITFunction.run`` hands the launcher every bound argument, constexprs included, and
@@ -90,7 +91,7 @@ def found(compiled: Any, kernel: Any, grid: tuple, args: tuple, kwargs: dict) ->
 
 
 def launched(handle: Handle, args: tuple) -> bool:
-    """Launch ``handle`` with ``args`` (the first launch's positional arguments, new tensors and
+    """Launch ``handle`` with ``args`` (the positional arguments it was found with, new tensors and
     key) where they fit the variant it holds; whether it did."""
     if torch.cuda.current_device() != handle.device:
         return False

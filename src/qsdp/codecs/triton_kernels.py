@@ -68,10 +68,12 @@ _MAX_GRID_ROWS = 65535
 launch_observers: list = []
 
 
-def _steady(kernel, handles: list, k: int, grid: tuple, args: tuple, kwargs: dict) -> None:
+def _steady(kernel, handles: list, k: int, grid: tuple, args: tuple, kwargs: dict, fresh: bool) -> None:
     """Launch ``kernel`` on grid ``k`` of a :class:`Launch` (``handles``: its handles): through
-    the compiled kernel its first launch found where it fits, else through Triton's dispatch
-    (and the first time, keep what that found)."""
+    the compiled kernel its first replay found where it fits, else through Triton's dispatch.
+    ``fresh``: the launch was derived for this call; only a replay (a plan's launch given again)
+    keeps what the dispatch found, so a launch derived at every call (a layout no plan replays)
+    looks for no handle."""
     if launch_observers:
         _launch(kernel, grid, *args, **kwargs)
         return
@@ -79,7 +81,7 @@ def _steady(kernel, handles: list, k: int, grid: tuple, args: tuple, kwargs: dic
     if handle and kernel_handles.launched(handle, args):
         return
     compiled = kernel[grid](*args, **kwargs)
-    if handle is None:
+    if handle is None and not fresh:
         handles[k] = kernel_handles.found(compiled, kernel, grid, args, kwargs) or False
 
 
@@ -713,8 +715,8 @@ class Launch(NamedTuple):
     plan keeps the launches of its first call (:func:`recording`) and gives each later call's
     tensors and seed to ``quantize_into`` / ``dequantize_into`` with ``launch=``: the same
     arguments, nothing derived again. ``handles``: per grid, the compiled kernel its first
-    launch found (:class:`~qsdp.codecs.kernel_handles.Handle`; ``False``: none serves, ``None``:
-    not launched yet), which later launches use instead of Triton's dispatch."""
+    replay found (:class:`~qsdp.codecs.kernel_handles.Handle`; ``False``: none serves, ``None``:
+    not replayed yet), which later replays use instead of Triton's dispatch."""
 
     grids: tuple
     head: tuple
@@ -807,7 +809,8 @@ def quantize_into(
     and ``order`` may then be any views with the same data pointers, ``dst`` any sequence whose
     first three items are the codes, scales and zero points; the slices' prefix is ``seed``):
     only the tensors and the key are new."""
-    if launch is None:
+    fresh = launch is None
+    if fresh:
         x = _rows_2d(x)
         if base is not None:
             base = _rows_2d(base)
@@ -825,7 +828,7 @@ def quantize_into(
     for k, (grid, row0) in enumerate(launch.grids):
         args = (x, x if base is None else base, dst[0], dst[1], dst[2], x if order is None else order,
                 *head, key, row0, *tail_args)
-        _steady(_quantize_kernel, launch.handles, k, grid, args, kwargs)
+        _steady(_quantize_kernel, launch.handles, k, grid, args, kwargs, fresh)
     return launch
 
 
@@ -905,7 +908,8 @@ def dequantize_into(
     call returned, for tensors of the same shapes, strides and dtypes, given only ``src``, ``out``
     or ``dst`` (the requantized rows; sequences whose first three items are the codes, scales and
     zero points), ``seed`` (the requantization's seed or the slices' prefix) and ``flag``."""
-    if launch is None:
+    fresh = launch is None
+    if fresh:
         launch = _dequantize_launch(src, groups, bits, group_size, symmetric, sources, outputs, row_o, row_j, out,
                                     length, add, inverse_block, requantize, slices, divisor, flag)
         if launch is None:
@@ -924,7 +928,7 @@ def dequantize_into(
     for k, (grid, row0) in enumerate(launch.grids):
         args = (src[0], src[1], src[2], out_arg, q[0], q[1], q[2], *head, key, row0, *tail_args,
                 src[0] if flag is None else flag)
-        _steady(_dequantize_kernel, launch.handles, k, grid, args, kwargs)
+        _steady(_dequantize_kernel, launch.handles, k, grid, args, kwargs, fresh)
     return launch
 
 
