@@ -143,9 +143,6 @@ class QuantizedReduceScatter(GradReduceScatter):
             return OneHopPlan.build(self, x, output, grad_codec(g, bits, x.dtype), inter_only=d > 1)
         return TwoHopPlan.build(self, x, output)
 
-    def _seed(self, *parts: int) -> int:
-        return self.seed(self.calls, self.topology.rank, *parts)
-
     def _one_hop(self, x: torch.Tensor, group, plan: "OneHopPlan", direct: bool, output: torch.Tensor,
                  divisor: int, flag: torch.Tensor | None) -> torch.Tensor | None:
         codec, layout = plan.codec, plan.layout
@@ -154,7 +151,7 @@ class QuantizedReduceScatter(GradReduceScatter):
         with recording(direct) as encoded:
             # A group mixing TP-replicated and TP-sharded parameters is encoded from a copy of its
             # gradient in the codec's order (row_layout); any other group from the gradient itself.
-            send = codec.encode(x if layout.identity else layout.expand(x), seed=self._seed(3))
+            send = codec.encode(x if layout.identity else layout.expand(x), seed=plan.seeds(self.calls)[0])
         recv = torch.empty_like(send)
         all_to_all(recv, send, group)
         self.byte_meter.add(plan.meter)
@@ -194,7 +191,7 @@ class QuantizedReduceScatter(GradReduceScatter):
         # direct the division, the cast into FSDP2's output and the watch too. Those
         # launches are kept for the later calls (:meth:`_two_hops_again`).
         out = output if direct else torch.empty(plan.lp, dtype=torch.float32, device=x.device)
-        prefix1, prefix2 = self._seed(4), self._seed(5)
+        prefix1, prefix2 = plan.seeds(self.calls)
         runs = plan.runs
         learned: list[list] = [[None, None, None] for _ in runs]
 
