@@ -167,16 +167,17 @@ class CallSeeds:
             raise ValueError(f"the parts of {tails} must be integers in [0, 2**63)")
         self.prefix = prefix
         self.tails = tuple(tuple(int(p) for p in tail) for tail in tails)
+        self._arity = len(self.tails)
         self._first = self._size = 0
         self._columns: list = []  # one array("Q") a tail
-        self._a = self._b = None  # the first two, read without a loop
+        self._a = self._b = None  # the first two columns, read without a loop
 
     def __call__(self, call: int) -> tuple[int, ...]:
         i = call - self._first
         if 0 <= i < self._size:
-            if self._b is not None and len(self.tails) == 2:
+            if self._arity == 2:
                 return (self._a[i], self._b[i])
-            if len(self.tails) == 1:
+            if self._arity == 1:
                 return (self._a[i],)
             return tuple(c[i] for c in self._columns)
         return self._fill(call)
@@ -195,7 +196,8 @@ class CallSeeds:
             column.frombytes(x.tobytes())
             columns.append(column)
         self._columns = columns
-        self._a, self._b = (columns + [None, None])[:2]
+        self._a = columns[0] if columns else None
+        self._b = columns[1] if len(columns) > 1 else None
         self._first, self._size = call, self.BATCH
         return self(call)
 
