@@ -277,6 +277,47 @@ def test_node_replicas_give_bit_identical_weights_to_full_replicas_with_a_quarte
         assert meter["intra"]["bits_per_element"] == 32.0
 
 
+def _node_fills(rank, world):
+    """A node replica's fill of FSDP2's buffer (2 nodes x 2) both ways: the plan gloo gets (one
+    gather into a temporary, reordered) and one grouped gather straight into each node's block."""
+    import torch.distributed as dist
+
+    cfg = qsdp.QuantConfig(weights=qsdp.WeightComm("difference", bits=4, group_size=16, replica="node"))
+    tracker = ChangeTracker()
+    comm = DifferenceAllGather(cfg, build_topology(), 0, tracker)
+    _gather(comm, _shard(rank, 40), world)
+    tracker.after_optimizer_step()
+    _gather(comm, _shard(rank, 40, step=1), world)  # a difference: the replica rows are no shard's
+    plan = next(iter(comm._plans.values()))
+    fills = []
+    for way in (plan, dataclasses.replace(plan, source=None)):
+        out = torch.full((world * 40,), float("nan"))
+        comm._fill(out, way)
+        fills.append(out)
+    everyone = torch.empty(world * comm.replica.numel())
+    all_gather_flat(everyone, comm.replica.reshape(-1).contiguous(), dist.group.WORLD)
+    # rank q's replica holds the rows of the ranks with its local index (q % 2, 2 + q % 2): row r
+    # is row r // 2 of rank r % 2's replica (node 0's holder of it)
+    held = everyone.view(world, 2, 40)
+    expected = torch.stack([held[r % 2, r // 2] for r in range(world)])
+    return plan.source is not None, fills, expected.view(-1)
+
+
+def test_a_node_replicas_fill_puts_every_row_in_fsdp2s_order_whichever_way_it_gathers():
+    # gloo keeps the temporary (its grouped gather copies through flat buffers of its own); NCCL
+    # and the census's groups gather straight into the blocks: both give every rank's row in place
+    for reordered, (through_temporary, grouped), expected in run_pooled(_node_fills, 4, local_world_size=2):
+        assert reordered
+        assert torch.equal(through_temporary, expected) and torch.equal(grouped, expected)
+
+
+def test_a_groups_backend_is_read_for_the_tensors_device():
+    from qsdp.comm.collectives import backend_of
+
+    assert backend_of("cpu:gloo,cuda:nccl", "cuda") == "nccl" and backend_of("cpu:gloo,cuda:nccl", "cpu") == "gloo"
+    assert backend_of("NCCL", "cuda") == "nccl" and backend_of("gloo", "cuda") == "gloo"
+
+
 def _node_replica_on_one_node(rank, world):
     from qsdp.comm.meter import METER
 

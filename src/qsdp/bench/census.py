@@ -192,7 +192,7 @@ class CensusGroup(dist.ProcessGroup):
         super().__init__(rank, size)
 
     @contextlib.contextmanager
-    def _wire(self, name: str, sent: torch.Tensor) -> Iterator[None]:
+    def _wire(self, name: str, *sent: torch.Tensor) -> Iterator[None]:
         tally = _ACTIVE[-1] if _ACTIVE else None
         if tally is None:
             yield
@@ -201,7 +201,8 @@ class CensusGroup(dist.ProcessGroup):
         tally.quiet += 1
         try:
             tally.wire.update(name.encode())
-            tally.wire.update(sent.detach().contiguous().view(torch.uint8).view(-1).numpy().tobytes())
+            for t in sent:  # a grouped call's buffers one after another, as one buffer would hash
+                tally.wire.update(t.detach().contiguous().view(torch.uint8).view(-1).numpy().tobytes())
             yield
         finally:
             tally.quiet -= 1
@@ -219,6 +220,13 @@ class CensusGroup(dist.ProcessGroup):
         return CompletedWork([output])
 
     _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        with self._wire("all_gather", *inputs):
+            if CensusGroup.moves_data:
+                for output, sent in zip(outputs, inputs):
+                    output.view(self.size(), -1).copy_(sent.reshape(1, -1).clone())
+        return CompletedWork(list(outputs))
 
     def reduce_scatter_single(self, output, input, opts=None):
         with self._wire("reduce_scatter", input):

@@ -48,8 +48,8 @@ class StepGroup(CensusGroup):
         return dist.distributed_c10d._world.pg_names[self]
 
     @contextlib.contextmanager
-    def _wire(self, name: str, sent: torch.Tensor) -> Iterator[None]:
-        with super()._wire(name, sent):
+    def _wire(self, name: str, *sent: torch.Tensor) -> Iterator[None]:
+        with super()._wire(name, *sent):
             if StepGroup.ranged:
                 with record_function(WIRE_RANGE):
                     yield

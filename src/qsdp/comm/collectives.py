@@ -48,6 +48,7 @@ def _name(*names: str) -> str:
 
 _ALL_TO_ALL = _name("all_to_all_single", "alltoall_base")
 _ALL_GATHER = _name("all_gather_single", "_allgather_base")
+_ALL_GATHER_COALESCED = _name("allgather_into_tensor_coalesced")
 _ALLREDUCE = _name("allreduce")
 # The method of each group class (a Python subclass may override it), looked up once a class:
 # on the class, not the instance, whose lookup costs more.
@@ -90,6 +91,30 @@ def all_to_all(output: torch.Tensor, input_tensor: torch.Tensor, group, async_op
 def all_gather(output: torch.Tensor, input_tensor: torch.Tensor, group) -> None:
     """:func:`all_gather_flat`, called on the group itself."""
     _method(group, _ALL_GATHER)(group, output, input_tensor, _AG_OPTS[False]).wait()
+
+
+def backend_of(backend: str, device_type: str) -> str:
+    """The backend (lower case) a group of ``backend`` (``dist.get_backend``) runs for tensors
+    on ``device_type``: ``"cpu:gloo,cuda:nccl"`` names one per device."""
+    name = backend.lower()
+    for part in name.split(","):
+        dev, sep, value = part.partition(":")
+        if sep and dev.strip() == device_type:
+            name = value
+    return name.strip()
+
+
+def gathers_grouped(group, device_type: str) -> bool:
+    """Whether :func:`all_gather_coalesced` on ``group`` gathers tensors on ``device_type``
+    straight into its outputs: not on gloo, which runs a grouped gather through flat copies of
+    its inputs and outputs, and of CPU tensors only."""
+    return backend_of(str(dist.get_backend(group)), device_type) != "gloo"
+
+
+def all_gather_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group) -> None:
+    """Each of ``inputs`` gathered from every rank into the output of the same index (as
+    :func:`all_gather`), in one grouped collective: one NCCL group, one call of the group."""
+    _method(group, _ALL_GATHER_COALESCED)(group, outputs, inputs, _AG_OPTS[False]).wait()
 
 
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:

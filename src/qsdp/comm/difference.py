@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..config import QuantConfig
 from .base import NUMBER_DTYPES, WeightAllGather
-from .collectives import all_gather, all_gather_flat
+from .collectives import all_gather, all_gather_coalesced, all_gather_flat, gathers_grouped
 from .gather_plan import GatherPlan
 from .meter import peer_entries
 from .topology import Topology
@@ -67,7 +67,7 @@ class DifferenceAllGather(WeightAllGather):
         # checkpoint can be loaded into replica rows of the right shape (:meth:`replica_state`).
         self.row: tuple[int, torch.dtype | None, torch.device] | None = None
         self._peers = topology.peers()  # the change agreement's peers (intra, inter), for the meter
-        self._views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # _replica_rows
+        self._views: tuple | None = None  # _replica_rows
 
     @property
     def rows(self) -> list[int]:
@@ -127,19 +127,19 @@ class DifferenceAllGather(WeightAllGather):
         own = t.inter_position if self.layout == "node" else t.rank
         gather = GatherPlan.build(self, self.codec, n, device, holders, len(rows), (t.rank, 2))
         source = None
-        if self.layout == "node":
+        if self.layout == "node" and not (t.node_major and gathers_grouped(t.intra_group, device.type)):
             order = t.exchange_order()
             source = torch.tensor(sorted(range(len(order)), key=order.__getitem__), dtype=torch.int64, device=device)
-        return DifferencePlan(gather, torch.Size((len(rows), n)), own, source)
+        return DifferencePlan(gather, torch.Size((len(rows), n)), own, source, t.ranks_per_node * n)
 
-    def _replica_rows(self, plan: "DifferencePlan") -> tuple[torch.Tensor, torch.Tensor]:
-        """(the replica row this rank's shard is the value of, ``[1, n]``; the replica flat),
-        views made once for each replica."""
+    def _replica_rows(self, plan: "DifferencePlan") -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """(the replica row this rank's shard is the value of, ``[1, n]``; the replica flat; its
+        rows), views made once for each replica."""
         r = self.replica
         views = self._views
         if views is None or views[0] is not r:
-            views = self._views = (r, r[plan.own].view(1, -1), r.view(-1))
-        return views[1], views[2]
+            views = self._views = (r, r[plan.own].view(1, -1), r.view(-1), list(r.unbind(0)))
+        return views[1:]
 
     def _update(self, shard: torch.Tensor, group: dist.ProcessGroup, plan: "DifferencePlan") -> None:
         """Send this rank's quantized difference (``shard``: FSDP2's, ``[n]``); add every
@@ -147,7 +147,7 @@ class DifferenceAllGather(WeightAllGather):
         self.version += 1
         g = plan.gather
         seed = g.seeds(self.version)[0]
-        base, _ = self._replica_rows(plan)
+        base = self._replica_rows(plan)[0]
         holders = self.topology.inter_group if self.layout == "node" else group
         if g.again(shard, self.replica):
             # the first call's launches again: quantize(shard - base), replica += the differences
@@ -175,19 +175,24 @@ class DifferenceAllGather(WeightAllGather):
             return
         t = self.topology
         replica = self.replica
-        n = plan.replica_shape[1]
-        # One temporary of the group's size: rows arrive in the exchange order (local index
-        # major), the output is in group-rank order.
-        buf = torch.empty(t.world_size, n, dtype=replica.dtype, device=replica.device)
-        all_gather(buf, replica, t.intra_group)
+        if plan.source is None:
+            # Node d's ranks are the output's rows d * M .. d * M + M - 1 (node_major): each
+            # replica row d gathered across the node straight into that block, every row in one
+            # grouped collective (gathers_grouped: one NCCL group; no temporary, no second pass).
+            flat = output if output.dim() == 1 else output.view(-1)
+            all_gather_coalesced(flat.split(plan.block), self._replica_rows(plan)[2], t.intra_group)
+        else:
+            # One temporary of the group's size: rows arrive in the exchange order (local index
+            # major); row k of the output is row source[k] of it (a gather: index_copy_'s scatter
+            # costs several times more on a CPU, the same one launch on a GPU).
+            buf = torch.empty(t.world_size, plan.replica_shape[1], dtype=replica.dtype, device=replica.device)
+            all_gather(buf, replica, t.intra_group)
+            torch.index_select(buf, 0, plan.source, out=output.view(buf.shape))
         entries = plan.fill_meter.get(replica.dtype)
         if entries is None:
             entries = plan.fill_meter[replica.dtype] = peer_entries(
                 "weights", replica.numel() * replica.element_size(), replica.numel(), t.ranks_per_node - 1, 0)
         self.byte_meter.add(entries)
-        # Row k of the output is row source[k] of buf: a gather (index_copy_'s scatter costs
-        # several times more on a CPU, the same one launch on a GPU).
-        torch.index_select(buf, 0, plan.source, out=output.view(t.world_size, n))
 
     def _checksum(self, chunk: int = 1 << 20) -> torch.Tensor:
         """An exact integer checksum of the replica's bits (position-weighted and plain sums),
@@ -277,6 +282,9 @@ class DifferencePlan:
     gather: GatherPlan
     replica_shape: torch.Size
     own: int
-    # Node replicas: the row of the intra-node gather (exchange order) each output row is.
+    # Node replicas gathered through one temporary (the group is not node-major, or the
+    # backend is gloo: gathers_grouped): the row of the intra-node gather (exchange order) each
+    # output row is.
     source: torch.Tensor | None = None
+    block: int = 0  # node replicas: the elements of a node's rows of the output (M * n)
     fill_meter: dict = field(default_factory=dict)  # node replicas: the fill's meter entries by dtype

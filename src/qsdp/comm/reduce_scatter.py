@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..codecs.dispatch import disabled
 from ..config import GradComm
 from .base import GradReduceScatter
-from .collectives import all_to_all
+from .collectives import all_to_all, backend_of
 from .meter import peer_entries
 from .row_layout import RowLayout
 from .wire import RowCodec, SliceRun, _pad_cols, _padding_from, _tk, one_launch, recording
@@ -469,14 +469,7 @@ def pipelines_exchanges(device_type: str, backend: str) -> bool:
     device's). Not where the host moves the bytes: CPU tensors, or a gloo group (CUDA tensors
     are staged through the host). There no engine is free to overlap with, and each extra
     collective costs its latency: all slices travel in one exchange per hop."""
-    if device_type == "cpu":
-        return False
-    name = backend.lower()
-    for part in name.split(","):
-        dev, sep, value = part.partition(":")
-        if sep and dev.strip() == device_type:
-            name = value
-    return name.strip() != "gloo"
+    return device_type != "cpu" and backend_of(backend, device_type) != "gloo"
 
 
 def exchange_min_bytes(g: GradComm, host_moves_bytes: bool) -> float:

@@ -61,10 +61,12 @@ AT_C14EB26 = LaunchCounts(
 # torch kernel a group (its first call's zeroing of the non-finite flag: the census counts a
 # group's largest call); a one-level one 2 Triton and that torch kernel; the HSDP all-reduce 3
 # (encode, the kernel cutting and padding the shard, and decode-sum-encode, then decode with the
-# inverse transform).
+# inverse transform). A node replica's fill launches nothing: one grouped gather puts each replica
+# row straight into its node's block of FSDP2's buffer (on gloo, which groups gathers through
+# copies of its own, it still gathers into a temporary and reorders it with one index_select).
 CENSUS = LaunchCounts(
     source="qsdp bench census (benchmarks/results/census.json)",
-    per_call={"gather": 0, "quantized_gather": 2, "difference_update": 2, "replica_fill": 1, "agreement": 0,
+    per_call={"gather": 0, "quantized_gather": 2, "difference_update": 2, "replica_fill": 0, "agreement": 0,
               "reduce_scatter": 0, "one_level_reduce_scatter": 3},
     two_level_group=1, two_level_exchange=3, two_level_slice=0, hsdp_all_reduce=(2, 1),
 )
