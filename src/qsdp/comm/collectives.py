@@ -106,9 +106,12 @@ def backend_of(backend: str, device_type: str) -> str:
 
 def gathers_grouped(group, device_type: str) -> bool:
     """Whether :func:`all_gather_coalesced` on ``group`` gathers tensors on ``device_type``
-    straight into its outputs: not on gloo, which runs a grouped gather through flat copies of
-    its inputs and outputs, and of CPU tensors only."""
-    return backend_of(str(dist.get_backend(group)), device_type) != "gloo"
+    straight into its outputs: on NCCL (one NCCL group), and on a process group written in
+    Python that implements it itself; not on gloo, which runs a grouped gather through flat copies
+    of its inputs and outputs, and of CPU tensors only, nor on a backend that may lack it (MPI)."""
+    if backend_of(str(dist.get_backend(group)), device_type) == "nccl":
+        return True
+    return getattr(type(group), _ALL_GATHER_COALESCED) is not getattr(dist.ProcessGroup, _ALL_GATHER_COALESCED)
 
 
 def all_gather_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group) -> None:
