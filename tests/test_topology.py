@@ -10,7 +10,7 @@ import torch
 
 import qsdp
 from distributed import run_pooled
-from qsdp.comm.topology import NODE_ENV, SHARED_HOST_NAMES, build_topology, node_name
+from qsdp.comm.topology import NODE_ENV, SHARED_HOST_NAMES, Topology, build_topology, node_name
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,6 +58,11 @@ def test_nodes_come_from_the_machine_not_from_the_rank_order():
         assert (nodes, per_node, node_of) == (2, 2, (0, 1, 0, 1))
         assert intra == ((0, 2), (1, 3)) and inter == ((0, 1), (2, 3)) and not node_major
         assert intra_group == list(intra[rank % 2]) and inter_group == list(inter[rank // 2])
+
+
+def test_torchruns_numbering_is_node_major():
+    # node d's ranks are d * M .. d * M + M - 1, in order: a node replica's fill gathers into blocks
+    assert Topology.contiguous(3, 4).node_major and Topology.contiguous(1, 4).node_major
 
 
 def test_the_exact_two_level_route_equals_plain_reduce_scatter_in_any_rank_order():

@@ -179,9 +179,11 @@ class Topology:
     @property
     def node_major(self) -> bool:
         """Whether group rank ``d * M + j`` is local index ``j`` of node ``d`` (torchrun's
-        contiguous numbering over a 1-D group)."""
-        m = self.ranks_per_node
-        return all(self.inter_ranks[j] == tuple(d * m + j for d in range(self.nodes)) for j in range(m))
+        contiguous numbering over a 1-D group): node ``d``'s subgroup is the ranks ``d * M ..
+        d * M + M - 1`` in order, and local index ``j``'s the ranks ``j, M + j, ...``."""
+        m, nodes = self.ranks_per_node, self.nodes
+        return (all(self.intra_ranks[d] == tuple(d * m + j for j in range(m)) for d in range(nodes))
+                and all(self.inter_ranks[j] == tuple(d * m + j for d in range(nodes)) for j in range(m)))
 
     @classmethod
     def contiguous(cls, nodes: int, ranks_per_node: int, rank: int = 0, group: dist.ProcessGroup | None = None
