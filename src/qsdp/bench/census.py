@@ -213,6 +213,11 @@ class CensusGroup(dist.ProcessGroup):
                 output.copy_(input)
         return CompletedWork([output])
 
+    # torch 2.13's name, which qsdp calls: defined here in Python as FSDP2's reduce-scatter and
+    # gather are, so that no collective goes through the C++ base's dispatch back into Python
+    # (a callback no real backend makes) and each costs the same call.
+    all_to_all_single = alltoall_base
+
     def all_gather_single(self, output, input, opts=None):
         with self._wire("all_gather", input):
             if CensusGroup.moves_data:
