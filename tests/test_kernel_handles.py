@@ -119,8 +119,10 @@ def _encoded_with_launch(codec, x: torch.Tensor, seed: int):
 def _replayed(launch, x: torch.Tensor, like: torch.Tensor, seed: int) -> torch.Tensor:
     from qsdp.codecs import triton_kernels as tk
 
+    from qsdp.codecs import rng
+
     got = torch.zeros_like(like)
-    tk.quantize_into(x, (got, got, got), launch=launch, seed=seed)
+    tk.quantize_again(launch, x, got, rng.launch_key(seed, launch.keying))  # a plan's steady call
     return got
 
 
@@ -146,7 +148,7 @@ def test_gpu_a_launch_through_its_handle_gives_the_bytes_of_tritons_dispatch(sch
         codec.decode_into(expected_y, 10_000, out1)
     assert len(made) == 1
     for out in (out2, out3):
-        tk.dequantize_into((expected_y, expected_y, expected_y), launch=made[0], out=out)
+        tk.dequantize_again(made[0], expected_y, out)
         assert isinstance(made[0].handles[0], Handle)
         assert torch.equal(out1.view(torch.int16), out.view(torch.int16))
 

@@ -485,6 +485,34 @@ def test_groups_larger_than_a_tile_are_processed_in_chunks(launches, monkeypatch
 
 
 @interpret_only
+@pytest.mark.parametrize("scheme", [(4, True, "stochastic", 32), (8, False, "shift", 0), (2, True, "nearest", 0)],
+                         ids=lambda v: "-".join(map(str, v)))
+def test_a_kept_launch_given_again_gives_the_bytes_of_a_new_one(scheme):
+    # What a plan's steady call does: the first call's Launch given new tensors and the key
+    # looked up for its seed (CallSeeds(keys=...)), against a launch derived for them.
+    from qsdp.codecs import rng
+    from qsdp.codecs import triton_kernels as tk
+    from qsdp.comm.wire import RowCodec
+
+    bits, symmetric, rounding, hb = scheme
+    codec = RowCodec(bits=bits, group_size=128, symmetric=symmetric, rounding=rounding, hadamard_block=hb)
+    x, y = (torch.randn(3, 1000, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    with tk.recording() as made:
+        codec.encode(x, seed=11)
+    expected = codec.encode(y, seed=12)
+    table = rng.CallSeeds(7, ((1,),), keys=(made[0].keying,))
+    assert table(0)[0] == rng.launch_key(rng.CallSeeds(7, ((1,),))(0)[0], made[0].keying)
+    got = torch.zeros_like(expected)
+    tk.quantize_again(made[0], y, got, rng.launch_key(12, made[0].keying))
+    same(got, expected)
+    with tk.recording() as decoding:
+        out = codec.decode(expected, 1000)
+    again = torch.zeros_like(out)
+    tk.dequantize_again(decoding[0], expected, again)
+    same(again, out)
+
+
+@interpret_only
 def test_more_rows_than_a_grid_holds_are_launched_in_several_grids(launches, monkeypatch):
     from qsdp.codecs import triton_kernels as tk
 
@@ -658,8 +686,9 @@ def _collectives_fused_vs_reference(rank, world):
     from qsdp.codecs import triton_kernels as tk
 
     calls = []
-    for name in ("quantize_into", "dequantize_into"):
-        def counted(*a, _fn=getattr(tk, name), _name=name, **k):
+    # a step's first launch (``_into``) and a plan's launch of it again (``_again``) alike
+    for name in ("quantize_into", "dequantize_into", "quantize_again", "dequantize_again"):
+        def counted(*a, _fn=getattr(tk, name), _name=name.split("_")[0], **k):
             calls.append(_name)
             return _fn(*a, **k)
 
@@ -683,7 +712,7 @@ def _collectives_fused_vs_reference(rank, world):
     same(results[1], results[0], f"rank {rank}")
     # two-level: encode (Hadamard fused), dequantize-sum-requantize, dequantize-sum-inverse per
     # slice; weight difference: encode_difference and the replica update per quantized gather
-    assert calls.count("quantize_into") == 3 + 2 and calls.count("dequantize_into") == 3 * 2 + 2, calls
+    assert calls.count("quantize") == 3 + 2 and calls.count("dequantize") == 3 * 2 + 2, calls
     return True
 
 

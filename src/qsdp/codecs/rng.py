@@ -146,6 +146,26 @@ def _fold_seed_np(seed: np.ndarray, part: np.ndarray, digits: int = 0) -> np.nda
     return _mix32_np(x)
 
 
+def launch_key(seed: int, key: int | None) -> int:
+    """What a kernel launch takes for ``seed`` (a 32-bit seed), by ``key``: ``None``, the seed
+    itself; ``-1``, 0 (no random stream); ``0``, the seed's int32 bits; a stream ``s > 0``,
+    the int32 bits of ``seed_key(seed, s)``."""
+    if key is None:
+        return seed
+    if key < 0:
+        return 0
+    return _s32(seed if key == 0 else seed_key(seed, key))
+
+
+def _launch_key_np(seeds: np.ndarray, key: int) -> np.ndarray:
+    """:func:`launch_key` elementwise on uint64 ``seeds`` below 2**32, as int64."""
+    if key < 0:
+        return np.zeros(seeds.shape, dtype=np.int64)
+    if key > 0:  # seed_key(seed, key) = fold_seed's arithmetic on part 0 with stream key
+        seeds = _fold_seed_np(seeds, np.uint64(0), key)
+    return seeds.astype(np.uint32).view(np.int32).astype(np.int64)
+
+
 class CallSeeds:
     """The rounding seeds of a comm's calls: ``table(call)`` is, for each of ``tails``,
     ``fold_seeds(prefix, call, *tail)``, the same integers.
@@ -156,17 +176,24 @@ class CallSeeds:
     call), so a steady call only looks its seeds up; a call outside the batch (the first, a
     resumed run's, a gap) starts a new one there. The batch is kept as 8-byte integers (16 KiB
     for two tails), not as Python objects.
+
+    ``keys``: for each tail, what a kernel launch takes for its seed (:func:`launch_key`; ``None``
+    for the seed itself): a steady call's launches then fold nothing on the host either.
     """
 
     BATCH = 1024
 
-    def __init__(self, prefix: int, tails: tuple[tuple[int, ...], ...]) -> None:
+    def __init__(self, prefix: int, tails: tuple[tuple[int, ...], ...],
+                 keys: tuple[int | None, ...] | None = None) -> None:
         if not 0 <= prefix <= _MASK32:
             raise ValueError(f"prefix={prefix} must be a 32-bit seed (derive_seed's)")
         if any(not 0 <= p < 1 << 63 for tail in tails for p in tail):
             raise ValueError(f"the parts of {tails} must be integers in [0, 2**63)")
+        if keys is not None and len(keys) != len(tails):
+            raise ValueError(f"keys={keys} must give one entry for each of the {len(tails)} tails")
         self.prefix = prefix
         self.tails = tuple(tuple(int(p) for p in tail) for tail in tails)
+        self.keys = keys
         self._arity = len(self.tails)
         self._first = self._size = 0
         self._columns: list = []  # one array("Q") a tail
@@ -183,16 +210,21 @@ class CallSeeds:
         return self._fill(call)
 
     def _fill(self, call: int) -> tuple[int, ...]:
+        keys = self.keys or (None,) * self._arity
         if not 0 <= call < (1 << 63) - self.BATCH:
-            return tuple(fold_seeds(self.prefix, call, *tail) for tail in self.tails)
+            return tuple(launch_key(fold_seeds(self.prefix, call, *tail), k) for tail, k in zip(self.tails, keys))
         calls = np.arange(call, call + self.BATCH, dtype=np.uint64)
         head = _fold_seed_np(np.full_like(calls, self.prefix), calls)
         columns = []
-        for tail in self.tails:
+        for tail, k in zip(self.tails, keys):
             x = head
             for part in tail:
                 x = _fold_seed_np(x, np.uint64(part), len(str(part)))
-            column = array.array("Q")
+            if k is None:
+                column = array.array("Q")
+            else:
+                column = array.array("q")
+                x = _launch_key_np(x, k)
             column.frombytes(x.tobytes())
             columns.append(column)
         self._columns = columns

@@ -50,7 +50,9 @@ import triton.language as tl
 
 from . import kernel_handles, rng
 from .pack import SUPPORTED_BITS, packed_nbytes
-from .usage import record_run
+from .usage import record_run, recorder
+
+_ran_triton = recorder("triton")  # record_run("triton") without a Python frame
 
 # Largest group (in elements) one program keeps in registers; larger groups are chunked.
 MAX_TILE = 4096
@@ -711,7 +713,7 @@ class Launch(NamedTuple):
     and its key: ``grids`` (each grid with its first row: grids have at most
     :data:`_MAX_GRID_ROWS` rows), the integer arguments before the key (``head``) and after the
     first row (``tail``), the keyword arguments (constexprs and options, shared: never changed)
-    and ``keying``, how a call's ``seed`` becomes the key (:func:`_keying`). A collective's
+    and ``keying``, how a call's ``seed`` becomes the key (:func:`launch_keying`). A collective's
     plan keeps the launches of its first call (:func:`recording`) and gives each later call's
     tensors and seed to ``quantize_into`` / ``dequantize_into`` with ``launch=``: the same
     arguments, nothing derived again. ``handles``: per grid, the compiled kernel its first
@@ -753,22 +755,13 @@ _PREFIX_KEY = 0  # the seed is the slices' prefix: its int32 bits
 # (otherwise the rounding's stream: the int32 bits of rng.seed_key(seed, stream), _rounding_key)
 
 
-def _keying(rounding: str | None) -> int:
+def launch_keying(rounding: str | None) -> int:
     """:attr:`Launch.keying` of a launch rounding with ``rounding`` (``None``: a slices' prefix)."""
     if rounding is None:
         return _PREFIX_KEY
     if rounding == "nearest":
         return _NO_KEY
     return rng.STREAM_GROUP if rounding == "shift" else rng.STREAM_ELEMENT
-
-
-def _launch_key(keying: int, seed: int | None) -> int:
-    """The kernel's key for ``seed`` (:func:`_keying`): what ``_rounding_key(seed, rounding)`` or
-    ``_key_arg(prefix)`` gives, in one call."""
-    if keying < 0:
-        return 0
-    v = (seed if keying == _PREFIX_KEY else rng.seed_key(seed, keying)) & 0xFFFFFFFF
-    return v - 0x100000000 if v >= 0x80000000 else v
 
 
 def _grids(blocks: int, rows: int, count: int) -> tuple:
@@ -823,13 +816,29 @@ def quantize_into(
         if _RECORDINGS:
             _recorded(launch)
     record_run("triton")
-    key = _launch_key(launch.keying, seed)
+    key = rng.launch_key(seed, launch.keying)
     head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
     for k, (grid, row0) in enumerate(launch.grids):
         args = (x, x if base is None else base, dst[0], dst[1], dst[2], x if order is None else order,
                 *head, key, row0, *tail_args)
         _steady(_quantize_kernel, launch.handles, k, grid, args, kwargs, fresh)
     return launch
+
+
+def quantize_again(launch: Launch, x: torch.Tensor, dst: torch.Tensor, key: int,
+                   base: torch.Tensor | None = None, order: torch.Tensor | None = None) -> None:
+    """:func:`quantize_into` of a plan's kept ``launch`` (one grid: :func:`~qsdp.comm.wire.one_launch`)
+    with a later call's tensors: ``x`` (and ``base``, ``order``) as there, ``dst`` one uint8
+    buffer holding the codes, scales and zero points, ``key`` the seed as the launch takes it
+    (``rng.launch_key(seed, launch.keying)``: a plan's :meth:`~qsdp.codecs.rng.CallSeeds` with
+    ``keys`` looks it up). Its arguments are positional and nothing is derived: what a steady
+    call launches with (``quantize_into``'s keyword binding alone costs about a third of a
+    launch's host time)."""
+    _ran_triton()
+    (grid, row0), = launch.grids
+    args = (x, x if base is None else base, dst, dst, dst, x if order is None else order, *launch.head,
+            key, row0, *launch.tail)
+    _steady(_quantize_kernel, launch.handles, 0, grid, args, launch.kwargs, False)
 
 
 def _quantize_launch(x, dst, length, padded, ncodes, bits, group_size, symmetric, rounding, base, hadamard_block,
@@ -840,7 +849,7 @@ def _quantize_launch(x, dst, length, padded, ncodes, bits, group_size, symmetric
     if rows == 0 or groups == 0:
         return None
     if slices is None:
-        keying, count, sg, sw, first = _keying(rounding), 1, groups, 0, 0
+        keying, count, sg, sw, first = launch_keying(rounding), 1, groups, 0, 0
     else:
         keying, count = _PREFIX_KEY, slices.count
         sg, sw, first = slices.groups, slices.nbytes, slices.first
@@ -919,7 +928,7 @@ def dequantize_into(
         if _RECORDINGS:
             _recorded(launch)
     record_run("triton")
-    key = _launch_key(launch.keying, seed)
+    key = rng.launch_key(seed, launch.keying)
     if dst is None:
         q, out_arg = src, out
     else:
@@ -930,6 +939,23 @@ def dequantize_into(
                 src[0] if flag is None else flag)
         _steady(_dequantize_kernel, launch.handles, k, grid, args, kwargs, fresh)
     return launch
+
+
+def dequantize_again(launch: Launch, src: torch.Tensor, out: torch.Tensor | None = None,
+                     dst: torch.Tensor | None = None, key: int = 0,
+                     flag: torch.Tensor | None = None) -> None:
+    """:func:`dequantize_into` of a plan's kept ``launch`` (one grid) with a later call's tensors
+    (:func:`quantize_again`): ``src`` one uint8 buffer of packed rows; ``out``, or ``dst`` (one
+    buffer) and the requantization's ``key`` (as :func:`quantize_again`'s); ``flag`` as there."""
+    _ran_triton()
+    (grid, row0), = launch.grids
+    if dst is None:
+        q, out_arg = src, out
+    else:
+        q, out_arg = dst, src
+    args = (src, src, src, out_arg, q, q, q, *launch.head, key, row0, *launch.tail,
+            src if flag is None else flag)
+    _steady(_dequantize_kernel, launch.handles, 0, grid, args, launch.kwargs, False)
 
 
 def _dequantize_launch(src, groups, bits, group_size, symmetric, sources, outputs, row_o, row_j, out, length, add,
@@ -945,7 +971,7 @@ def _dequantize_launch(src, groups, bits, group_size, symmetric, sources, output
     else:
         q, qbits, qsym, qround, _ = requantize
         qshape = (qbits, qsym, qround)
-        keying = _keying(None if slices is not None else qround)
+        keying = launch_keying(None if slices is not None else qround)
         q_ncb, out_rs, out_dtype = q.ncb, 0, None
     count, sg, sw, q_sw, first = _dequantize_slices(slices, groups)
     gpp, nch, kwargs = _dequantize_template(sources, group_size, sg, inverse_block, bits, symmetric, qshape,

@@ -4,6 +4,9 @@ record here, and the dispatch imports the kernels."""
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 # The implementations that ran a codec step in this process since the last reset.
 _RAN: set[str] = set()
 
@@ -12,6 +15,12 @@ def record_run(implementation: str) -> None:
     """Note that a codec step (quantize or dequantize) ran on ``implementation``: ``"triton"``
     (the fused kernels) or ``"torch"`` (the reference)."""
     _RAN.add(implementation)
+
+
+def recorder(implementation: str) -> Callable[[], None]:
+    """:func:`record_run` of ``implementation`` as a callable of no arguments that runs no Python
+    frame (a steady launch calls it every time)."""
+    return functools.partial(_RAN.add, implementation)
 
 
 def implementations_run(*, reset: bool = False) -> str:

@@ -78,10 +78,11 @@ class QuantizedAllGather(WeightAllGather):
             topo = self.topology
             plan = self._plans[key] = GatherPlan.build(
                 self, self.codec, n, input_tensor.device, topo.peers(), topo.world_size, (topo.rank, 1))
-        seed = plan.seeds(self.version)[0]
         if plan.again(input_tensor, output_tensor) and output_tensor.numel() == plan.rows * n:
-            plan.decode_again(plan.gather(self, plan.encode_again(input_tensor, seed), group), output_tensor)
+            key = plan.keys(self.version)[0]
+            plan.decode_again(plan.gather(self, plan.encode_again(input_tensor, key), group), output_tensor)
             return None
+        seed = plan.seeds(self.version)[0]
         learn = plan.fused and not plan.launches
         with recording(learn) as encoded:
             send = plan.encode(self.codec, input_tensor.detach().view(1, n), seed)

@@ -130,7 +130,7 @@ class DifferenceAllGather(WeightAllGather):
         if self.layout == "node" and not (t.node_major and gathers_grouped(t.intra_group, device.type)):
             order = t.exchange_order()
             source = torch.tensor(sorted(range(len(order)), key=order.__getitem__), dtype=torch.int64, device=device)
-        return DifferencePlan(gather, torch.Size((len(rows), n)), own, source, t.ranks_per_node * n)
+        return DifferencePlan(gather, torch.Size((len(rows), n)), own, source, (t.ranks_per_node * n,) * t.nodes)
 
     def _replica_rows(self, plan: "DifferencePlan") -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """(the replica row this rank's shard is the value of, ``[1, n]``; the replica flat; its
@@ -146,13 +146,14 @@ class DifferenceAllGather(WeightAllGather):
         holder's to the replica rows."""
         self.version += 1
         g = plan.gather
-        seed = g.seeds(self.version)[0]
         base = self._replica_rows(plan)[0]
         holders = self.topology.inter_group if self.layout == "node" else group
         if g.again(shard, self.replica):
             # the first call's launches again: quantize(shard - base), replica += the differences
-            g.decode_again(g.gather(self, g.encode_again(shard, seed, base=base), holders), self.replica)
+            g.decode_again(g.gather(self, g.encode_again(shard, g.keys(self.version)[0], base=base), holders),
+                           self.replica)
         else:
+            seed = g.seeds(self.version)[0]
             learn = g.fused and not g.launches
             # quantize(shard - replica[own row]) in one pass on CUDA
             with recording(learn) as encoded:
@@ -180,7 +181,8 @@ class DifferenceAllGather(WeightAllGather):
             # replica row d gathered across the node straight into that block, every row in one
             # grouped collective (gathers_grouped: one NCCL group; no temporary, no second pass).
             flat = output if output.dim() == 1 else output.view(-1)
-            all_gather_coalesced(flat.split(plan.block), self._replica_rows(plan)[2], t.intra_group)
+            # (split_with_sizes: Tensor.split's Python wrapper costs more than the views it makes)
+            all_gather_coalesced(flat.split_with_sizes(plan.blocks), self._replica_rows(plan)[2], t.intra_group)
         else:
             # One temporary of the group's size: rows arrive in the exchange order (local index
             # major); row k of the output is row source[k] of it (a gather: index_copy_'s scatter
@@ -286,5 +288,5 @@ class DifferencePlan:
     # backend is gloo: gathers_grouped): the row of the intra-node gather (exchange order) each
     # output row is.
     source: torch.Tensor | None = None
-    block: int = 0  # node replicas: the elements of a node's rows of the output (M * n)
+    blocks: tuple = ()  # node replicas: the elements of each node's rows of the output (M * n each)
     fill_meter: dict = field(default_factory=dict)  # node replicas: the fill's meter entries by dtype

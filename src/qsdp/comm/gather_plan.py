@@ -20,7 +20,7 @@ from ..codecs.dispatch import disabled
 from .collectives import all_gather
 from .meter import peer_entries
 from .row_layout import RowLayout
-from .wire import RowCodec, _padding_from, _tk, one_launch
+from .wire import RowCodec, _padding_from, _tk, launch_keys, one_launch
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class GatherPlan:
     fused: bool = False
     launches: list = field(default_factory=list)
     seeds: Any = None
+    keys: Any = None  # the encoding's key of each version, as its launch takes it (where fused)
 
     @classmethod
     def build(cls, comm, codec: RowCodec, n: int, device: torch.device, peers: tuple[int, int],
@@ -51,15 +52,17 @@ class GatherPlan:
         layout = comm.layouts.get(n, codec.unit, device)
         width = codec.row_nbytes(layout.wire_length)
         fused = layout.identity and codec.fuses_rows(torch.empty(0, dtype=torch.uint8, device=device))
+        seeds = comm.call_seeds(seed_tail)
         return cls(layout, rows, width, peer_entries("weights", width, n, *peers),
-                   _padding_from(codec, layout.wire_length), fused, seeds=comm.call_seeds(seed_tail))
+                   _padding_from(codec, layout.wire_length), fused, seeds=seeds,
+                   keys=launch_keys(seeds, codec.rounding) if fused else None)
 
-    def again(self, *tensors: torch.Tensor) -> bool:
-        """Whether a call on ``tensors`` launches the first call's kernels again
-        (:meth:`encode_again`, :meth:`decode_again`)."""
+    def again(self, shard: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether a call from ``shard`` into ``out`` launches the first call's kernels again
+        (:meth:`encode_again`, :meth:`decode_again`): both contiguous."""
         if not self.launches or disabled():
             return False
-        return all(t.is_contiguous() for t in tensors)
+        return shard.is_contiguous() and out.is_contiguous()
 
     def encode(self, codec: RowCodec, shard: torch.Tensor, seed: int, base: torch.Tensor | None = None) -> torch.Tensor:
         """The encoded row of ``shard`` (``[1, n]``; minus ``base`` where given, in one pass on
@@ -72,12 +75,13 @@ class GatherPlan:
             return codec.encode(shard, seed=seed)
         return codec.encode_difference(shard, base, seed=seed)
 
-    def encode_again(self, shard: torch.Tensor, seed: int, base: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`encode` by the first call's launch (``shard``, ``base``: contiguous, any shape)."""
+    def encode_again(self, shard: torch.Tensor, key: int, base: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`encode` by the first call's launch (``shard``, ``base``: contiguous, any shape;
+        ``key``: the version's, from :attr:`keys`)."""
         send = torch.empty(1, self.width, dtype=torch.uint8, device=shard.device)
         if self.used is not None:
             send[:, self.used:].zero_()  # the row's 4-byte padding, as the encoding zeroes it
-        _tk().quantize_into(shard, (send, send, send), launch=self.launches[0], seed=seed, base=base)
+        _tk().quantize_again(self.launches[0], shard, send, key, base)
         return send
 
     def gather(self, comm, send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -89,11 +93,11 @@ class GatherPlan:
 
     def decode_again(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
         """The first call's decoding launch into ``out`` (contiguous, any shape) from ``gathered``."""
-        _tk().dequantize_into((gathered, gathered, gathered), launch=self.launches[1], out=out)
+        _tk().dequantize_again(self.launches[1], gathered, out)
 
     def keep(self, encoded: list, decoded: list) -> None:
         """Keep the first call's launches (:func:`~qsdp.comm.wire.recording` of its encoding and
         its decoding) where each was one."""
         launches = (one_launch(encoded), one_launch(decoded))
-        if self.fused and None not in launches:
+        if self.fused and None not in launches and launches[0].keying == self.keys.keys[0]:
             self.launches[:] = launches

@@ -40,7 +40,7 @@ from .meter import METER, ByteMeter
 from .reduce_scatter import _divisor
 from .rank_alone import RankAloneGroup
 from .row_layout import RowLayout, RowLayouts, Spans, SpansOf
-from .wire import RowCodec, _padding_from, _tk, one_launch, recording
+from .wire import RowCodec, _padding_from, _tk, launch_keys, one_launch, recording
 
 
 def hsdp_codec(h: HsdpComm) -> RowCodec:
@@ -106,9 +106,9 @@ class ReplicaAllReduce:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = AllReducePlan.build(self, x)
-        seed1, seed2 = plan.seeds(self.calls)
         if plan.launches and x.is_contiguous() and not disabled():
-            return self._quantized_again(x, plan, seed1, seed2)
+            return self._quantized_again(x, plan, *plan.keys(self.calls))
+        seed1, seed2 = plan.seeds(self.calls)
         d, codec, length = self.replicas, plan.codec, plan.length
         if not plan.layout.identity:
             x = plan.layout.expand(x.view(1, -1)).view(-1)
@@ -129,34 +129,33 @@ class ReplicaAllReduce:
             total = codec.decode_finished(gathered, length).reshape(-1)
         if learn:
             launches = [one_launch(encoded), one_launch(summed), one_launch(decoded)]
-            if None not in launches:
+            if None not in launches and (launches[0].keying, launches[1].keying) == plan.keys.keys:
                 # A later call requantizes into its own row of the gathered buffer and gathers in
                 # place: the requantized row moved to row ``rank`` of a buffer of such rows.
                 launches[1] = _tk().requantized_further(launches[1], self.rank * plan.width)
                 plan.launches[:] = launches
         return total[:plan.n] if plan.layout.identity else plan.layout.contract(total[:plan.n])
 
-    def _quantized_again(self, x: torch.Tensor, plan: "AllReducePlan", seed1: int, seed2: int) -> torch.Tensor:
+    def _quantized_again(self, x: torch.Tensor, plan: "AllReducePlan", key1: int, key2: int) -> torch.Tensor:
         """:meth:`_quantized` of a steady call: the first call's three launches with this call's
-        tensors and seeds, and both exchanges."""
+        tensors and keys (:attr:`AllReducePlan.keys`), and both exchanges."""
         tk = _tk()
         d, width, device = self.replicas, plan.width, x.device
         send = torch.empty(d, width, dtype=torch.uint8, device=device)
         if plan.used is not None:
             send[:, plan.used:].zero_()  # each row's 4-byte padding, as the encoding zeroes it
-        tk.quantize_into(x, (send, send, send), launch=plan.launches[0], seed=seed1)
+        tk.quantize_again(plan.launches[0], x, send, key1)
         recv = torch.empty_like(send)
         all_to_all(recv, send, self.group)
         gathered = torch.empty_like(send)  # [d, width], as send
         mine = gathered[self.rank:self.rank + 1]  # requantized and gathered in place, as FSDP2 gathers
         if plan.used is not None:
             mine[:, plan.used:].zero_()
-        tk.dequantize_into((recv, recv, recv), launch=plan.launches[1], dst=(gathered, gathered, gathered),
-                           seed=seed2)
+        tk.dequantize_again(plan.launches[1], recv, None, gathered, key2)
         all_gather(gathered, mine, self.group)
         self.byte_meter.add(plan.meters)  # both exchanges', once
         total = torch.empty(d * plan.length, dtype=torch.float32, device=device)
-        tk.dequantize_into((gathered, gathered, gathered), launch=plan.launches[2], out=total)
+        tk.dequantize_again(plan.launches[2], gathered, total)
         return total[:plan.n] if plan.n < total.numel() else total
 
     def call_seeds(self) -> CallSeeds:
@@ -199,6 +198,7 @@ class AllReducePlan:
     used: int | None = None
     fused: bool = False
     launches: list = field(default_factory=list)
+    keys: CallSeeds | None = None  # both phases' keys as the launches take them (wire.launch_keys; where fused)
 
     @classmethod
     def build(cls, reduce: ReplicaAllReduce, x: torch.Tensor) -> "AllReducePlan":
@@ -212,8 +212,10 @@ class AllReducePlan:
         fused = layout.identity and codec.fuses_rows(torch.empty(0, dtype=torch.uint8, device=x.device))
         meter1 = ((("grads", "inter"), (d - 1) * nbytes, real - own),)
         meter2 = ((("grads", "inter"), (d - 1) * nbytes, (d - 1) * own),)
-        return cls(codec, layout, n, length, meter1, meter2, meter1 + meter2, reduce.call_seeds(),
-                   nbytes, _padding_from(codec, length), fused)
+        seeds = reduce.call_seeds()
+        return cls(codec, layout, n, length, meter1, meter2, meter1 + meter2, seeds, nbytes,
+                   _padding_from(codec, length), fused,
+                   keys=launch_keys(seeds, codec.rounding, codec.rounding) if fused else None)
 
 
 class AcrossReplicas(GradReduceScatter):

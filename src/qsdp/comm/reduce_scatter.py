@@ -25,7 +25,7 @@ from .base import GradReduceScatter
 from .collectives import all_to_all, backend_of
 from .meter import peer_entries
 from .row_layout import RowLayout
-from .wire import RowCodec, SliceRun, _pad_cols, _padding_from, _tk, one_launch, recording
+from .wire import RowCodec, SliceRun, _pad_cols, _padding_from, _tk, launch_keys, one_launch, recording
 
 
 def _divisor(op: Any, world: int) -> int:
@@ -159,7 +159,7 @@ class QuantizedReduceScatter(GradReduceScatter):
             with recording(True) as decoded:
                 codec.decode_sum_finished_into(recv, layout.wire_length, output, divisor=divisor, flag=flag)
             launches = (one_launch(encoded), one_launch(decoded))
-            if layout.identity and None not in launches:
+            if layout.identity and None not in launches and launches[0].keying == plan.keys.keys[0]:
                 plan.launches[divisor] = launches
             return None
         return layout.contract(codec.decode_sum(recv, layout.wire_length, finish=True))
@@ -172,11 +172,11 @@ class QuantizedReduceScatter(GradReduceScatter):
         send = torch.empty(*plan.send_shape, dtype=torch.uint8, device=x.device)
         if plan.used is not None:
             send[:, plan.used:].zero_()  # each row's 4-byte padding, as the encoding zeroes it
-        tk.quantize_into(x, (send, send, send), launch=launches[0], seed=plan.seeds(self.calls)[0])
+        tk.quantize_again(launches[0], x, send, plan.keys(self.calls)[0])
         recv = torch.empty_like(send)
         all_to_all(recv, send, group)
         self.byte_meter.add(plan.meter)
-        tk.dequantize_into((recv, recv, recv), launch=launches[1], out=output, flag=flag)
+        tk.dequantize_again(launches[1], recv, output, None, 0, flag)
 
     def _two_hops(self, x: torch.Tensor, plan: "TwoHopPlan", direct: bool, output: torch.Tensor, divisor: int,
                   flag: torch.Tensor | None) -> torch.Tensor | None:
@@ -216,7 +216,8 @@ class QuantizedReduceScatter(GradReduceScatter):
             learned[i][2] = one_launch(launches)
 
         _pipelined(len(runs), hop1, hop2, decode)
-        if direct and all(None not in run for run in learned):
+        if direct and all(None not in run for run in learned) \
+                and all((run[0].keying, run[1].keying) == plan.keys.keys for run in learned):
             plan.launches[divisor] = tuple(tuple(run) for run in learned)
         return None if direct else layout.contract(out)
 
@@ -227,28 +228,27 @@ class QuantizedReduceScatter(GradReduceScatter):
         tk = _tk()
         topo = self.topology
         intra, inter = topo.intra_group, topo.inter_group
-        prefix1, prefix2 = plan.seeds(self.calls)
+        key1, key2 = plan.keys(self.calls)
         if len(launches) == 1:
             # One run (every slice in one exchange a hop): nothing to stagger, one step after another.
             encode, requantize, decode_out = launches[0]
             send = torch.empty(*plan.shape1[0], dtype=torch.uint8, device=x.device)
-            tk.quantize_into(x, (send, send, send), launch=encode, seed=prefix1, order=plan.order)
+            tk.quantize_again(encode, x, send, key1, None, plan.order)
             recv = torch.empty_like(send)
             all_to_all(recv, send, intra)
             send = torch.empty(*plan.shape2[0], dtype=torch.uint8, device=x.device)
-            tk.dequantize_into((recv, recv, recv), launch=requantize, dst=(send, send, send), seed=prefix2)
+            tk.dequantize_again(requantize, recv, None, send, key2)
             recv = torch.empty_like(send)
             all_to_all(recv, send, inter)
             self.byte_meter.add(plan.meter12)
-            tk.dequantize_into((recv, recv, recv), launch=decode_out, out=output, flag=flag)
+            tk.dequantize_again(decode_out, recv, output, None, 0, flag)
             return
         runs, order, device, meter = plan.runs, plan.order, x.device, self.byte_meter
 
         def hop1(i: int) -> tuple[torch.Tensor, Any]:
             start = runs[i].start
             send = torch.empty(*plan.shape1[i], dtype=torch.uint8, device=device)
-            tk.quantize_into(x if start == 0 else x[start:], (send, send, send), launch=launches[i][0], seed=prefix1,
-                             order=order)
+            tk.quantize_again(launches[i][0], x if start == 0 else x[start:], send, key1, None, order)
             recv = torch.empty_like(send)
             work = all_to_all(recv, send, intra, async_op=True)
             meter.add(plan.meter1[runs[i]])
@@ -256,7 +256,7 @@ class QuantizedReduceScatter(GradReduceScatter):
 
         def hop2(i: int, recv: torch.Tensor) -> tuple[torch.Tensor, Any]:
             send = torch.empty(*plan.shape2[i], dtype=torch.uint8, device=device)
-            tk.dequantize_into((recv, recv, recv), launch=launches[i][1], dst=(send, send, send), seed=prefix2)
+            tk.dequantize_again(launches[i][1], recv, None, send, key2)
             recv2 = torch.empty_like(send)
             work = all_to_all(recv2, send, inter, async_op=True)
             meter.add(plan.meter2[runs[i]])
@@ -264,8 +264,7 @@ class QuantizedReduceScatter(GradReduceScatter):
 
         def decode(i: int, recv2: torch.Tensor) -> None:
             start = runs[i].start
-            tk.dequantize_into((recv2, recv2, recv2), launch=launches[i][2], out=output if start == 0 else output[start:],
-                               flag=flag)
+            tk.dequantize_again(launches[i][2], recv2, output if start == 0 else output[start:], None, 0, flag)
 
         _pipelined(len(runs), hop1, hop2, decode)
 
@@ -342,6 +341,7 @@ class OneHopPlan:
     launches: dict = dataclasses.field(default_factory=dict)
     runs: None = None  # (a two-hop plan's rounding slices)
     seeds: Any = None  # the encoding's seed of each call (rng.CallSeeds)
+    keys: Any = None  # the same as its launch takes it (wire.launch_keys; where direct)
 
     @classmethod
     def build(cls, comm: "QuantizedReduceScatter", x: torch.Tensor, output: torch.Tensor, codec: RowCodec,
@@ -355,8 +355,9 @@ class OneHopPlan:
                   and output.dtype in (torch.float32, torch.bfloat16, torch.float16)
                   and (not codec.hadamard_block or _fuses_hadamard(codec)))
         meter = peer_entries("grads", nbytes, s, 0 if inter_only else intra, inter)
+        seeds = comm.call_seeds((comm.topology.rank, 3))
         return cls(codec, layout, meter, direct, (world, nbytes), _padding_from(codec, layout.wire_length),
-                   seeds=comm.call_seeds((comm.topology.rank, 3)))
+                   seeds=seeds, keys=launch_keys(seeds, codec.rounding) if direct else None)
 
 
 def _fuses_hadamard(codec: RowCodec) -> bool:
@@ -392,6 +393,7 @@ class TwoHopPlan:
     # of the first call with that divisor, where each step was one launch (kernels.Launch).
     launches: dict = dataclasses.field(default_factory=dict)
     seeds: Any = None  # both hops' slice prefixes of each call (rng.CallSeeds)
+    keys: Any = None  # the same as the launches take them (wire.launch_keys; where direct)
     meter12: tuple = ()  # both hops' meter entries where there is one run
 
     @classmethod
@@ -409,10 +411,11 @@ class TwoHopPlan:
         direct = (plan.layout.identity and output.is_contiguous()
                   and output.dtype in (torch.float32, torch.bfloat16, torch.float16)
                   and all(plan.hop2.fuses_slices(run, probe) for run in plan.runs))
+        seeds = comm.call_seeds((topo.rank, 4), (topo.rank, 5))
         return dataclasses.replace(
             plan, direct=direct, shape1=tuple((x.shape[0], plan.nbytes1[run]) for run in plan.runs),
             shape2=tuple((d, plan.nbytes2[run]) for run in plan.runs), order=topo.exchange_index(x.device),
-            seeds=comm.call_seeds((topo.rank, 4), (topo.rank, 5)),
+            seeds=seeds, keys=launch_keys(seeds, None, None) if direct else None,
             meter12=plan.meter1[plan.runs[0]] + plan.meter2[plan.runs[0]] if len(plan.runs) == 1 else ())
 
     @classmethod

@@ -28,7 +28,7 @@ import torch
 from ..codecs import dequantize, hadamard, inverse_hadamard, quantize
 from ..codecs.dispatch import use_triton
 from ..codecs.quantize import QTensor, _group_chunks, quantize_rows_reference
-from ..codecs.rng import fold_seed
+from ..codecs.rng import CallSeeds, fold_seed
 from .row_layout import RowLayout
 
 
@@ -676,6 +676,14 @@ def _padding_from(codec: RowCodec, length: int) -> int | None:
     lp = codec.padded_len(length)
     used = (lp // codec.group_size) * 4 * (1 if codec.symmetric else 2) + lp * codec.bits // 8
     return used if codec.row_nbytes(lp) > used else None
+
+
+def launch_keys(seeds: CallSeeds, *roundings: str | None) -> CallSeeds:
+    """``seeds`` as its calls' kernel launches take them (the rounding keys: :func:`~qsdp.codecs.rng.launch_key`),
+    tail ``i``'s for a launch rounding with ``roundings[i]`` (``None``: a sliced launch, keyed by
+    its slices' prefix): a steady call looks its keys up and folds nothing on the host."""
+    tk = _tk()
+    return CallSeeds(seeds.prefix, seeds.tails, keys=tuple(tk.launch_keying(r) for r in roundings))
 
 
 def one_launch(launches: list):
