@@ -54,7 +54,7 @@ from torch import nn
 
 from .fingerprint import fingerprints
 from .host_values import all_reduce_values
-from .meter import METER, ByteMeter
+from .meter import METER, ByteMeter, peer_entries
 
 
 def versions(params: list[torch.Tensor]) -> tuple[int, ...]:
@@ -160,6 +160,7 @@ class ChangeTracker:
         self._forwards = 0  # forwards begun (at_forward)
         self._evaluated_before = False  # the last forward ran without gradients
         self._flags: list[tuple[bool, bool]] = []
+        self._control_entries: dict[tuple, tuple] = {}  # the agreement's meter entries (ByteMeter.add)
 
     def add(self, params: list[torch.Tensor] | None = None) -> int:
         """Watch one more group; returns its index."""
@@ -248,7 +249,10 @@ class ChangeTracker:
                byte_meter: ByteMeter) -> None:
         local = self.ahead_flags()
         agreed = all_reduce_values(local, dist.ReduceOp.MAX, group, device)  # the one host read per forward
-        byte_meter.record_peers("control", 4 * len(local), 0, *peers)
+        entries = self._control_entries.get((len(local), peers))
+        if entries is None:
+            entries = self._control_entries[(len(local), peers)] = peer_entries("control", 4 * len(local), 0, *peers)
+        byte_meter.add(entries)
         self._take_agreed(agreed)
         self._ahead = False  # agreed now: the next optimizer step is not settled ahead
         self._reduced = False
