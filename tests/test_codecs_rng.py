@@ -208,3 +208,27 @@ def test_a_call_seeds_table_takes_32_bit_prefixes_and_non_negative_parts():
         rng.CallSeeds(2**32, ((1,),))
     with pytest.raises(ValueError, match="parts"):
         rng.CallSeeds(1, ((1, -1),))
+
+
+def _launch_key_by_hand(seed: int, key: int) -> int:
+    # the specification: nothing for no stream, else the int32 bits of the seed or of its stream key
+    if key < 0:
+        return 0
+    v = seed if key == 0 else rng.seed_key(seed, key)
+    return (v & 0xFFFFFFFF) - (1 << 32) * ((v >> 31) & 1)
+
+
+@pytest.mark.parametrize("calls", [range(0, 1100), [9, 10, 2**32, 2**63 - 5]], ids=["consecutive", "far"])
+def test_a_keyed_call_seeds_table_gives_each_tails_launch_key(calls):
+    # what a steady call's launches take, looked up: in a batch, across its edge, and far past any
+    prefix = rng.derive_seed(4, 2)
+    keys = (-1, 0, rng.STREAM_ELEMENT, rng.STREAM_GROUP)
+    seeds, keyed = rng.CallSeeds(prefix, TAILS), rng.CallSeeds(prefix, TAILS, keys=keys)
+    for call in calls:
+        assert keyed(call) == tuple(_launch_key_by_hand(s, k) for s, k in zip(seeds(call), keys)), call
+    assert rng.CallSeeds(prefix, TAILS, keys=(None, 0, 1, 2))(7)[0] == seeds(7)[0]  # None: the seed itself
+
+
+def test_a_keyed_call_seeds_table_needs_a_key_for_each_tail():
+    with pytest.raises(ValueError, match="one entry for each"):
+        rng.CallSeeds(1, ((1,), (2,)), keys=(0,))
