@@ -715,8 +715,8 @@ class Launch(NamedTuple):
     first row (``tail``), the keyword arguments (constexprs and options, shared: never changed)
     and ``keying``, how a call's ``seed`` becomes the key (:func:`launch_keying`). A collective's
     plan keeps the launches of its first call (:func:`recording`) and gives each later call's
-    tensors and seed to ``quantize_into`` / ``dequantize_into`` with ``launch=``: the same
-    arguments, nothing derived again. ``handles``: per grid, the compiled kernel its first
+    tensors and key to :func:`quantize_again` / :func:`dequantize_again`: the same arguments,
+    nothing derived again. ``handles``: per grid, the compiled kernel its first
     replay found (:class:`~qsdp.codecs.kernel_handles.Handle`; ``False``: none serves, ``None``:
     not replayed yet), which later replays use instead of Triton's dispatch."""
 
@@ -735,7 +735,7 @@ _RECORDINGS: list[list[Launch]] = []
 @contextlib.contextmanager
 def recording():
     """Within it, the :class:`Launch` of every ``quantize_into`` / ``dequantize_into`` call that
-    derives one is appended to the yielded list (calls given ``launch=`` derive none)."""
+    launches is appended to the yielded list (``quantize_again`` / ``dequantize_again`` derive none)."""
     launches: list[Launch] = []
     _RECORDINGS.append(launches)
     try:
@@ -786,7 +786,6 @@ def quantize_into(
     order: torch.Tensor | None = None,
     slices: Slices | None = None,
     tail: int = 0,
-    launch: Launch | None = None,
 ) -> Launch | None:
     """Quantize the rows of ``x`` (``[R, length]``; minus ``base`` if given) padded to ``padded``
     elements by repeating the last, Hadamard-transformed first if ``hadamard_block``, into
@@ -797,31 +796,26 @@ def quantize_into(
     ``tail`` rows: ``x`` is one vector (``[1, length]``) cut into ``tail`` rows of ``padded``
     elements, the last ones (short of or past its end) padded by repeating its last element.
 
-    Returns the :class:`Launch` (``None`` where nothing was launched). ``launch``: a launch an
-    earlier call returned, for tensors of the same shapes, strides and dtypes (``x``, ``base``
-    and ``order`` may then be any views with the same data pointers, ``dst`` any sequence whose
-    first three items are the codes, scales and zero points; the slices' prefix is ``seed``):
-    only the tensors and the key are new."""
-    fresh = launch is None
-    if fresh:
-        x = _rows_2d(x)
-        if base is not None:
-            base = _rows_2d(base)
-        launch = _quantize_launch(x, dst, length, padded, ncodes, bits, group_size, symmetric, rounding, base,
-                                  hadamard_block, order, slices, tail)
-        if launch is None:
-            return None
-        if slices is not None:
-            seed = slices.prefix
-        if _RECORDINGS:
-            _recorded(launch)
+    Returns the :class:`Launch` (``None`` where nothing was launched), which a plan may keep and
+    give a later call's tensors (:func:`quantize_again`)."""
+    x = _rows_2d(x)
+    if base is not None:
+        base = _rows_2d(base)
+    launch = _quantize_launch(x, dst, length, padded, ncodes, bits, group_size, symmetric, rounding, base,
+                              hadamard_block, order, slices, tail)
+    if launch is None:
+        return None
+    if slices is not None:
+        seed = slices.prefix
+    if _RECORDINGS:
+        _recorded(launch)
     record_run("triton")
     key = rng.launch_key(seed, launch.keying)
     head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
     for k, (grid, row0) in enumerate(launch.grids):
         args = (x, x if base is None else base, dst[0], dst[1], dst[2], x if order is None else order,
                 *head, key, row0, *tail_args)
-        _steady(_quantize_kernel, launch.handles, k, grid, args, kwargs, fresh)
+        _steady(_quantize_kernel, launch.handles, k, grid, args, kwargs, True)
     return launch
 
 
@@ -900,9 +894,6 @@ def dequantize_into(
     slices: Slices | None = None,
     divisor: int = 1,
     flag: torch.Tensor | None = None,
-    launch: Launch | None = None,
-    dst: Packed | None = None,
-    seed: int | None = None,
 ) -> Launch | None:
     """Output row ``o < outputs`` = sum over ``j < sources`` (left to right) of the dequantized
     packed rows ``o * row_o + j * row_j`` of ``src``. Either stored into ``out`` (``[outputs,
@@ -913,31 +904,25 @@ def dequantize_into(
     each decoded (and requantized, with its own seed) as rows of their own in the same launch;
     ``out``'s columns hold the slices one after another. ``divisor``, ``flag``: :func:`_watch_args`.
 
-    Returns the :class:`Launch` (``None`` where nothing was launched). ``launch``: one an earlier
-    call returned, for tensors of the same shapes, strides and dtypes, given only ``src``, ``out``
-    or ``dst`` (the requantized rows; sequences whose first three items are the codes, scales and
-    zero points), ``seed`` (the requantization's seed or the slices' prefix) and ``flag``."""
-    fresh = launch is None
-    if fresh:
-        launch = _dequantize_launch(src, groups, bits, group_size, symmetric, sources, outputs, row_o, row_j, out,
-                                    length, add, inverse_block, requantize, slices, divisor, flag)
-        if launch is None:
-            return None
-        if requantize is not None:
-            dst, seed = requantize[0], requantize[4] if slices is None else slices.prefix
-        if _RECORDINGS:
-            _recorded(launch)
+    Returns the :class:`Launch` (``None`` where nothing was launched), which a plan may keep and
+    give a later call's tensors (:func:`dequantize_again`)."""
+    launch = _dequantize_launch(src, groups, bits, group_size, symmetric, sources, outputs, row_o, row_j, out,
+                                length, add, inverse_block, requantize, slices, divisor, flag)
+    if launch is None:
+        return None
+    if _RECORDINGS:
+        _recorded(launch)
     record_run("triton")
-    key = rng.launch_key(seed, launch.keying)
-    if dst is None:
-        q, out_arg = src, out
+    if requantize is None:
+        q, out_arg, key = src, out, 0
     else:
-        q, out_arg = dst, src[1]
+        seed = requantize[4] if slices is None else slices.prefix
+        q, out_arg, key = requantize[0], src[1], rng.launch_key(seed, launch.keying)
     head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
     for k, (grid, row0) in enumerate(launch.grids):
         args = (src[0], src[1], src[2], out_arg, q[0], q[1], q[2], *head, key, row0, *tail_args,
                 src[0] if flag is None else flag)
-        _steady(_dequantize_kernel, launch.handles, k, grid, args, kwargs, fresh)
+        _steady(_dequantize_kernel, launch.handles, k, grid, args, kwargs, True)
     return launch
 
 
