@@ -94,9 +94,8 @@ class QuantizedReduceScatter(GradReduceScatter):
         self.calls += 1
         # Everything fixed by the shapes, dtypes, groups and config (and, in a row mixing TP's
         # kinds, by the spans as they are now) is planned at the first call.
-        layouts = self.layouts
-        key = (s, input_tensor.dtype, output_tensor.dtype, input_tensor.device,
-               layouts.plan_key() if layouts.mixed else ())
+        layouts, device = self.layouts, input_tensor.device
+        key = (s, input_tensor.dtype, output_tensor.dtype, device, layouts.plan_key() if layouts.mixed else ())
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(input_tensor.view(world, s), output_tensor)
@@ -104,7 +103,7 @@ class QuantizedReduceScatter(GradReduceScatter):
         # (direct: where the plan says so and the kernels were not switched off since, by
         # QSDP_DISABLE_TRITON); otherwise the fp32 sum is divided and watched by torch.
         direct = plan.direct and not disabled()
-        flag = self.kernel_flag(input_tensor.device) if direct else None
+        flag = self.kernel_flag(device) if direct else None
         # A steady call launches its first call's kernels again with its own tensors and seeds
         # (plan.launches: where every step took one launch and the tensors are contiguous).
         launches = plan.launches.get(divisor)
@@ -232,11 +231,12 @@ class QuantizedReduceScatter(GradReduceScatter):
         if len(launches) == 1:
             # One run (every slice in one exchange a hop): nothing to stagger, one step after another.
             encode, requantize, decode_out = launches[0]
-            send = torch.empty(*plan.shape1[0], dtype=torch.uint8, device=x.device)
+            device = x.device
+            send = torch.empty(*plan.shape1[0], dtype=torch.uint8, device=device)
             tk.quantize_again(encode, x, send, key1, None, plan.order)
             recv = torch.empty_like(send)
             all_to_all(recv, send, intra)
-            send = torch.empty(*plan.shape2[0], dtype=torch.uint8, device=x.device)
+            send = torch.empty(*plan.shape2[0], dtype=torch.uint8, device=device)
             tk.dequantize_again(requantize, recv, None, send, key2)
             recv = torch.empty_like(send)
             all_to_all(recv, send, inter)

@@ -46,6 +46,7 @@ a difference until then, identically on every rank).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -60,7 +61,10 @@ from .meter import METER, ByteMeter, peer_entries
 def versions(params: list[torch.Tensor]) -> tuple[int, ...]:
     """The version counters of ``params``. For FSDP2's DTensor parameters this is the DTensor's
     own counter: in-place ops on the DTensor bump it (its local tensor's counter does not move)."""
-    return tuple(p._version for p in params)
+    return tuple(map(_VERSION, params))  # no generator frame: read four times a step per group
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def managed_parameters(module: nn.Module, fsdp_modules: list[nn.Module]) -> list[nn.Parameter]:
