@@ -50,7 +50,7 @@ import triton.language as tl
 
 from . import kernel_handles, rng
 from .pack import SUPPORTED_BITS, packed_nbytes
-from .usage import record_run, recorder
+from .usage import recorder
 
 _ran_triton = recorder("triton")  # record_run("triton") without a Python frame
 
@@ -809,7 +809,7 @@ def quantize_into(
         seed = slices.prefix
     if _RECORDINGS:
         _recorded(launch)
-    record_run("triton")
+    _ran_triton()
     key = rng.launch_key(seed, launch.keying)
     head, tail_args, kwargs = launch.head, launch.tail, launch.kwargs
     for k, (grid, row0) in enumerate(launch.grids):
@@ -912,7 +912,7 @@ def dequantize_into(
         return None
     if _RECORDINGS:
         _recorded(launch)
-    record_run("triton")
+    _ran_triton()
     if requantize is None:
         q, out_arg, key = src, out, 0
     else:

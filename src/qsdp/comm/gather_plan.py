@@ -20,7 +20,7 @@ from ..codecs.dispatch import disabled
 from .collectives import all_gather
 from .meter import peer_entries
 from .row_layout import RowLayout
-from .wire import RowCodec, _padding_from, _tk, launch_keys, one_launch
+from .wire import RowCodec, _padding_from, _tk, launch_keys, one_launch, takes_keys
 
 
 @dataclass(frozen=True)
@@ -99,5 +99,5 @@ class GatherPlan:
         """Keep the first call's launches (:func:`~qsdp.comm.wire.recording` of its encoding and
         its decoding) where each was one."""
         launches = (one_launch(encoded), one_launch(decoded))
-        if self.fused and None not in launches and launches[0].keying == self.keys.keys[0]:
+        if self.fused and None not in launches and takes_keys(self.keys, launches[0]):
             self.launches[:] = launches

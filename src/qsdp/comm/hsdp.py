@@ -40,7 +40,7 @@ from .meter import METER, ByteMeter
 from .reduce_scatter import _divisor
 from .rank_alone import RankAloneGroup
 from .row_layout import RowLayout, RowLayouts, Spans, SpansOf
-from .wire import RowCodec, _padding_from, _tk, launch_keys, one_launch, recording
+from .wire import RowCodec, _padding_from, _tk, launch_keys, one_launch, recording, takes_keys
 
 
 def hsdp_codec(h: HsdpComm) -> RowCodec:
@@ -129,7 +129,7 @@ class ReplicaAllReduce:
             total = codec.decode_finished(gathered, length).reshape(-1)
         if learn:
             launches = [one_launch(encoded), one_launch(summed), one_launch(decoded)]
-            if None not in launches and (launches[0].keying, launches[1].keying) == plan.keys.keys:
+            if None not in launches and takes_keys(plan.keys, launches[0], launches[1]):
                 # A later call requantizes into its own row of the gathered buffer and gathers in
                 # place: the requantized row moved to row ``rank`` of a buffer of such rows.
                 launches[1] = _tk().requantized_further(launches[1], self.rank * plan.width)

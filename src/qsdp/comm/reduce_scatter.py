@@ -25,7 +25,7 @@ from .base import GradReduceScatter
 from .collectives import all_to_all, backend_of
 from .meter import peer_entries
 from .row_layout import RowLayout
-from .wire import RowCodec, SliceRun, _pad_cols, _padding_from, _tk, launch_keys, one_launch, recording
+from .wire import RowCodec, SliceRun, _pad_cols, _padding_from, _tk, launch_keys, one_launch, recording, takes_keys
 
 
 def _divisor(op: Any, world: int) -> int:
@@ -158,7 +158,7 @@ class QuantizedReduceScatter(GradReduceScatter):
             with recording(True) as decoded:
                 codec.decode_sum_finished_into(recv, layout.wire_length, output, divisor=divisor, flag=flag)
             launches = (one_launch(encoded), one_launch(decoded))
-            if layout.identity and None not in launches and launches[0].keying == plan.keys.keys[0]:
+            if layout.identity and None not in launches and takes_keys(plan.keys, launches[0]):
                 plan.launches[divisor] = launches
             return None
         return layout.contract(codec.decode_sum(recv, layout.wire_length, finish=True))
@@ -216,7 +216,7 @@ class QuantizedReduceScatter(GradReduceScatter):
 
         _pipelined(len(runs), hop1, hop2, decode)
         if direct and all(None not in run for run in learned) \
-                and all((run[0].keying, run[1].keying) == plan.keys.keys for run in learned):
+                and all(takes_keys(plan.keys, run[0], run[1]) for run in learned):
             plan.launches[divisor] = tuple(tuple(run) for run in learned)
         return None if direct else layout.contract(out)
 

@@ -686,6 +686,12 @@ def launch_keys(seeds: CallSeeds, *roundings: str | None) -> CallSeeds:
     return CallSeeds(seeds.prefix, seeds.tails, keys=tuple(tk.launch_keying(r) for r in roundings))
 
 
+def takes_keys(keys: CallSeeds, *launches) -> bool:
+    """Whether ``launches`` (one for each tail of ``keys``, in order) take their keys as
+    ``keys`` (:func:`launch_keys`) gives them: what a plan checks before it keeps them."""
+    return tuple(launch.keying for launch in launches) == keys.keys
+
+
 def one_launch(launches: list):
     """The one launch of ``launches`` (a step's :func:`recording`) in one grid, else ``None``:
     what a plan can launch again."""
